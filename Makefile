@@ -1,0 +1,25 @@
+# flowpacer: `make demo` shows the daemon at work, `make test` runs every test (README).
+SHELL := /bin/bash
+VENV  := .venv
+PY    := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: deps demo test test-host test-vm bench kmod sim clean cleanup
+
+deps: .deps-stamp
+.deps-stamp: tools/setup.sh pyproject.toml
+	bash tools/setup.sh
+	touch $@
+
+demo: deps
+	$(PY) -m flowpacer.demo
+
+test: deps
+	$(PY) -m pytest -ra $(PYTEST_ARGS)
+
+bench: deps
+	$(PY) -m bench.run
+
+clean:
+	rm -rf build *.egg-info .pytest_cache
+	$(MAKE) -C flowpacer/kmod clean 2>/dev/null || true

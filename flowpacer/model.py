@@ -1,0 +1,192 @@
+"""Shared models: the only types that cross stage boundaries.
+
+Data flows one way: tracer/sockdiag -> flows -> engine -> backend -> kernel.
+Every stage imports this module (and ``errors``) but never another stage.
+
+Units are named and fixed here: rates are ``*_bps`` in **bytes per second**
+(what the kernel's tc structures carry), times are ``*_ns``, sizes ``*_bytes``.
+Unit strings ("8mbit") never get past the rules loader.
+"""
+from __future__ import annotations
+
+import enum
+import ipaddress
+from dataclasses import dataclass, field
+from typing import Optional, Tuple, Union
+
+IPAddress = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
+IPNetwork = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
+
+
+class Direction(str, enum.Enum):
+    INBOUND = "inbound"    # the target accepted the connection
+    OUTBOUND = "outbound"  # the target connected
+    ANY = "any"            # only used in rule matches
+
+
+class FlowSource(str, enum.Enum):
+    TRACER = "tracer"      # eBPF tracepoints, as it happens
+    RECONCILE = "reconcile"  # sock_diag snapshot / periodic re-scan
+
+
+@dataclass(frozen=True, order=True)
+class FlowKey:
+    """The egress 4-tuple of a TCP flow as seen from this host.
+
+    ``local`` is the packet's source on egress, ``remote`` its destination.
+    Both addresses are of the same family.
+    """
+    local_addr: IPAddress
+    local_port: int
+    remote_addr: IPAddress
+    remote_port: int
+
+    @property
+    def family(self) -> int:
+        return self.local_addr.version  # 4 or 6
+
+    def __str__(self) -> str:
+        def ep(a: IPAddress, p: int) -> str:
+            return f"[{a}]:{p}" if a.version == 6 else f"{a}:{p}"
+        return f"{ep(self.local_addr, self.local_port)}->{ep(self.remote_addr, self.remote_port)}"
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """Who owns a flow. Strings come from the kernel: treat them as untrusted."""
+    pid: int                 # thread group id (what ps calls PID)
+    comm: str = ""
+    exe: str = ""            # absolute path, "" when unknown
+    uid: int = -1            # -1 when unknown
+    tid: int = 0             # the thread that made the call, 0 when unknown
+    cgroup_id: int = 0
+
+
+@dataclass(frozen=True)
+class Flow:
+    key: FlowKey
+    direction: Direction
+    proc: ProcessInfo
+    source: FlowSource = FlowSource.RECONCILE
+    netns_ino: int = 0       # network namespace inode, 0 when unknown
+    seen_ns: int = 0         # CLOCK_MONOTONIC time it was first seen
+
+
+class EventKind(str, enum.Enum):
+    OPEN = "open"
+    CLOSE = "close"
+
+
+@dataclass(frozen=True)
+class FlowEvent:
+    kind: EventKind
+    flow: Flow
+
+
+# --------------------------------------------------------------------- rules
+
+@dataclass(frozen=True)
+class PortSet:
+    """Inclusive port ranges; an empty set means "any port"."""
+    ranges: Tuple[Tuple[int, int], ...] = ()
+
+    def __contains__(self, port: int) -> bool:
+        return not self.ranges or any(lo <= port <= hi for lo, hi in self.ranges)
+
+
+@dataclass(frozen=True)
+class Match:
+    """All given fields must match; an empty tuple / None means "any"."""
+    process: Tuple[str, ...] = ()        # comm globs
+    exe: Tuple[str, ...] = ()            # absolute path globs
+    user: Tuple[int, ...] = ()           # uids (names resolved by the loader)
+    direction: Direction = Direction.ANY
+    local_port: PortSet = PortSet()
+    remote_port: PortSet = PortSet()
+    remote: Tuple[IPNetwork, ...] = ()
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    match: Match
+    rate_bps: int                        # bytes/s per flow
+    ceil_bps: Optional[int] = None       # bytes/s, >= rate_bps
+    line: int = 0                        # where it was declared (for messages)
+
+
+class BackendKind(str, enum.Enum):
+    AUTO = "auto"
+    PSP = "psp"
+    HTB = "htb"
+
+
+@dataclass(frozen=True)
+class RuleSet:
+    interface: str
+    backend: BackendKind = BackendKind.AUTO
+    link_rate_bps: Optional[int] = None  # None: ask the interface
+    rules: Tuple[Rule, ...] = ()
+    path: str = ""
+
+    def rule(self, name: str) -> Optional[Rule]:
+        for r in self.rules:
+            if r.name == name:
+                return r
+        return None
+
+
+# ------------------------------------------------------------ engine/backend
+
+@dataclass(frozen=True)
+class Shape:
+    """What one flow should get from the backend."""
+    rule: str
+    rate_bps: int
+    ceil_bps: int                        # == rate_bps when the rule has no ceil
+
+
+@dataclass(frozen=True)
+class ClassStats:
+    bytes: int = 0
+    packets: int = 0
+    drops: int = 0
+    overlimits: int = 0
+    backlog_bytes: int = 0
+    qlen: int = 0
+    rate_est_bps: int = 0                # bytes/s, 0 when the kernel has none
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    interface: str
+    link_rate_bps: int
+
+
+@dataclass
+class ApplyResult:
+    """What a backend did with one plan."""
+    added: int = 0
+    changed: int = 0
+    removed: int = 0
+    errors: list = field(default_factory=list)   # list[OpError]
+
+
+class OpKind(str, enum.Enum):
+    ADD = "add"
+    CHANGE = "change"
+    REMOVE = "remove"
+
+
+@dataclass(frozen=True)
+class Op:
+    """One step of a plan: give a flow its class, change its rate, or take it away."""
+    kind: OpKind
+    key: FlowKey
+    shape: Optional[Shape] = None      # None for REMOVE
+
+
+@dataclass(frozen=True)
+class OpError:
+    op: Op
+    reason: str                        # one line, with the kernel's extack text when it gave one

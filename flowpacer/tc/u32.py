@@ -1,0 +1,204 @@
+"""u32 filters with hash tables: divisor tables, link nodes and exact 4-tuple leaves.
+
+pyroute2 0.9.7 can only add plain u32 keys (no TCA_U32_DIVISOR/LINK/HASH, no hash selector) and
+decodes dumped keys 4 bytes off. This module is the whole u32 encoding we use: fast packers for
+the hot path, a parser for dumps, and a pyroute2 plugin (``options`` with the same ``nla_map`` as
+``linux/pkt_cls.h``) so that ``IPRoute.tc(..., 'u32', ...)`` and its dumps agree with ours once
+``flowpacer.tc.register()`` has run.
+
+How the kernel walks it (net/sched/cls_u32.c): a knode whose keys all match either returns its
+class (TC_U32_TERMINAL) or, if it links to a table, descends into bucket
+``(ntohl(word at hoff) & hmask) >> ffs(hmask)-1`` of that table (masked by divisor-1).
+"""
+from __future__ import annotations
+
+import ipaddress
+import socket
+import struct
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+from pyroute2.netlink import nla as _nla
+from pyroute2.netlink.rtnl.tcmsg import cls_u32 as _pyroute2_u32
+
+from .nl import TCA_KIND, TCA_OPTIONS, nla, nla_nested, nla_str, nla_u32
+
+# enum TCA_U32_* (linux/pkt_cls.h)
+TCA_U32_CLASSID = 1
+TCA_U32_HASH = 2
+TCA_U32_LINK = 3
+TCA_U32_DIVISOR = 4
+TCA_U32_SEL = 5
+TCA_U32_FLAGS = 11
+# struct tc_u32_sel.flags
+TC_U32_TERMINAL = 1
+TC_U32_OFFSET = 2
+TC_U32_VAROFFSET = 4
+TC_U32_EAT = 8
+
+ETH_P_IP = 0x0800
+ETH_P_IPV6 = 0x86DD
+
+# struct tc_u32_sel: flags, offshift, nkeys, (pad), __be16 offmask, u16 off, s16 offoff,
+#                    s16 hoff, __be32 hmask; then struct tc_u32_key keys[nkeys]
+SEL_HEAD = struct.Struct("=BBBx2sHhh4s")
+# struct tc_u32_key: __be32 mask, __be32 val, int off, int offmask
+KEY = struct.Struct(">II") , struct.Struct("=ii")
+KEY_SIZE = 16
+
+Key = Tuple[int, int, int]      # (offset, mask, value), mask/value in host order
+
+
+def htid_handle(htid: int, bucket: int = 0, node: int = 0) -> int:
+    """u32 handle ``htid:bucket:node`` (12:8:12 bits)."""
+    return ((htid & 0xFFF) << 20) | ((bucket & 0xFF) << 12) | (node & 0xFFF)
+
+
+def split_handle(handle: int) -> Tuple[int, int, int]:
+    return handle >> 20, (handle >> 12) & 0xFF, handle & 0xFFF
+
+
+def filter_info(prio: int, protocol: int) -> int:
+    """tcm_info: priority in the high half, protocol (network order) in the low half."""
+    return ((prio & 0xFFFF) << 16) | socket.htons(protocol)
+
+
+def pack_sel(keys: List[Key], flags: int = 0, hoff: int = 0, hmask: int = 0) -> bytes:
+    head = SEL_HEAD.pack(flags, 0, len(keys), b"\0\0", 0, 0, hoff, struct.pack(">I", hmask))
+    return head + b"".join(KEY[0].pack(m, v) + KEY[1].pack(off, 0) for off, m, v in keys)
+
+
+def unpack_sel(raw: bytes) -> Tuple[int, int, int, List[Key]]:
+    """(flags, hoff, hmask, keys) from a TCA_U32_SEL payload."""
+    flags, _offshift, nkeys, _offmask, _off, _offoff, hoff, hmask = SEL_HEAD.unpack_from(raw)
+    keys = []
+    for i in range(nkeys):
+        o = SEL_HEAD.size + i * KEY_SIZE
+        if o + KEY_SIZE > len(raw):
+            break
+        m, v = KEY[0].unpack_from(raw, o)
+        off, _offmask = KEY[1].unpack_from(raw, o + 8)
+        keys.append((off, m, v))
+    return flags, hoff, struct.unpack(">I", hmask)[0], keys
+
+
+# ------------------------------------------------------------------ messages
+
+def table_options(htid: int, divisor: int) -> bytes:
+    """A hash table ``htid:`` with ``divisor`` buckets (power of two, <= 256)."""
+    return nla_str(TCA_KIND, "u32") + nla_nested(TCA_OPTIONS, nla_u32(TCA_U32_DIVISOR, divisor))
+
+
+def link_options(link_htid: int, keys: List[Key], hoff: int, hmask: int,
+                 in_table: Optional[int] = None) -> bytes:
+    """A node that, when ``keys`` match, hashes the word at ``hoff`` into table ``link_htid``.
+
+    ``in_table`` is the full ``htid:bucket:`` the node goes into (None: the filter's root table).
+    """
+    opts = [nla_u32(TCA_U32_LINK, htid_handle(link_htid)),
+            nla(TCA_U32_SEL, pack_sel(keys, 0, hoff, hmask))]
+    if in_table is not None:
+        opts.insert(0, nla_u32(TCA_U32_HASH, in_table))
+    return nla_str(TCA_KIND, "u32") + nla_nested(TCA_OPTIONS, *opts)
+
+
+def leaf_options(classid: int, keys: List[Key], in_table: int) -> bytes:
+    """A terminal node: when every key matches, the packet goes to ``classid``."""
+    return nla_str(TCA_KIND, "u32") + nla_nested(
+        TCA_OPTIONS,
+        nla_u32(TCA_U32_HASH, in_table),
+        nla_u32(TCA_U32_CLASSID, classid),
+        nla(TCA_U32_SEL, pack_sel(keys, TC_U32_TERMINAL)))
+
+
+def kind_only() -> bytes:
+    return nla_str(TCA_KIND, "u32")
+
+
+# ------------------------------------------------------------ flow 4-tuples
+
+# IPv4 without options: ports word at 20. IPv6 without extension headers: ports word at 40.
+V4_PORTS_OFF = 20
+V6_PORTS_OFF = 40
+
+
+def v4_tcp_guard() -> List[Key]:
+    """Version 4, IHL 5, protocol TCP: the only packets whose ports sit at offset 20."""
+    return [(0, 0xFF000000, 0x45000000), (8, 0x00FF0000, 0x00060000)]
+
+
+def v6_tcp_guard() -> List[Key]:
+    """Version 6 and next header TCP (no extension headers)."""
+    return [(0, 0xF0000000, 0x60000000), (4, 0x0000FF00, 0x00000600)]
+
+
+def _addr_words(addr: ipaddress._BaseAddress) -> List[int]:
+    raw = addr.packed
+    return [int.from_bytes(raw[i:i + 4], "big") for i in range(0, len(raw), 4)]
+
+
+def flow_keys(local_addr, local_port: int, remote_addr, remote_port: int) -> List[Key]:
+    """Exact keys for the egress 4-tuple: source = local, destination = remote."""
+    ports = (local_port << 16) | remote_port
+    if local_addr.version == 4:
+        return [(12, 0xFFFFFFFF, _addr_words(local_addr)[0]),
+                (16, 0xFFFFFFFF, _addr_words(remote_addr)[0]),
+                (V4_PORTS_OFF, 0xFFFFFFFF, ports)]
+    keys = [(8 + 4 * i, 0xFFFFFFFF, w) for i, w in enumerate(_addr_words(local_addr))]
+    keys += [(24 + 4 * i, 0xFFFFFFFF, w) for i, w in enumerate(_addr_words(remote_addr))]
+    keys.append((V6_PORTS_OFF, 0xFFFFFFFF, ports))
+    return keys
+
+
+def keys_to_tuple(keys: List[Key]):
+    """Inverse of ``flow_keys``: (local_addr, local_port, remote_addr, remote_port) or None."""
+    by_off = {off: v for off, m, v in keys if m == 0xFFFFFFFF}
+    if len(keys) == 3 and {12, 16, V4_PORTS_OFF} <= by_off.keys():
+        la = ipaddress.IPv4Address(by_off[12])
+        ra = ipaddress.IPv4Address(by_off[16])
+        ports = by_off[V4_PORTS_OFF]
+    elif len(keys) == 9 and all(o in by_off for o in range(8, 44, 4)):
+        la = ipaddress.IPv6Address(b"".join(by_off[o].to_bytes(4, "big") for o in range(8, 24, 4)))
+        ra = ipaddress.IPv6Address(b"".join(by_off[o].to_bytes(4, "big") for o in range(24, 40, 4)))
+        ports = by_off[V6_PORTS_OFF]
+    else:
+        return None
+    return la, ports >> 16, ra, ports & 0xFFFF
+
+
+# --------------------------------------------------------- pyroute2 plugin
+# Decoding only: with ``flowpacer.tc.register()`` pyroute2's dumps of our filters show hash tables,
+# links and correctly placed keys. Requests go through the packers above.
+
+class options(_nla):
+    """TCA_OPTIONS of a u32 filter; ``nla_map`` mirrors enum TCA_U32_* in linux/pkt_cls.h."""
+    nla_map = (
+        ("TCA_U32_UNSPEC", "none"),
+        ("TCA_U32_CLASSID", "uint32"),
+        ("TCA_U32_HASH", "uint32"),
+        ("TCA_U32_LINK", "uint32"),
+        ("TCA_U32_DIVISOR", "uint32"),
+        ("TCA_U32_SEL", "u32_sel"),
+        ("TCA_U32_POLICE", "hex"),
+        ("TCA_U32_ACT", "hex"),
+        ("TCA_U32_INDEV", "asciiz"),
+        ("TCA_U32_PCNT", "hex"),
+        ("TCA_U32_MARK", "hex"),
+        ("TCA_U32_FLAGS", "uint32"),
+        ("TCA_U32_PAD", "hex"),
+    )
+
+    class u32_sel(_nla):
+        """struct tc_u32_sel and its keys, decoded as flags, hoff, hmask, [(off, mask, value)]."""
+
+        def decode(self):
+            _nla.decode(self)
+            raw = bytes(self.data[self.offset + 4: self.offset + self.length])
+            self["flags"], self["hoff"], self["hmask"], self["keys"] = unpack_sel(raw)
+
+
+def get_parameters(kwarg):
+    return _pyroute2_u32.get_parameters(kwarg)
+
+
+fix_request = _pyroute2_u32.fix_request

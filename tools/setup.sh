@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Idempotent set-up for a fresh Debian 12 machine, as root: Debian packages, the venv,
+# and what bcc needs on a kernel without its own headers package. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PKGS=(
+  python3 python3-venv python3-pip python3-bpfcc bpfcc-tools
+  linux-headers-amd64 linux-image-amd64 kmod busybox-static qemu-system-x86
+  iproute2 iperf3 ethtool tshark tcpdump curl netcat-openbsd tmux
+  build-essential dkms prometheus systemd
+)
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing Debian packages: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  # tshark asks whether non-root may capture: answer once, non-interactively.
+  echo "wireshark-common wireshark-common/install-setuid boolean false" | debconf-set-selections
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# The venv uses Debian's python3 so that bcc (python3-bpfcc) imports.
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import bcc' 2>/dev/null; then
+  rm -rf .venv
+  /usr/bin/python3 -m venv --system-site-packages .venv
+fi
+if ! .venv/bin/python -c 'import flowpacer, pyroute2, yaml, click, pytest, hypothesis, prometheus_client, matplotlib' 2>/dev/null \
+   || [ pyproject.toml -nt .venv/.installed ]; then
+  .venv/bin/pip install -q --disable-pip-version-check -e '.[test]' prometheus-client matplotlib
+  touch .venv/.installed
+fi
+
+# bcc compiles against /lib/modules/$(uname -r)/build. Where the running kernel has no headers
+# package (this project's VMs), point it at Debian's generic amd64 headers: tracepoint programs
+# only need the common structures.
+kver=$(uname -r)
+moddir=/lib/modules/$kver
+if [ ! -e "$moddir/build/include" ]; then
+  hdr=$(ls -d /usr/src/linux-headers-*-amd64 2>/dev/null | sort -V | tail -n 1)
+  common=${hdr%-amd64}-common
+  if [ -n "$hdr" ] && [ -d "$common" ]; then
+    mkdir -p "$moddir"
+    ln -sfn "$hdr" "$moddir/build"
+    ln -sfn "$common" "$moddir/source"
+    echo "setup: $moddir/build -> $hdr (no headers package for $kver)"
+  fi
+fi
+if ! mountpoint -q /sys/kernel/tracing 2>/dev/null; then
+  mount -t tracefs nodev /sys/kernel/tracing 2>/dev/null || true
+fi
+exit 0
