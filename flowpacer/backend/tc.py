@@ -272,6 +272,10 @@ class TcBackend:
     def installed(self) -> Dict[FlowKey, Shape]:
         return {k: v.shape for k, v in self._flows.items()}
 
+    def shape_of(self, key: FlowKey) -> Optional[Shape]:
+        inst = self._flows.get(key)
+        return inst.shape if inst else None
+
     def classid_of(self, key: FlowKey) -> Optional[int]:
         inst = self._flows.get(key)
         return inst.classid if inst else None

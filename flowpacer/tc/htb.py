@@ -42,7 +42,7 @@ U32_MAX = 0xFFFFFFFF
 
 def ticks(size_bytes: int, rate_bps: int) -> int:
     """Time to send ``size_bytes`` at ``rate_bps`` (bytes/s), in psched ticks, as htb wants."""
-    t = (size_bytes * 1_000_000_000) // (rate_bps * PSCHED_TICK_NS)
+    t = (size_bytes * 1_000_000_000) // (max(rate_bps, 1) * PSCHED_TICK_NS)
     return max(1, min(t, U32_MAX))
 
 

@@ -1,0 +1,385 @@
+"""The composition root: builds the stages, wires them, and runs the daemon's loop.
+
+    tracer thread ──events──┐
+    sock_diag (every N s) ──┴─> FlowTable ─dirty keys─> engine.plan ─> backend.apply ─> kernel
+    control socket, signals ──> reload / status / stop
+
+The loop is single-threaded except for the tracer's poll, which runs in its own thread and
+hands batches of events over a queue (and a byte on the wake-up pipe).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import selectors
+import signal
+import socket
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional
+
+from . import engine, rules as rules_loader
+from .backend import choose
+from .backend.tc import TcBackend
+from .control import DEFAULT_SOCKET, ControlServer
+from .errors import BackendError, FlowpacerError, RulesError, TracerUnavailable
+from .flows import FlowTable
+from .model import BackendKind, FlowKey, RuleSet
+from .sockdiag import SockDiagSource
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Options:
+    rules_path: str
+    interface: Optional[str] = None        # overrides the rules file
+    backend: Optional[BackendKind] = None  # overrides the rules file
+    socket_path: str = DEFAULT_SOCKET
+    take_over: bool = False
+    rescan_s: float = 1.0
+    tracer: bool = True
+
+
+def sd_notify(state: str) -> None:
+    """Tell systemd (Type=notify) about our state; a no-op outside systemd."""
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+            s.connect(addr)
+            s.sendall(state.encode())
+    except OSError as e:
+        log.debug("sd_notify: %s", e)
+
+
+@dataclass
+class Counters:
+    applies: int = 0
+    op_errors: int = 0
+    reloads_ok: int = 0
+    reloads_failed: int = 0
+    apply_latency_ns: deque = field(default_factory=lambda: deque(maxlen=4096))
+    shape_latency_ns: deque = field(default_factory=lambda: deque(maxlen=4096))
+
+
+class Daemon:
+    def __init__(self, opts: Options):
+        self.opts = opts
+        self.rules: Optional[RuleSet] = None
+        self.backend: Optional[TcBackend] = None
+        self.backend_reason = ""
+        self.table = FlowTable()
+        self.sockdiag = SockDiagSource()
+        self.tracer = None
+        self.tracer_status = "not started"
+        self.counters = Counters()
+        self._events: "queue.Queue[list]" = queue.Queue()
+        self._stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._signals: deque = deque()
+        self._control: Optional[ControlServer] = None
+        self._tracer_thread: Optional[threading.Thread] = None
+        self._next_scan = 0.0
+
+    # ---------------------------------------------------------------- set-up
+    def _interface(self, rs: RuleSet) -> str:
+        ifname = self.opts.interface or rs.interface
+        if not ifname:
+            raise BackendError("no interface: give it in the rules file or with --interface")
+        return ifname
+
+    def _make_backend(self, rs: RuleSet) -> TcBackend:
+        kind = self.opts.backend or rs.backend
+        codec, reason = choose(kind)
+        b = TcBackend(codec, self._interface(rs), rs.link_rate_bps, self.opts.take_over)
+        b.setup()
+        self.backend_reason = reason
+        log.info("backend %s on %s (%s)", codec.kind, b.interface, reason)
+        return b
+
+    def start(self) -> None:
+        """Load rules, set up the backend and the flow sources. Raises FlowpacerError."""
+        self.rules = rules_loader.load(self.opts.rules_path)
+        self.backend = self._make_backend(self.rules)
+        if self.opts.tracer:
+            self._start_tracer()
+        else:
+            self.tracer_status = "disabled (--no-tracer)"
+        self._control = ControlServer(self.opts.socket_path, self._handle)
+        self._rescan()
+        for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        sd_notify("READY=1\nSTATUS=shaping flows on " + self.backend.interface)
+        log.info("ready: %d flows shaped, flow source: %s", len(self.backend.installed()),
+                 self.tracer_status)
+
+    def _start_tracer(self) -> None:
+        try:
+            from .tracer import Tracer
+        except ImportError as e:
+            self.tracer_status = f"sock_diag polling only (tracer cannot load: {e})"
+            log.warning("%s", self.tracer_status)
+            return
+        try:
+            t = Tracer()
+            t.start()
+            t.set_watch(*engine.watch_filter(self.rules))
+        except (TracerUnavailable, OSError) as e:
+            self.tracer_status = f"sock_diag polling only (tracer unavailable: {e})"
+            log.warning("%s", self.tracer_status)
+            return
+        self.tracer = t
+        self.tracer_status = f"tracer ({getattr(t, 'hooks', 'tracepoints')}) + sock_diag reconcile"
+        self._tracer_thread = threading.Thread(target=self._tracer_loop, name="tracer", daemon=True)
+        self._tracer_thread.start()
+
+    def _tracer_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                events = self.tracer.poll(100)
+            except Exception as e:  # the tracer thread must never die silently
+                log.error("tracer poll failed: %s; falling back to sock_diag polling", e)
+                self.tracer_status = f"sock_diag polling only (tracer failed: {e})"
+                return
+            if events:
+                self._events.put(events)
+                try:
+                    os.write(self._wake_w, b"t")
+                except BlockingIOError:
+                    pass
+
+    def _on_signal(self, signum, frame) -> None:
+        self._signals.append(signum)
+
+    # ---------------------------------------------------------------- loop
+    def run(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        sel.register(self._control.fileno(), selectors.EVENT_READ, "control")
+        try:
+            while not self._stop.is_set():
+                timeout = max(0.0, self._next_scan - time.monotonic())
+                for k, _ in sel.select(timeout):
+                    if k.data == "wake":
+                        try:
+                            os.read(self._wake_r, 4096)
+                        except BlockingIOError:
+                            pass
+                    else:
+                        self._control.serve_one()
+                self._drain_signals()
+                self._drain_events()
+                if time.monotonic() >= self._next_scan:
+                    self._rescan()
+        finally:
+            sel.close()
+
+    def _drain_signals(self) -> None:
+        while self._signals:
+            sig = self._signals.popleft()
+            if sig == signal.SIGHUP:
+                self.reload()
+            else:
+                log.info("signal %d: stopping", sig)
+                self._stop.set()
+
+    def _drain_events(self) -> None:
+        got = False
+        while True:
+            try:
+                batch = self._events.get_nowait()
+            except queue.Empty:
+                break
+            for ev in batch:
+                self.table.on_event(ev)
+            got = True
+        if got:
+            self._apply(self.table.take_dirty())
+
+    def _rescan(self) -> None:
+        started = time.monotonic_ns()
+        try:
+            snap = self.sockdiag.snapshot()
+        except Exception as e:  # never let a scan failure stop the daemon
+            log.warning("sock_diag scan failed: %s", e)
+        else:
+            self.table.on_snapshot(snap, started)
+            self._apply(self.table.take_dirty())
+        self._next_scan = time.monotonic() + self.opts.rescan_s
+
+    def _apply(self, keys: Iterable[FlowKey]):
+        keys = list(keys)
+        if not keys or self.backend is None:
+            return None
+        flows = self.table.flows
+        want = engine.desired({k: flows[k] for k in keys if k in flows}, self.rules)
+        have = {}
+        for k in keys:
+            s = self.backend.shape_of(k)
+            if s is not None:
+                have[k] = s
+        ops = engine.plan(want, have)
+        if not ops:
+            return None
+        t0 = time.monotonic_ns()
+        res = self.backend.apply(ops)
+        t1 = time.monotonic_ns()
+        self.counters.applies += 1
+        self.counters.apply_latency_ns.append(t1 - t0)
+        for op in ops:
+            f = flows.get(op.key)
+            if op.kind.value == "add" and f is not None and f.seen_ns:
+                self.counters.shape_latency_ns.append(t1 - f.seen_ns)
+        for err in res.errors:
+            self.counters.op_errors += 1
+            log.warning("%s", err.reason)
+        if res.added or res.removed or res.changed:
+            log.debug("applied: +%d ~%d -%d", res.added, res.changed, res.removed)
+        return res
+
+    # --------------------------------------------------------------- reload
+    def reload(self) -> dict:
+        sd_notify("RELOADING=1")
+        try:
+            try:
+                new = rules_loader.load(self.opts.rules_path)
+            except RulesError as e:
+                self.counters.reloads_failed += 1
+                for p in e.problems:
+                    log.error("reload refused: %s", p)
+                return {"ok": False, "errors": [str(p) for p in e.problems]}
+            old = self.rules
+            switch = (self._interface(new) != self.backend.interface
+                      or (self.opts.backend or new.backend) != (self.opts.backend or old.backend)
+                      or new.link_rate_bps != old.link_rate_bps)
+            if switch:
+                try:
+                    nb = self._switch_backend(new)
+                except FlowpacerError as e:
+                    self.counters.reloads_failed += 1
+                    log.error("reload refused: %s", e)
+                    return {"ok": False, "errors": [str(e)]}
+            self.rules = new
+            if self.tracer is not None:
+                self.tracer.set_watch(*engine.watch_filter(new))
+            self.table.mark_all(self.backend.installed().keys())
+            res = self._apply(self.table.take_dirty())
+            self.counters.reloads_ok += 1
+            out = {"ok": True, "rules_changed": new != old, "switched_backend": switch,
+                   "added": res.added if res else 0, "changed": res.changed if res else 0,
+                   "removed": res.removed if res else 0,
+                   "errors": [e.reason for e in res.errors] if res else []}
+            log.info("reloaded %s: %s", self.opts.rules_path,
+                     ", ".join(f"{k} {v}" for k, v in out.items() if k != "errors"))
+            return out
+        finally:
+            sd_notify("READY=1")
+
+    def _switch_backend(self, new: RuleSet) -> TcBackend:
+        """Clean switch-over: the old backend's objects go, the new backend starts empty."""
+        old = self.backend
+        old.teardown()
+        old.close()
+        self.backend = None
+        try:
+            self.backend = self._make_backend(new)
+        except FlowpacerError:
+            # put the old configuration back so that flows stay shaped
+            self.backend = self._make_backend(self.rules)
+            self.table.mark_all()
+            self._apply(self.table.take_dirty())
+            raise
+        return self.backend
+
+    # ---------------------------------------------------------------- status
+    def status(self) -> dict:
+        b = self.backend
+        stats = b.stats() if b else {}
+        flows = []
+        for key, shape in (b.installed().items() if b else ()):
+            f = self.table.flows.get(key)
+            st = stats.get(key)
+            flows.append({
+                "rule": shape.rule,
+                "pid": f.proc.pid if f else 0,
+                "process": f.proc.comm if f else "",
+                "uid": f.proc.uid if f else -1,
+                "direction": f.direction.value if f else "",
+                "source": f.source.value if f else "",
+                "local": _ep(key.local_addr, key.local_port),
+                "remote": _ep(key.remote_addr, key.remote_port),
+                "classid": _classid(b.classid_of(key)),
+                "rate_bit": shape.rate_bps * 8,
+                "ceil_bit": shape.ceil_bps * 8,
+                "bytes": st.bytes if st else 0,
+                "packets": st.packets if st else 0,
+                "drops": st.drops if st else 0,
+            })
+        flows.sort(key=lambda x: (x["rule"], x["local"], x["remote"]))
+        return {
+            "backend": b.name if b else None,
+            "backend_reason": self.backend_reason,
+            "interface": b.interface if b else None,
+            "link_rate_bit": b.link_rate_bps * 8 if b else 0,
+            "rules": self.opts.rules_path,
+            "flow_source": self.tracer_status,
+            "tracer": self.tracer.stats() if self.tracer else None,
+            "live_flows": len(self.table),
+            "shaped_flows": len(flows),
+            "flows": flows,
+            "counters": {"applies": self.counters.applies, "op_errors": self.counters.op_errors,
+                         "reloads_ok": self.counters.reloads_ok,
+                         "reloads_failed": self.counters.reloads_failed,
+                         "events": dict(self.table.events),
+                         "reconcile_added": self.table.reconcile_added,
+                         "reconcile_removed": self.table.reconcile_removed},
+        }
+
+    def _handle(self, req: dict) -> dict:
+        cmd = req.get("cmd")
+        try:
+            if cmd == "status":
+                return self.status()
+            if cmd == "reload":
+                return self.reload()
+            if cmd == "ping":
+                return {"ok": True}
+        except FlowpacerError as e:
+            return {"error": str(e)}
+        return {"error": f"unknown command {cmd!r}"}
+
+    # -------------------------------------------------------------- shutdown
+    def shutdown(self) -> None:
+        sd_notify("STOPPING=1")
+        self._stop.set()
+        if self._tracer_thread is not None:
+            self._tracer_thread.join(timeout=2)
+        if self.tracer is not None:
+            try:
+                self.tracer.close()
+            except Exception as e:
+                log.debug("tracer close: %s", e)
+        if self.backend is not None:
+            self.backend.teardown()
+            self.backend.close()
+        if self._control is not None:
+            self._control.close()
+        signal.set_wakeup_fd(-1)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+
+def _ep(addr, port) -> str:
+    return f"[{addr}]:{port}" if addr.version == 6 else f"{addr}:{port}"
+
+
+def _classid(c: Optional[int]) -> str:
+    return f"{c >> 16:x}:{c & 0xFFFF:x}" if c is not None else ""

@@ -1,0 +1,173 @@
+"""Command line: ``flowpacer run | status | reload | rules check | cleanup``.
+
+Exit status: 0 success, 1 a one-line failure, 2 invalid rules (every problem printed as
+``FILE:LINE:COL: ...``). No traceback for any expected failure.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+import click
+
+from .control import DEFAULT_SOCKET, call
+from .errors import FlowpacerError, RulesError
+from .model import BackendKind
+
+
+def safe(text: str) -> str:
+    """A kernel- or user-supplied string made safe for a terminal or a log line."""
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in str(text))
+
+
+def _setup_logging(verbose: int) -> None:
+    under_systemd = bool(os.environ.get("JOURNAL_STREAM") or os.environ.get("INVOCATION_ID"))
+    fmt = "%(levelname)s %(name)s: %(message)s" if under_systemd else \
+        "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    level = logging.DEBUG if verbose > 1 else logging.INFO if verbose or under_systemd else logging.INFO
+    logging.basicConfig(level=level, format=fmt, stream=sys.stderr)
+    if verbose < 2:
+        logging.getLogger("pyroute2").setLevel(logging.WARNING)
+
+
+def _fail(msg: str, code: int = 1):
+    click.echo(f"flowpacer: {safe(msg)}", err=True)
+    sys.exit(code)
+
+
+def _rules_fail(e: RulesError):
+    for p in e.problems:
+        click.echo(safe(str(p)), err=True)
+    sys.exit(2)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main():
+    """Per-flow precise pacing for delivery servers."""
+
+
+@main.command()
+@click.option("--rules", "rules_path", required=True, type=click.Path(dir_okay=False),
+              help="rules file (YAML)")
+@click.option("--interface", help="egress interface (overrides the rules file)")
+@click.option("--backend", type=click.Choice([k.value for k in BackendKind]),
+              help="pacing backend (overrides the rules file)")
+@click.option("--socket", "socket_path", default=DEFAULT_SOCKET, show_default=True)
+@click.option("--take-over", is_flag=True, help="replace a root qdisc flowpacer did not create")
+@click.option("--rescan", default=1.0, show_default=True, type=click.FloatRange(0.05, 3600),
+              help="sock_diag reconcile period, seconds")
+@click.option("--no-tracer", is_flag=True, help="find flows by sock_diag polling only")
+@click.option("-v", "--verbose", count=True)
+def run(rules_path, interface, backend, socket_path, take_over, rescan, no_tracer, verbose):
+    """Run the daemon: shape each matched flow until stopped (SIGTERM removes everything)."""
+    _setup_logging(verbose)
+    if os.geteuid() != 0:
+        _fail("run needs root (CAP_NET_ADMIN for tc, CAP_BPF/CAP_SYS_ADMIN for the tracer)")
+    from .app import Daemon, Options
+    d = Daemon(Options(rules_path, interface, BackendKind(backend) if backend else None,
+                       socket_path, take_over, rescan, not no_tracer))
+    try:
+        d.start()
+    except RulesError as e:
+        d.shutdown()
+        _rules_fail(e)
+    except FlowpacerError as e:
+        d.shutdown()
+        _fail(str(e))
+    try:
+        d.run()
+    finally:
+        d.shutdown()
+
+
+@main.command()
+@click.option("--socket", "socket_path", default=DEFAULT_SOCKET, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def status(socket_path, as_json):
+    """Show the backend and every shaped flow of the running daemon."""
+    try:
+        st = call(socket_path, {"cmd": "status"})
+    except FlowpacerError as e:
+        _fail(str(e))
+    if as_json:
+        click.echo(json.dumps(st, indent=2))
+        return
+    click.echo(f"backend:   {st['backend']} ({safe(st['backend_reason'])})")
+    click.echo(f"interface: {safe(st['interface'])}, link {_bits(st['link_rate_bit'])}")
+    click.echo(f"flows:     {st['shaped_flows']} shaped of {st['live_flows']} live; "
+               f"source: {safe(st['flow_source'])}")
+    if not st["flows"]:
+        return
+    rows = [("RULE", "PID", "PROCESS", "LOCAL", "REMOTE", "CLASS", "RATE", "SENT", "SOURCE")]
+    for f in st["flows"]:
+        rows.append((safe(f["rule"]), str(f["pid"]), safe(f["process"]), f["local"], f["remote"],
+                     f["classid"], _bits(f["rate_bit"]), _bytes(f["bytes"]), f["source"]))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
+@main.command()
+@click.option("--socket", "socket_path", default=DEFAULT_SOCKET, show_default=True)
+def reload(socket_path):
+    """Ask the running daemon to reload its rules file."""
+    try:
+        r = call(socket_path, {"cmd": "reload"})
+    except FlowpacerError as e:
+        _fail(str(e))
+    if not r.get("ok"):
+        for e in r.get("errors", []):
+            click.echo(safe(e), err=True)
+        sys.exit(2)
+    click.echo(f"reloaded: {r['changed']} flows re-rated, {r['added']} added, "
+               f"{r['removed']} removed")
+
+
+@main.group()
+def rules():
+    """Rules files."""
+
+
+@rules.command("check")
+@click.argument("file", type=click.Path(dir_okay=False))
+def rules_check(file):
+    """Validate FILE (no root needed) and print each rule with its rate in bit/s."""
+    from . import rules as loader
+    try:
+        rs = loader.load(file)
+    except RulesError as e:
+        _rules_fail(e)
+    for line in loader.describe(rs):
+        click.echo(safe(line))
+
+
+@main.command()
+@click.option("--interface", required=True)
+def cleanup(interface):
+    """Remove everything flowpacer made on INTERFACE (no daemon needed)."""
+    from .backend.tc import cleanup as do_cleanup
+    try:
+        removed = do_cleanup(interface)
+    except FlowpacerError as e:
+        _fail(str(e))
+    click.echo(f"{interface}: {'flowpacer qdisc removed' if removed else 'nothing of flowpacer found'}")
+
+
+def _bits(bit_per_s: int) -> str:
+    for unit, div in (("Gbit", 10**9), ("Mbit", 10**6), ("kbit", 10**3)):
+        if bit_per_s >= div:
+            return f"{bit_per_s / div:.4g}{unit}"
+    return f"{bit_per_s}bit"
+
+
+def _bytes(n: int) -> str:
+    for unit, div in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if n >= div:
+            return f"{n / div:.3g}{unit}"
+    return f"{n}B"
+
+
+if __name__ == "__main__":
+    main()

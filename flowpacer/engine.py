@@ -1,0 +1,91 @@
+"""The engine: pure functions from (live flows, rules) to a plan of backend operations.
+
+No I/O, no clock, no kernel: everything here is decided from its arguments, so it is tested with
+plain values.
+"""
+from __future__ import annotations
+
+import fnmatch
+from typing import Dict, FrozenSet, Iterable, List, Mapping, Optional, Tuple
+
+from .model import Direction, Flow, FlowKey, Op, OpKind, Rule, RuleSet, Shape
+
+COMM_LEN = 15      # TASK_COMM_LEN - 1: what the kernel reports of a process name
+
+_GLOB_CHARS = set("*?[")
+
+
+def rule_matches(rule: Rule, flow: Flow) -> bool:
+    m = rule.match
+    if m.direction is not Direction.ANY and m.direction is not flow.direction:
+        return False
+    if m.process and not any(fnmatch.fnmatchcase(flow.proc.comm, p) for p in m.process):
+        return False
+    if m.exe and not (flow.proc.exe and any(fnmatch.fnmatchcase(flow.proc.exe, p) for p in m.exe)):
+        return False
+    if m.user and flow.proc.uid not in m.user:
+        return False
+    k = flow.key
+    if k.local_port not in m.local_port or k.remote_port not in m.remote_port:
+        return False
+    if m.remote and not any(k.remote_addr.version == n.version and k.remote_addr in n
+                            for n in m.remote):
+        return False
+    return True
+
+
+def first_match(rules: Iterable[Rule], flow: Flow) -> Optional[Rule]:
+    for r in rules:
+        if rule_matches(r, flow):
+            return r
+    return None
+
+
+def shape_of(rule: Rule) -> Shape:
+    return Shape(rule.name, rule.rate_bps, max(rule.ceil_bps or rule.rate_bps, rule.rate_bps))
+
+
+def desired(flows: Mapping[FlowKey, Flow], ruleset: RuleSet) -> Dict[FlowKey, Shape]:
+    """Each live flow that a rule matches, with its rule's shape (first match wins)."""
+    out = {}
+    for key, flow in flows.items():
+        r = first_match(ruleset.rules, flow)
+        if r is not None:
+            out[key] = shape_of(r)
+    return out
+
+
+def plan(want: Mapping[FlowKey, Shape], have: Mapping[FlowKey, Shape]) -> List[Op]:
+    """Operations that turn ``have`` into ``want``: removals first (they free room), then rate
+    changes (in place, the class and its queue stay), then additions; each group in key order."""
+    removes = [Op(OpKind.REMOVE, k) for k in sorted(have.keys() - want.keys())]
+    changes, adds = [], []
+    for k in sorted(want):
+        s = want[k]
+        cur = have.get(k)
+        if cur is None:
+            adds.append(Op(OpKind.ADD, k, s))
+        elif (cur.rate_bps, cur.ceil_bps) != (s.rate_bps, s.ceil_bps):
+            changes.append(Op(OpKind.CHANGE, k, s))
+    return removes + changes + adds
+
+
+def watch_filter(ruleset: RuleSet) -> Tuple[Optional[FrozenSet[str]], Optional[FrozenSet[int]]]:
+    """What the tracer can filter on in the kernel: (comms, uids), or (None, None) for "all".
+
+    A flow of a process passes the kernel filter if its comm is in ``comms`` or its uid in
+    ``uids``; this must let through every flow some rule could match. A rule naming literal
+    process names is covered by them, one naming users by the uids; any other rule (exe only,
+    globs, ports only) needs every process watched.
+    """
+    comms, uids = set(), set()
+    for r in ruleset.rules:
+        m = r.match
+        literal = m.process and not any(_GLOB_CHARS & set(p) for p in m.process)
+        if literal:
+            comms.update(p[:COMM_LEN] for p in m.process)
+        elif m.user:
+            uids.update(m.user)
+        else:
+            return None, None
+    return frozenset(comms), frozenset(uids)

@@ -1,0 +1,59 @@
+"""The live flow table: tracer events and sock_diag snapshots merged into one set of flows.
+
+The tracer is first and exact about who opened a flow; a snapshot is late but complete. A
+snapshot adds flows the tracer never reported (daemon started after them, lost events) and
+removes flows it no longer lists, but only those first seen before the snapshot began, so a
+flow the tracer reported a moment ago is not dropped by an older view of the kernel.
+Every change marks the flow's key dirty; the daemon plans only for dirty keys.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Dict, Iterable, Mapping, Set
+
+from .model import EventKind, Flow, FlowEvent, FlowKey, FlowSource
+
+
+class FlowTable:
+    def __init__(self) -> None:
+        self.flows: Dict[FlowKey, Flow] = {}
+        self.dirty: Set[FlowKey] = set()
+        self.events = {"tracer": 0, "reconcile": 0}
+        self.reconcile_added = 0
+        self.reconcile_removed = 0
+
+    def __len__(self) -> int:
+        return len(self.flows)
+
+    def on_event(self, ev: FlowEvent) -> None:
+        key = ev.flow.key
+        self.events["tracer"] += 1
+        if ev.kind is EventKind.OPEN:
+            self.flows[key] = ev.flow
+        elif self.flows.pop(key, None) is None:
+            return
+        self.dirty.add(key)
+
+    def on_snapshot(self, snap: Mapping[FlowKey, Flow], started_ns: int) -> None:
+        self.events["reconcile"] += 1
+        for key, flow in snap.items():
+            cur = self.flows.get(key)
+            if cur is None:
+                self.flows[key] = flow
+                self.dirty.add(key)
+                self.reconcile_added += 1
+            elif cur.source is FlowSource.RECONCILE and flow.proc.pid and cur.proc != flow.proc:
+                self.flows[key] = replace(flow, seen_ns=cur.seen_ns)
+                self.dirty.add(key)
+        for key in [k for k, f in self.flows.items() if k not in snap and f.seen_ns < started_ns]:
+            del self.flows[key]
+            self.dirty.add(key)
+            self.reconcile_removed += 1
+
+    def take_dirty(self) -> Set[FlowKey]:
+        d, self.dirty = self.dirty, set()
+        return d
+
+    def mark_all(self, keys: Iterable[FlowKey] = ()) -> None:
+        self.dirty.update(self.flows)
+        self.dirty.update(keys)

@@ -1,0 +1,152 @@
+"""Traffic for the demo, tests and benchmarks: a small HTTP delivery server and a measuring client.
+
+    python -m flowpacer.tools.blaster serve --ports 8081,8082 [--name fp-demo-srv] [--v6]
+    python -m flowpacer.tools.blaster fetch --host H --port P --seconds 5 [--warmup 1]
+
+``serve`` sets its process name (comm) so that rules can match it, listens on each port and
+answers ``GET /`` with an endless generated body (``GET /N`` with N bytes), one thread per
+client. ``fetch`` downloads for a bounded time and prints one JSON line: bytes and goodput
+(bytes/s) measured after the warm-up, as the receiver saw them.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import socket
+import sys
+import threading
+import time
+
+CHUNK = b"flowpacer" * 7282  # ~64 KiB of generated payload
+
+
+def set_comm(name: str) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_NAME = 15
+    libc.prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+
+
+def _client(conn: socket.socket) -> None:
+    with conn:
+        conn.settimeout(30)
+        try:
+            req = b""
+            while b"\r\n\r\n" not in req and len(req) < 8192:
+                d = conn.recv(4096)
+                if not d:
+                    return
+                req += d
+            path = req.split(b" ", 2)[1] if req.count(b" ") >= 2 else b"/"
+            want = int(path[1:]) if path[1:].isdigit() else None
+            hdr = b"HTTP/1.0 200 OK\r\nContent-Type: application/octet-stream\r\n"
+            if want is not None:
+                hdr += b"Content-Length: %d\r\n" % want
+            conn.sendall(hdr + b"\r\n")
+            left = want
+            while left is None or left > 0:
+                n = len(CHUNK) if left is None else min(left, len(CHUNK))
+                conn.sendall(CHUNK[:n])
+                if left is not None:
+                    left -= n
+        except OSError:
+            return
+
+
+def serve(ports, v6: bool, name: str) -> None:
+    set_comm(name)
+    socks = []
+    for p in ports:
+        s = socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if v6:
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        s.bind(("::" if v6 else "0.0.0.0", p))
+        s.listen(1024)
+        socks.append(s)
+
+    def loop(s):
+        while True:
+            conn, _ = s.accept()
+            threading.Thread(target=_client, args=(conn,), daemon=True).start()
+
+    for s in socks[1:]:
+        threading.Thread(target=loop, args=(s,), daemon=True).start()
+    loop(socks[0])
+
+
+def fetch(host: str, port: int, seconds: float, warmup: float, name: str, nbytes=None,
+          local_port: int = 0) -> dict:
+    set_comm(name)
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(fam, socket.SOCK_STREAM)
+    if local_port:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("::" if fam == socket.AF_INET6 else "0.0.0.0", local_port))
+    s.settimeout(max(5.0, seconds))
+    t0 = time.monotonic()
+    s.connect((host, port))
+    local = s.getsockname()
+    s.sendall(b"GET /%s HTTP/1.0\r\n\r\n" % (str(nbytes).encode() if nbytes else b""))
+    buf = bytearray(1 << 16)
+    total = measured = 0
+    t_start = None
+    end = t0 + seconds
+    while True:
+        now = time.monotonic()
+        if now >= end:
+            break
+        s.settimeout(max(0.05, end - now))
+        try:
+            n = s.recv_into(buf)
+        except socket.timeout:
+            break
+        if not n:
+            break
+        total += n
+        now = time.monotonic()
+        if now - t0 >= warmup:
+            if t_start is None:
+                t_start = now
+            else:
+                measured += n
+    t_end = time.monotonic()
+    s.close()
+    span = (t_end - t_start) if t_start else 0.0
+    return {"host": host, "port": port, "local_port": local[1], "bytes": total,
+            "measured_bytes": measured, "measured_s": span,
+            "goodput_bps": measured / span if span > 0 else 0.0}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="blaster")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("serve")
+    a.add_argument("--ports", required=True)
+    a.add_argument("--name", default="fp-demo-srv")
+    a.add_argument("--v6", action="store_true")
+    b = sub.add_parser("fetch")
+    b.add_argument("--host", required=True)
+    b.add_argument("--port", type=int, required=True)
+    b.add_argument("--seconds", type=float, default=5.0)
+    b.add_argument("--warmup", type=float, default=1.0)
+    b.add_argument("--name", default="fp-client")
+    b.add_argument("--bytes", type=int, default=None)
+    b.add_argument("--local-port", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.cmd == "serve":
+        serve([int(p) for p in args.ports.split(",")], args.v6, args.name)
+        return 0
+    try:
+        r = fetch(args.host, args.port, args.seconds, args.warmup, args.name, args.bytes,
+                  args.local_port)
+    except OSError as e:
+        print(json.dumps({"error": str(e)}))
+        return 1
+    print(json.dumps(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
