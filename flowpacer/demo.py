@@ -76,7 +76,7 @@ def main() -> int:
             o, _ = c.communicate(timeout=SECONDS + 30)
             results.append(json.loads(o.strip().splitlines()[-1]))
         out("")
-        out(f"{'client':<8} {'port':>5}  {'rule':<10} {'rule rate':>14}  {'achieved':>14}  "
+        out(f"{'client':<8} {'port':>5}  {'rule':<10} {'rule rate':>26}  {'achieved':>14}  "
             f"{'of rate':>8}  class")
         classes = {f["remote"].rsplit(":", 1)[1]: f for f in mid["flows"]}
         for i, r in enumerate(results):
@@ -93,7 +93,7 @@ def main() -> int:
                 name = rule.name
             else:
                 rate_txt, share, name = "unshaped", "-", "(none)"
-            out(f"client{i + 1:<2} {r['port']:>5}  {name:<10} {rate_txt:>14}  "
+            out(f"client{i + 1:<2} {r['port']:>5}  {name:<10} {rate_txt:>26}  "
                 f"{format_bits(int(got)):>14}  {share:>8}  {cls}")
         out("")
         out(f"('of rate' = goodput / (rate x {WIRE_SHARE:.3f}): TCP payload per 1514-byte frame)")

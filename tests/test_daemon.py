@@ -1,0 +1,215 @@
+"""The daemon end to end: real server and client processes, real kernel, rates measured at the
+receiver. Each test runs `flowpacer run` inside the server namespace of its own testbed."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from flowpacer.control import call
+from flowpacer.errors import FlowpacerError
+from flowpacer.testbed import PY, server_argv, wait_for
+
+pytestmark = pytest.mark.kernel
+
+WIRE = 1448 / 1514
+
+
+class Daemon:
+    def __init__(self, tb, tmp_path, rules_text, *extra):
+        self.tb = tb
+        self.rules = tmp_path / "rules.yaml"
+        self.rules.write_text(textwrap.dedent(rules_text).replace("IFACE", tb.server_if))
+        self.sock = str(tmp_path / "control.sock")
+        self.log = tmp_path / "daemon.log"
+        self.extra = extra
+        self.proc = None
+
+    def start(self, wait=True):
+        self._logf = open(self.log, "w")
+        self.proc = self.tb.popen(self.tb.server_ns,
+                                  [PY, "-m", "flowpacer.cli", "run", "--rules", str(self.rules),
+                                   "--socket", self.sock, "-v", *self.extra], stderr=self._logf)
+        if wait:
+            wait_for(self._ready, 60, 0.05, "the daemon to answer")
+        return self
+
+    def _ready(self):
+        if self.proc.poll() is not None:
+            raise AssertionError(f"daemon exited {self.proc.returncode}:\n{self.log.read_text()}")
+        try:
+            return call(self.sock, {"cmd": "ping"}, timeout=2)
+        except FlowpacerError:
+            return None
+
+    def status(self):
+        return call(self.sock, {"cmd": "status"})
+
+    def flows(self):
+        return self.status()["flows"]
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=20)
+        return self.proc.returncode
+
+
+RULES = """
+    interface: IFACE
+    backend: htb
+    link_rate: 1gbit
+    rules:
+      - name: slow
+        match: {process: fp-test-srv, direction: inbound, local_port: 9101}
+        rate: 10mbit
+      - name: fast
+        match: {process: fp-test-srv, direction: inbound, local_port: 9102}
+        rate: 100mbit
+      - name: out
+        match: {process: fp-test-cli, direction: outbound, remote_port: 9201}
+        rate: 20mbit
+"""
+
+
+@pytest.fixture
+def daemon(testbed, tmp_path):
+    d = Daemon(testbed, tmp_path, RULES)
+    yield d
+    d.stop()
+
+
+def qdisc_kind(tb):
+    out = tb.run(tb.server_ns, ["tc", "qdisc", "show", "dev", tb.server_if]).stdout
+    return out.split()[1]
+
+
+@pytest.mark.parametrize("v6", [False, True], ids=["ipv4", "ipv6"])
+def test_flows_get_their_rule_rates_and_unmatched_is_unshaped(testbed, daemon, v6):
+    testbed.popen(testbed.server_ns, server_argv([9101, 9102, 9103], "fp-test-srv", v6=True))
+    testbed.wait_listening(9101)
+    daemon.start()
+    host = str(testbed.server_v6 if v6 else testbed.server_v4)
+    from flowpacer.testbed import client_argv
+    clients = {p: testbed.popen(testbed.client_ns, client_argv(host, p, 6, warmup=1.5),
+                                stdout=subprocess.PIPE, text=True) for p in (9101, 9102, 9103)}
+    res = {p: json.loads(c.communicate(timeout=60)[0].splitlines()[-1]) for p, c in clients.items()}
+    assert res[9101]["goodput_bps"] == pytest.approx(10e6 / 8 * WIRE, rel=0.03)
+    assert res[9102]["goodput_bps"] == pytest.approx(100e6 / 8 * WIRE, rel=0.03)
+    assert res[9103]["goodput_bps"] > 2 * 100e6 / 8          # unmatched: far above any rule
+    # all flows closed: their classes go within a second or so
+    wait_for(lambda: not daemon.flows(), 3, 0.05, "classes of closed flows to go")
+
+
+def test_status_shows_each_flow(testbed, daemon):
+    testbed.popen(testbed.server_ns, server_argv([9101], "fp-test-srv"))
+    testbed.wait_listening(9101)
+    daemon.start()
+    from flowpacer.testbed import client_argv
+    c = testbed.popen(testbed.client_ns, client_argv(str(testbed.server_v4), 9101, 4, local_port=45001),
+                      stdout=subprocess.PIPE, text=True)
+    flows = wait_for(lambda: [f for f in daemon.flows() if f["bytes"] > 0], 5, 0.05, "a shaped flow")
+    f = flows[0]
+    assert f["rule"] == "slow" and f["process"] == "fp-test-srv" and f["pid"] > 0
+    assert f["local"] == f"{testbed.server_v4}:9101" and f["remote"] == f"{testbed.client_v4}:45001"
+    assert f["classid"].startswith("f1f0:") and f["rate_bit"] == 10_000_000
+    assert f["direction"] == "inbound"
+    st = daemon.status()
+    assert st["backend"] == "htb" and st["interface"] == testbed.server_if
+    # the CLI prints the same as a table
+    out = testbed.run(testbed.server_ns, [PY, "-m", "flowpacer.cli", "status", "--socket", daemon.sock]).stdout
+    assert "slow" in out and "fp-test-srv" in out and f"{testbed.client_v4}:45001" in out
+    c.communicate(timeout=30)
+
+
+def test_outbound_flows_of_a_client_process(testbed, daemon):
+    """Connections the target process makes (outbound) get their rule; they go when closed."""
+    testbed.popen(testbed.client_ns, server_argv([9201], "fp-peer-srv"))
+    testbed.wait_listening(9201, ns=testbed.client_ns)
+    daemon.start()
+    c = testbed.popen(testbed.server_ns, [PY, "-m", "flowpacer.tools.blaster", "fetch", "--host",
+                                          str(testbed.client_v4), "--port", "9201", "--seconds", "3",
+                                          "--name", "fp-test-cli"], stdout=subprocess.PIPE, text=True)
+    f = wait_for(lambda: [x for x in daemon.flows() if x["rule"] == "out"], 5, 0.05,
+                 "the outbound flow")[0]
+    assert f["direction"] == "outbound" and f["process"] == "fp-test-cli"
+    assert f["remote"] == f"{testbed.client_v4}:9201"
+    assert json.loads(c.communicate(timeout=60)[0].splitlines()[-1])["bytes"] > 0
+    wait_for(lambda: not daemon.flows(), 3, 0.05, "the closed flow's class to go")
+
+
+def test_daemon_started_after_flows_exist_shapes_them(testbed, tmp_path):
+    testbed.popen(testbed.server_ns, server_argv([9101], "fp-test-srv"))
+    testbed.wait_listening(9101)
+    from flowpacer.testbed import client_argv
+    c = testbed.popen(testbed.client_ns, client_argv(str(testbed.server_v4), 9101, 8, warmup=4),
+                      stdout=subprocess.PIPE, text=True)
+    wait_for(lambda: "9101" in testbed.run(testbed.server_ns, ["ss", "-Htn", "state", "established"]).stdout,
+             5, 0.05, "the flow")
+    d = Daemon(testbed, tmp_path, RULES, "--no-tracer").start()
+    try:
+        f = wait_for(lambda: d.flows(), 3, 0.05, "the existing flow to be shaped")[0]
+        assert f["rule"] == "slow" and f["source"] == "reconcile"
+        res = json.loads(c.communicate(timeout=60)[0].splitlines()[-1])
+        assert res["goodput_bps"] == pytest.approx(10e6 / 8 * WIRE, rel=0.03)
+        wait_for(lambda: not d.flows(), 3, 0.05, "the closed flow's class to go")
+    finally:
+        assert d.stop() == 0
+    assert qdisc_kind(testbed) != "htb"           # SIGTERM removed everything
+
+
+def test_sighup_reload_rerates_in_place_and_bad_file_keeps_old_rules(testbed, daemon):
+    testbed.popen(testbed.server_ns, server_argv([9101], "fp-test-srv"))
+    testbed.wait_listening(9101)
+    daemon.start()
+    from flowpacer.testbed import client_argv
+    c = testbed.popen(testbed.client_ns, client_argv(str(testbed.server_v4), 9101, 6, warmup=3),
+                      stdout=subprocess.PIPE, text=True)
+    f = wait_for(lambda: daemon.flows(), 5, 0.05, "a shaped flow")[0]
+    daemon.rules.write_text(daemon.rules.read_text().replace("rate: 10mbit", "rate: 30mbit"))
+    daemon.proc.send_signal(signal.SIGHUP)
+    g = wait_for(lambda: [x for x in daemon.flows() if x["rate_bit"] == 30_000_000], 5, 0.05,
+                 "the new rate")[0]
+    assert g["classid"] == f["classid"]                      # same class, changed in place
+    res = json.loads(c.communicate(timeout=60)[0].splitlines()[-1])
+    assert res["goodput_bps"] == pytest.approx(30e6 / 8 * WIRE, rel=0.03)
+    # an invalid file changes nothing and says why
+    daemon.rules.write_text(daemon.rules.read_text().replace("rate: 30mbit", "rate: 30parsecs"))
+    r = call(daemon.sock, {"cmd": "reload"})
+    assert r["ok"] is False and any(":" in e and "rate" in e for e in r["errors"])
+    assert daemon.status()["counters"]["reloads_failed"] == 1
+    assert daemon.proc.poll() is None
+
+
+def test_bad_rules_exit_2_with_file_line_col(testbed, tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("interface: x\nrules:\n  - name: a\n    match: {process: a}\n    rate: 0mbit\n")
+    r = subprocess.run([PY, "-m", "flowpacer.cli", "run", "--rules", str(p), "--socket",
+                        str(tmp_path / "s")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.startswith(f"{p}:5:") and "Traceback" not in r.stderr
+
+
+def test_occupied_root_qdisc_is_refused(testbed, daemon):
+    testbed.run(testbed.server_ns, ["tc", "qdisc", "add", "dev", testbed.server_if, "root", "handle",
+                                    "7:", "tbf", "rate", "5mbit", "burst", "10k", "latency", "5ms"])
+    daemon.start(wait=False)
+    assert daemon.proc.wait(timeout=60) == 1
+    err = daemon.log.read_text().strip().splitlines()[-1]
+    assert "already has a root qdisc (tbf 7:0)" in err and "--take-over" in err
+    assert "Traceback" not in daemon.log.read_text()
+    assert qdisc_kind(testbed) == "tbf"
+
+
+def test_cleanup_command(testbed, daemon):
+    daemon.start()
+    daemon.proc.send_signal(signal.SIGKILL)                  # dies without cleaning up
+    daemon.proc.wait(timeout=10)
+    assert qdisc_kind(testbed) == "htb"
+    r = testbed.run(testbed.server_ns, [PY, "-m", "flowpacer.cli", "cleanup", "--interface",
+                                        testbed.server_if])
+    assert "removed" in r.stdout and qdisc_kind(testbed) != "htb"

@@ -1,0 +1,135 @@
+"""Our packed tc structures against the uapi headers (compiled C) and pyroute2's declarations."""
+import ipaddress
+import shutil
+import struct
+import subprocess
+
+import pytest
+from pyroute2.netlink.rtnl.tcmsg import sched_htb as p2_htb
+
+from flowpacer.tc import htb, nl, u32
+
+C_PROBE = r"""
+#include <stdio.h>
+#include <stddef.h>
+#include <linux/pkt_sched.h>
+#include <linux/pkt_cls.h>
+#include <linux/gen_stats.h>
+#include <linux/rtnetlink.h>
+#define P(x) printf(#x " %ld\n", (long)(x))
+int main(void) {
+  P(sizeof(struct tc_ratespec)); P(sizeof(struct tc_htb_opt)); P(sizeof(struct tc_htb_glob));
+  P(offsetof(struct tc_htb_opt, buffer)); P(offsetof(struct tc_htb_opt, quantum));
+  P(offsetof(struct tc_htb_opt, prio)); P(offsetof(struct tc_ratespec, rate));
+  P(offsetof(struct tc_ratespec, linklayer));
+  P(sizeof(struct tc_u32_sel)); P(sizeof(struct tc_u32_key));
+  P(offsetof(struct tc_u32_sel, offmask)); P(offsetof(struct tc_u32_sel, hoff));
+  P(offsetof(struct tc_u32_sel, hmask)); P(offsetof(struct tc_u32_key, off));
+  P(sizeof(struct tcmsg)); P(sizeof(struct gnet_stats_queue)); P(sizeof(struct gnet_stats_basic));
+  P(TCA_HTB_PARMS); P(TCA_HTB_INIT); P(TCA_HTB_RATE64); P(TCA_HTB_CEIL64);
+  P(TCA_U32_CLASSID); P(TCA_U32_HASH); P(TCA_U32_LINK); P(TCA_U32_DIVISOR); P(TCA_U32_SEL);
+  P(TCA_U32_FLAGS); P(TC_U32_TERMINAL); P(TC_HTB_PROTOVER); P(TC_LINKLAYER_ETHERNET);
+  P(TCA_KIND); P(TCA_OPTIONS); P(TCA_STATS2); P(TCA_STATS_BASIC); P(TCA_STATS_QUEUE);
+  P(TCA_STATS_RATE_EST); P(TCA_STATS_RATE_EST64); P(TCA_STATS_PKT64);
+  P(RTM_NEWTCLASS); P(RTM_NEWTFILTER); P(RTM_NEWQDISC); P(RTM_DELTFILTER);
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def uapi(tmp_path_factory):
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc, "a C compiler is needed (build-essential)"
+    d = tmp_path_factory.mktemp("uapi")
+    (d / "probe.c").write_text(C_PROBE)
+    subprocess.run([cc, "-Wall", "-o", str(d / "probe"), str(d / "probe.c")], check=True)
+    out = subprocess.run([str(d / "probe")], capture_output=True, text=True, check=True).stdout
+    return {line.rsplit(" ", 1)[0]: int(line.rsplit(" ", 1)[1]) for line in out.splitlines()}
+
+
+def test_struct_layouts_match_uapi(uapi):
+    assert uapi["sizeof(struct tc_ratespec)"] == htb.RATESPEC.size
+    assert uapi["sizeof(struct tc_htb_opt)"] == htb.HTB_OPT.size
+    assert uapi["sizeof(struct tc_htb_glob)"] == htb.HTB_GLOB.size
+    assert uapi["offsetof(struct tc_htb_opt, buffer)"] == 2 * htb.RATESPEC.size
+    assert uapi["offsetof(struct tc_htb_opt, quantum)"] == 2 * htb.RATESPEC.size + 8
+    assert uapi["offsetof(struct tc_htb_opt, prio)"] == 2 * htb.RATESPEC.size + 16
+    assert uapi["offsetof(struct tc_ratespec, rate)"] == 8
+    assert uapi["offsetof(struct tc_ratespec, linklayer)"] == 1
+    assert uapi["sizeof(struct tc_u32_sel)"] == u32.SEL_HEAD.size
+    assert uapi["sizeof(struct tc_u32_key)"] == u32.KEY_SIZE
+    assert uapi["offsetof(struct tc_u32_sel, offmask)"] == 4
+    assert uapi["offsetof(struct tc_u32_sel, hoff)"] == 10
+    assert uapi["offsetof(struct tc_u32_sel, hmask)"] == 12
+    assert uapi["offsetof(struct tc_u32_key, off)"] == 8
+    assert uapi["sizeof(struct tcmsg)"] == nl._TCMSG.size
+    assert uapi["sizeof(struct gnet_stats_queue)"] == nl._QUEUE.size
+
+
+def test_constants_match_uapi(uapi):
+    pairs = {
+        "TCA_HTB_PARMS": htb.TCA_HTB_PARMS, "TCA_HTB_INIT": htb.TCA_HTB_INIT,
+        "TCA_HTB_RATE64": htb.TCA_HTB_RATE64, "TCA_HTB_CEIL64": htb.TCA_HTB_CEIL64,
+        "TCA_U32_CLASSID": u32.TCA_U32_CLASSID, "TCA_U32_HASH": u32.TCA_U32_HASH,
+        "TCA_U32_LINK": u32.TCA_U32_LINK, "TCA_U32_DIVISOR": u32.TCA_U32_DIVISOR,
+        "TCA_U32_SEL": u32.TCA_U32_SEL, "TCA_U32_FLAGS": u32.TCA_U32_FLAGS,
+        "TC_U32_TERMINAL": u32.TC_U32_TERMINAL, "TC_HTB_PROTOVER": htb.TC_HTB_PROTOVER,
+        "TC_LINKLAYER_ETHERNET": htb.TC_LINKLAYER_ETHERNET, "TCA_KIND": nl.TCA_KIND,
+        "TCA_OPTIONS": nl.TCA_OPTIONS, "TCA_STATS2": nl.TCA_STATS2,
+        "TCA_STATS_BASIC": nl.TCA_STATS_BASIC, "TCA_STATS_QUEUE": nl.TCA_STATS_QUEUE,
+        "TCA_STATS_RATE_EST": nl.TCA_STATS_RATE_EST, "TCA_STATS_RATE_EST64": nl.TCA_STATS_RATE_EST64,
+        "TCA_STATS_PKT64": nl.TCA_STATS_PKT64, "RTM_NEWTCLASS": nl.RTM_NEWTCLASS,
+        "RTM_NEWTFILTER": nl.RTM_NEWTFILTER, "RTM_NEWQDISC": nl.RTM_NEWQDISC,
+        "RTM_DELTFILTER": nl.RTM_DELTFILTER,
+    }
+    for name, ours in pairs.items():
+        assert uapi[name] == ours, name
+
+
+def test_u32_nla_map_mirrors_uapi(uapi):
+    names = [n for n, _ in u32.options.nla_map]
+    for name in ("TCA_U32_CLASSID", "TCA_U32_HASH", "TCA_U32_LINK", "TCA_U32_DIVISOR",
+                 "TCA_U32_SEL", "TCA_U32_FLAGS"):
+        assert names.index(name) == uapi[name], name
+
+
+def test_htb_class_bytes_decode_with_pyroute2():
+    """pyroute2's own htb declaration reads our packed class as we meant it."""
+    raw = htb.class_options(1_250_000, 2_500_000, 3200, 6400, 125_000, prio=3)
+    top = nl.parse_attrs(raw)
+    assert top[nl.TCA_KIND] == b"htb\0"
+    opts = nl.parse_attrs(top[nl.TCA_OPTIONS])
+    parms = opts[htb.TCA_HTB_PARMS]
+    msg = p2_htb.options.htb_parms(bytearray(struct.pack("HH", 4 + len(parms), 1) + parms))
+    msg.decode()
+    assert (msg["rate"], msg["ceil"], msg["quantum"], msg["prio"]) == (1_250_000, 2_500_000, 125_000, 3)
+    assert msg["buffer"] == htb.ticks(3200, 1_250_000) == 3200 * 10**9 // (1_250_000 * 64)
+    assert htb.parse_class_rates(opts) == (1_250_000, 2_500_000)
+
+
+def test_htb_64bit_rates():
+    raw = htb.class_options(10**10, 2 * 10**10, 10**7, 10**7, 200_000)
+    opts = nl.parse_attrs(nl.parse_attrs(raw)[nl.TCA_OPTIONS])
+    assert htb.TCA_HTB_RATE64 in opts and htb.TCA_HTB_CEIL64 in opts
+    assert htb.parse_class_rates(opts) == (10**10, 2 * 10**10)
+
+
+def test_u32_keys_roundtrip():
+    for la, ra in (("10.1.2.3", "192.0.2.9"), ("fd00::1", "2001:db8::77")):
+        la, ra = ipaddress.ip_address(la), ipaddress.ip_address(ra)
+        keys = u32.flow_keys(la, 8443, ra, 40001)
+        sel = u32.pack_sel(keys, u32.TC_U32_TERMINAL)
+        flags, hoff, hmask, back = u32.unpack_sel(sel)
+        assert flags == u32.TC_U32_TERMINAL and back == keys
+        assert u32.keys_to_tuple(back) == (la, 8443, ra, 40001)
+
+
+def test_u32_plugin_decodes_dumped_keys():
+    """With register(), pyroute2 decodes a dumped u32 selector's keys at the right offset."""
+    keys = [(12, 0xFFFFFFFF, 0x0A000001), (20, 0xFFFF0000, 0x1F900000)]
+    sel = u32.pack_sel(keys, 0, 20, 0xFF)
+    payload = struct.pack("HH", 4 + len(sel), u32.TCA_U32_SEL) + sel
+    m = u32.options.u32_sel(bytearray(payload))
+    m.decode()
+    assert (m["hoff"], m["hmask"], m["keys"]) == (20, 0xFF, keys)
