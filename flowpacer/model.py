@@ -112,7 +112,7 @@ class Rule:
     match: Match
     rate_bps: int                        # bytes/s per flow
     ceil_bps: Optional[int] = None       # bytes/s, >= rate_bps
-    line: int = 0                        # where it was declared (for messages)
+    line: int = field(default=0, compare=False)   # where it was declared (for messages)
 
 
 class BackendKind(str, enum.Enum):
@@ -127,7 +127,7 @@ class RuleSet:
     backend: BackendKind = BackendKind.AUTO
     link_rate_bps: Optional[int] = None  # None: ask the interface
     rules: Tuple[Rule, ...] = ()
-    path: str = ""
+    path: str = field(default="", compare=False)
 
     def rule(self, name: str) -> Optional[Rule]:
         for r in self.rules:

@@ -1,0 +1,196 @@
+"""Rates as tc(8) writes them, converted to the model's unit: bytes per second.
+
+The unit table is tc(8)'s "RATES" section (iproute2 ``tc/tc_util.c``), matched
+case-insensitively as tc does:
+
+=============  ======================  =============================
+unit           meaning                 bits per second per unit
+=============  ======================  =============================
+(none), bit    bits per second         1
+kbit           kilobits per second     1000
+mbit, gbit,    mega/giga/tera bits     10**6, 10**9, 10**12
+tbit
+kibit, mibit,  IEC binary bits         2**10, 2**20, 2**30, 2**40
+gibit, tibit
+bps            BYTES per second        8
+kbps, mbps,    kilo/mega/giga/tera     8 * 10**3 ... 8 * 10**12
+gbps, tbps     bytes per second
+kibps, mibps,  IEC binary bytes        8 * 2**10 ... 8 * 2**40
+gibps, tibps
+NN%            percent of link_rate    (only when the link rate is known)
+=============  ======================  =============================
+
+Numbers are decimal, optionally with a fraction and an exponent (``1.5mbit``,
+``1e6``); arithmetic is exact (``fractions.Fraction``, never a float).
+
+Rounding: the exact value in bits/s is divided by 8 and **rounded to the
+nearest byte/s, halves up**, with a minimum of 1 byte/s for any positive rate.
+(tc itself truncates: ``tc ... rate 15bit`` gives 1 byte/s, we give 2; the two
+agree whenever the rate is a whole number of bytes per second, which every
+practical rate is.)  Rates above 2**64-1 bytes/s (tc's 64-bit limit) are refused.
+"""
+from __future__ import annotations
+
+import difflib
+import re
+from fractions import Fraction
+from typing import Optional
+
+MAX_RATE_BPS = 2**64 - 1          # bytes/s: tc's 64-bit rate
+_MAX_EXPONENT = 30                # |e| in "1e6": bounded, so no giant integers
+_MAX_TEXT = 64                    # characters in a rate string
+
+# unit (lower case) -> bits per second for one unit
+UNITS: dict[str, int] = {
+    "": 1,
+    "bit": 1,
+    "kbit": 10**3,
+    "mbit": 10**6,
+    "gbit": 10**9,
+    "tbit": 10**12,
+    "kibit": 2**10,
+    "mibit": 2**20,
+    "gibit": 2**30,
+    "tibit": 2**40,
+    "bps": 8,
+    "kbps": 8 * 10**3,
+    "mbps": 8 * 10**6,
+    "gbps": 8 * 10**9,
+    "tbps": 8 * 10**12,
+    "kibps": 8 * 2**10,
+    "mibps": 8 * 2**20,
+    "gibps": 8 * 2**30,
+    "tibps": 8 * 2**40,
+}
+
+_NUMBER = r"(?P<num>(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)"
+_RATE_RE = re.compile(_NUMBER + r"(?P<unit>[A-Za-z]*|%)")
+_SPACED_RE = re.compile(_NUMBER + r"\s+(?P<unit>[A-Za-z]+|%)")
+
+# format_rate: largest unit first within each family
+_DECIMAL_BITS = (("tbit", 10**12), ("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3))
+_BINARY_BITS = (("tibit", 2**40), ("gibit", 2**30), ("mibit", 2**20), ("kibit", 2**10))
+_HUMAN = (("Tbit/s", 10**12), ("Gbit/s", 10**9), ("Mbit/s", 10**6), ("Kbit/s", 10**3))
+
+
+def _show(text: str, limit: int = 40) -> str:
+    """A user's text for a one-line message: escaped, quoted, bounded."""
+    s = text if len(text) <= limit else text[:limit] + "..."
+    return repr(s)
+
+
+def _number(text: str) -> Fraction:
+    mant, _, exp = text.lower().partition("e")
+    value = Fraction(mant)
+    if exp:
+        e = int(exp)
+        if abs(e) > _MAX_EXPONENT:
+            raise ValueError(f"exponent out of range in {_show(text)} (at most e{_MAX_EXPONENT})")
+        value *= Fraction(10) ** e
+    return value
+
+
+def bits_to_bps(bits: Fraction) -> int:
+    """Exact bits/s -> bytes/s: round to nearest (halves up), at least 1 when positive."""
+    q, r = divmod(Fraction(bits) / 8, 1)
+    n = int(q) + (1 if r >= Fraction(1, 2) else 0)
+    return max(n, 1) if bits > 0 else n
+
+
+def parse_rate(text: object, link_bps: Optional[int] = None) -> int:
+    """Parse a tc rate ("8mbit", "1.5gibit", "200kbps", "8000", "50%") into bytes/s.
+
+    ``link_bps`` (bytes/s) is what a percentage is of; without it a percentage is
+    refused.  Raises ``ValueError`` with a one-line reason for anything else.
+    """
+    if isinstance(text, bool) or not isinstance(text, (str, int)):
+        raise ValueError(f"a rate must be text like '8mbit' or a number, not {type(text).__name__}")
+    if isinstance(text, int):
+        if text <= 0:
+            raise ValueError(f"{text}: a rate must be > 0")
+        if text > MAX_RATE_BPS * 8:
+            raise ValueError("rate too large (above 2^64-1 bytes/s)")
+        return bits_to_bps(Fraction(text))
+    s = text.strip()
+    if len(s) > _MAX_TEXT:
+        raise ValueError(f"not a rate: {_show(s)} (too long)")
+    if not s:
+        raise ValueError("empty rate (expected e.g. '8mbit')")
+    if s.startswith("-"):
+        raise ValueError(f"{_show(s)}: a rate must be > 0")
+    if s.startswith("+"):
+        s = s[1:]
+    m = _RATE_RE.fullmatch(s)
+    if m is None:
+        sp = _SPACED_RE.fullmatch(s)
+        if sp is not None:
+            raise ValueError(f"{_show(s)}: no space between number and unit "
+                             f"(write '{sp['num']}{sp['unit']}', as tc wants it)")
+        lead = re.match(_NUMBER, s)
+        if lead is not None and lead.end() < len(s):
+            unit = s[lead.end():]
+            raise ValueError(f"unknown rate unit {_show(unit)}{_unit_hint(unit)}")
+        raise ValueError(f"not a rate: {_show(s)} (expected a number with a tc unit, e.g. '8mbit')")
+    value = _number(m["num"])
+    unit = m["unit"]
+    if unit == "%":
+        if link_bps is None:
+            raise ValueError(f"{_show(s)}: a percentage needs link_rate in the rules file "
+                             "(it is a percentage of link_rate)")
+        if not 0 < value <= 100:
+            raise ValueError(f"{_show(s)}: a percentage must be > 0% and <= 100%")
+        bits = value / 100 * link_bps * 8
+    else:
+        mult = UNITS.get(unit.lower())
+        if mult is None:
+            raise ValueError(f"unknown rate unit {_show(unit)}{_unit_hint(unit)}")
+        bits = value * mult
+    if bits <= 0:
+        raise ValueError(f"{_show(s)}: a rate must be > 0")
+    bps = bits_to_bps(bits)
+    if bps > MAX_RATE_BPS:
+        raise ValueError(f"{_show(s)}: rate too large (above 2^64-1 bytes/s)")
+    return bps
+
+
+def _unit_hint(unit: str) -> str:
+    names = [u for u in UNITS if u]
+    close = difflib.get_close_matches(unit.lower(), names, n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean '{close[0]}'?"
+    return "; units: bit kbit mbit gbit tbit kibit mibit gibit tibit (bits/s), " \
+           "bps kbps mbps gbps tbps kibps mibps gibps tibps (BYTES/s), or NN%"
+
+
+def format_rate(bytes_per_s: int) -> str:
+    """bytes/s -> the exact tc string: the largest decimal bit unit that divides it
+    ("8mbit"), else the largest binary one ("1kibit"), else "NNNbps".
+    ``parse_rate(format_rate(n)) == n`` for every n >= 1."""
+    n = int(bytes_per_s)
+    bits = n * 8
+    for family in (_DECIMAL_BITS, _BINARY_BITS):
+        for name, mult in family:
+            if bits % mult == 0:
+                return f"{bits // mult}{name}"
+    return f"{n}bps"
+
+
+def format_bits(bytes_per_s: int) -> str:
+    """bytes/s -> a human reading in bits/s: "8 Mbit/s", "1.5 Gbit/s", "96 bit/s"
+    (SI prefixes, at most 3 decimals)."""
+    bits = int(bytes_per_s) * 8
+    for name, mult in _HUMAN:
+        if bits >= mult:
+            return f"{_decimals(Fraction(bits, mult))} {name}"
+    return f"{bits} bit/s"
+
+
+def _decimals(value: Fraction) -> str:
+    scaled = _thousandths(value)
+    whole, frac = divmod(scaled, 1000)
+    return f"{whole}.{frac:03d}".rstrip("0").rstrip(".") if frac else str(whole)
+
+
+def _thousandths(value: Fraction) -> int:
+    q, r = divmod(value * 1000, 1)
+    return int(q) + (1 if r >= Fraction(1, 2) else 0)
