@@ -27,7 +27,7 @@ from ..tc.nl import (NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE, RTM_DELQDISC, RTM_
                      RTM_DELTFILTER, RTM_GETQDISC, RTM_GETTCLASS, RTM_GETTFILTER, RTM_NEWQDISC,
                      RTM_NEWTCLASS, RTM_NEWTFILTER, TC_H_ROOT, Request, RtnlSocket, tc_handle)
 from .filters import (DIVISOR, GUARD, HMASK_LOCAL_PORT, HMASK_REMOTE_PORT, L1_HTID, PORTS_OFF,
-                      PRIO, PROTO, Layout, LayoutFull, Placement)
+                      PRIO, PROTO, Layout, LayoutFull, Placement, all_tables)
 
 log = logging.getLogger(__name__)
 
@@ -173,15 +173,22 @@ class TcBackend:
         reqs.append(self._class_msg(DEFAULT_MINOR, self._flow_parent,
                                     c.default_class_options(self.link_rate_bps), True,
                                     "create default class"))
-        for fam in (4, 6):
-            l1 = L1_HTID[fam]
+        for fam, htid, b1 in all_tables():
             reqs.append(self._filter_msg(RTM_NEWTFILTER, NLM_F_CREATE | NLM_F_EXCL, fam,
-                                         u32.htid_handle(l1), u32.table_options(l1, DIVISOR),
-                                         f"create u32 table {l1:x}: (IPv{fam})"))
-            reqs.append(self._filter_msg(RTM_NEWTFILTER, NLM_F_CREATE | NLM_F_EXCL, fam, 0,
-                                         u32.link_options(l1, GUARD[fam](), PORTS_OFF[fam],
-                                                          HMASK_REMOTE_PORT),
-                                         f"create u32 root link (IPv{fam})"))
+                                         u32.htid_handle(htid), u32.table_options(htid, DIVISOR),
+                                         f"create u32 table {htid:x}: (IPv{fam})"))
+            if b1 is None:      # L1: linked from the root table, hashed by the remote port
+                reqs.append(self._filter_msg(RTM_NEWTFILTER, NLM_F_CREATE | NLM_F_EXCL, fam, 0,
+                                             u32.link_options(htid, GUARD[fam](), PORTS_OFF[fam],
+                                                              HMASK_REMOTE_PORT),
+                                             f"create u32 root link (IPv{fam})"))
+            else:               # L2: linked from L1 bucket b1, hashed by the local port
+                reqs.append(self._filter_msg(
+                    RTM_NEWTFILTER, NLM_F_CREATE | NLM_F_EXCL, fam,
+                    u32.htid_handle(L1_HTID[fam], b1, 1),
+                    u32.link_options(htid, [], PORTS_OFF[fam], HMASK_LOCAL_PORT,
+                                     in_table=u32.htid_handle(L1_HTID[fam], b1)),
+                    f"link u32 table {htid:x}:"))
         for err in self._rtnl.transact(reqs):
             if err is not None:
                 raise BackendError(f"cannot set up {self.interface}: {err}")
@@ -197,7 +204,7 @@ class TcBackend:
                 classes[obj.handle & 0xFFFF] = obj
         if DEFAULT_MINOR not in classes or (self.codec.has_link_class and LINK_MINOR not in classes):
             raise BackendError("skeleton classes missing")
-        tables, leaves, l1_links = set(), [], {}
+        tables, leaves, links = set(), [], 0
         for mtype, body in self._rtnl.dump(RTM_GETTFILTER, nl.tcmsg(self.ifindex, 0, QDISC_HANDLE)):
             obj = nl.parse_tcmsg(mtype, body)
             if obj.kind != "u32":
@@ -206,15 +213,12 @@ class TcBackend:
             if u32.TCA_U32_DIVISOR in opts:
                 tables.add(obj.handle >> 20)
             elif u32.TCA_U32_LINK in opts:
-                link = int.from_bytes(opts[u32.TCA_U32_LINK][:4], "little") >> 20
-                htid, b1, _ = u32.split_handle(obj.handle)
-                if htid in L1_HTID.values():
-                    fam = 4 if htid == L1_HTID[4] else 6
-                    l1_links[(fam, b1)] = link
+                links += 1
             elif u32.TCA_U32_CLASSID in opts and u32.TCA_U32_SEL in opts:
                 leaves.append(obj)
-        if not set(L1_HTID.values()) <= tables:
-            raise BackendError("u32 hash tables missing")
+        want_tables = {htid for _, htid, _ in all_tables()}
+        if not want_tables <= tables or links < len(want_tables):
+            raise BackendError("u32 hash tables or links missing")
         # link class / default class rates follow the current link rate
         fix = []
         if self.codec.has_link_class:
@@ -224,9 +228,6 @@ class TcBackend:
         fix.append(self._class_msg(DEFAULT_MINOR, self._flow_parent,
                                    self.codec.default_class_options(self.link_rate_bps), False,
                                    "update default class"))
-        for (fam, b1), htid in l1_links.items():
-            if htid in tables:
-                self._layout.adopt_l2(fam, b1, htid)
         stale_filters = []
         bound = set()
         for obj in leaves:
@@ -368,23 +369,6 @@ class TcBackend:
             if state["ok"]:
                 res.errors.append(OpError(op, str(err)))
             state["ok"] = False
-
-        if pl.new_l2:
-            fam = pl.family
-
-            def table_done(err):
-                if err is not None and err.errno != errno.EEXIST:
-                    self._layout.forget_l2(fam, pl.l1_bucket)
-                    fail(err)
-            add(self._filter_msg(RTM_NEWTFILTER, NLM_F_CREATE | NLM_F_EXCL, fam,
-                                 u32.htid_handle(pl.l2_htid), u32.table_options(pl.l2_htid, DIVISOR),
-                                 f"create u32 table {pl.l2_htid:x}:"), table_done)
-            add(self._filter_msg(RTM_NEWTFILTER, NLM_F_CREATE | NLM_F_EXCL, fam,
-                                 u32.htid_handle(L1_HTID[fam], pl.l1_bucket, 1),
-                                 u32.link_options(pl.l2_htid, [], PORTS_OFF[fam], HMASK_LOCAL_PORT,
-                                                  in_table=u32.htid_handle(L1_HTID[fam], pl.l1_bucket)),
-                                 f"link u32 table {pl.l2_htid:x}:"),
-                lambda err: err is not None and err.errno != errno.EEXIST and fail(err))
 
         def class_done(err):
             if err is not None:

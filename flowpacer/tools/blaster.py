@@ -119,6 +119,47 @@ def fetch(host: str, port: int, seconds: float, warmup: float, name: str, nbytes
             "goodput_bps": measured / span if span > 0 else 0.0}
 
 
+def _raise_nofile() -> None:
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def hold_serve(port: int, name: str) -> None:
+    """Accept connections and keep them open (many idle flows for scale tests)."""
+    _raise_nofile()
+    set_comm(name)
+    s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    s.bind(("::", port))
+    s.listen(4096)
+    held = []
+    while True:
+        conn, _ = s.accept()
+        held.append(conn)
+
+
+def hold_connect(host: str, port: int, count: int, seconds: float, name: str) -> dict:
+    """Open ``count`` connections, keep them ``seconds`` (or until stdin closes), close them."""
+    import select
+    _raise_nofile()
+    set_comm(name)
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    socks = []
+    t0 = time.monotonic()
+    for _ in range(count):
+        c = socket.socket(fam, socket.SOCK_STREAM)
+        c.connect((host, port))
+        socks.append(c)
+    opened = time.monotonic() - t0
+    print(json.dumps({"opened": len(socks), "open_s": opened}), flush=True)
+    select.select([sys.stdin], [], [], seconds)
+    for c in socks:
+        c.close()
+    return {"closed": len(socks)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="blaster")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -134,7 +175,22 @@ def main(argv=None) -> int:
     b.add_argument("--name", default="fp-client")
     b.add_argument("--bytes", type=int, default=None)
     b.add_argument("--local-port", type=int, default=0)
+    h = sub.add_parser("hold-serve")
+    h.add_argument("--port", type=int, required=True)
+    h.add_argument("--name", default="fp-hold-srv")
+    hc = sub.add_parser("hold-connect")
+    hc.add_argument("--host", required=True)
+    hc.add_argument("--port", type=int, required=True)
+    hc.add_argument("--count", type=int, required=True)
+    hc.add_argument("--seconds", type=float, default=60)
+    hc.add_argument("--name", default="fp-hold-cli")
     args = ap.parse_args(argv)
+    if args.cmd == "hold-serve":
+        hold_serve(args.port, args.name)
+        return 0
+    if args.cmd == "hold-connect":
+        print(json.dumps(hold_connect(args.host, args.port, args.count, args.seconds, args.name)))
+        return 0
     if args.cmd == "serve":
         serve([int(p) for p in args.ports.split(",")], args.v6, args.name)
         return 0

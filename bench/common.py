@@ -1,0 +1,40 @@
+"""Shared by the benchmarks: machine facts and the JSON result file."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict:
+    mem = 0
+    try:
+        with open("/proc/meminfo") as f:
+            mem = int(f.readline().split()[1]) * 1024
+    except OSError:
+        pass
+    return {"kernel": platform.release(), "cpus": os.cpu_count(), "memory_bytes": mem,
+            "python": platform.python_version(), "machine": platform.machine()}
+
+
+def percentiles(samples, ps=(50, 90, 99)) -> dict:
+    s = sorted(samples)
+    if not s:
+        return {}
+    out = {f"p{p}": s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))] for p in ps}
+    out.update(min=s[0], max=s[-1], mean=statistics.fmean(s), n=len(s))
+    return out
+
+
+def write(name: str, figures: dict, goals: dict = None) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    doc = {"name": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "machine": machine(), "figures": figures, "goals": goals or {}}
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    return path
