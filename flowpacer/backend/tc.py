@@ -102,18 +102,22 @@ class TcBackend:
         self.removed_stale = 0
 
     # ------------------------------------------------------------ helpers
-    def _req(self, mtype: int, flags: int, body: bytes, what: str) -> Request:
-        return Request(mtype, flags, body, f"{what} on {self.interface}")
+    def _req(self, mtype: int, flags: int, body: bytes, what) -> Request:
+        """A request; ``what`` (a string or a callable making one) names it in error messages."""
+        ifname = self.interface
+        if callable(what):
+            return Request(mtype, flags, body, lambda: f"{what()} on {ifname}")
+        return Request(mtype, flags, body, f"{what} on {ifname}")
 
     def _class_msg(self, minor: int, parent_minor: Optional[int], options: bytes, create: bool,
-                   what: str) -> Request:
+                   what) -> Request:
         parent = tc_handle(MAJOR, parent_minor) if parent_minor else QDISC_HANDLE
         flags = NLM_F_CREATE | NLM_F_EXCL if create else 0
         return self._req(RTM_NEWTCLASS, flags,
                          nl.tcmsg(self.ifindex, tc_handle(MAJOR, minor), parent) + options, what)
 
     def _filter_msg(self, mtype: int, flags: int, family: int, handle: int, options: bytes,
-                    what: str) -> Request:
+                    what) -> Request:
         info = u32.filter_info(PRIO[family], PROTO[family])
         return self._req(mtype, flags, nl.tcmsg(self.ifindex, handle, QDISC_HANDLE, info) + options,
                          what)
@@ -334,9 +338,9 @@ class TcBackend:
             res.removed += 1
 
         add(self._filter_msg(RTM_DELTFILTER, 0, fam, inst.filter_handle, u32.kind_only(),
-                             f"delete filter for {op.key}"), filter_done)
+                             lambda: f"delete filter for {op.key}"), filter_done)
         add(self._req(RTM_DELTCLASS, 0, nl.tcmsg(self.ifindex, inst.classid, self._parent_handle()),
-                      f"delete class {nl.fmt_handle(inst.classid)} of {op.key}"), class_done)
+                      lambda: f"delete class {nl.fmt_handle(inst.classid)} of {op.key}"), class_done)
 
     def _queue_change(self, op: Op, inst: Installed, add, res: ApplyResult) -> None:
         def done(err):
@@ -347,7 +351,7 @@ class TcBackend:
             res.changed += 1
         add(self._class_msg(inst.classid & 0xFFFF, self._flow_parent,
                             self.codec.flow_class_options(op.shape, self.link_rate_bps), False,
-                            f"change class {nl.fmt_handle(inst.classid)} of {op.key}"), done)
+                            lambda: f"change class {nl.fmt_handle(inst.classid)} of {op.key}"), done)
 
     def _queue_add(self, op: Op, add, res: ApplyResult) -> None:
         key = op.key
@@ -392,12 +396,12 @@ class TcBackend:
 
         add(self._class_msg(minor, self._flow_parent,
                             self.codec.flow_class_options(op.shape, self.link_rate_bps), True,
-                            f"add class {nl.fmt_handle(classid)} for {key}"), class_done)
+                            lambda: f"add class {nl.fmt_handle(classid)} for {key}"), class_done)
         add(self._filter_msg(RTM_NEWTFILTER, NLM_F_CREATE | NLM_F_EXCL, key.family, pl.handle,
                              u32.leaf_options(classid, u32.flow_keys(key.local_addr, key.local_port,
                                                                      key.remote_addr, key.remote_port),
                                               pl.in_table),
-                             f"add filter for {key}"), filter_done)
+                             lambda: f"add filter for {key}"), filter_done)
 
     # --------------------------------------------------------------- stats
     def stats(self) -> Dict[FlowKey, ClassStats]:

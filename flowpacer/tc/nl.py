@@ -150,7 +150,10 @@ class Request:
     msg_type: int
     flags: int
     body: bytes
-    what: str            # for messages: "add class f1f0:12 on eth0"
+    what: object         # "add class f1f0:12 on eth0", or a callable giving it (only on error)
+
+    def describe(self) -> str:
+        return self.what() if callable(self.what) else str(self.what)
 
 
 class RtnlSocket:
@@ -207,7 +210,7 @@ class RtnlSocket:
                     idx = pending.pop(seq)
                     err, extack = _parse_error(flags, payload)
                     if err:
-                        results[idx] = NetlinkError(requests[idx].what, err, extack)
+                        results[idx] = NetlinkError(requests[idx].describe(), err, extack)
         return results
 
     def request(self, req: Request) -> None:

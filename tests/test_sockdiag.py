@@ -1,0 +1,44 @@
+"""The sock_diag flow source on real sockets: attribution, direction, IPv4-mapped addresses."""
+import ipaddress
+import os
+import socket
+
+import pytest
+
+from flowpacer.model import Direction, FlowKey, FlowSource
+from flowpacer.sockdiag import SockDiagSource
+from flowpacer.testbed import in_netns
+
+pytestmark = pytest.mark.kernel
+
+
+def test_snapshot_attributes_and_directions(testbed):
+    with in_netns(testbed.server_ns):
+        lst = socket.socket(socket.AF_INET6)                   # dual-stack listener
+        lst.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        lst.bind(("::", 9301))
+        lst.listen(8)
+        c4 = socket.create_connection((str(testbed.server_v4), 9301))
+        a4, _ = lst.accept()
+        c6 = socket.create_connection((str(testbed.server_v6), 9301))
+        a6, _ = lst.accept()
+        try:
+            src = SockDiagSource()
+            snap = src.snapshot()
+            walks = src.proc_walks
+            again = src.snapshot()
+        finally:
+            for s in (c4, a4, c6, a6, lst):
+                s.close()
+    ins = {k: f for k, f in snap.items() if f.direction is Direction.INBOUND}
+    outs = {k: f for k, f in snap.items() if f.direction is Direction.OUTBOUND}
+    assert len(ins) == 2 and len(outs) == 2
+    # the accepted IPv4 flow on the IPv6 socket is reported with IPv4 addresses (as on the wire)
+    assert {k.family for k in ins} == {4, 6}
+    for k, f in snap.items():
+        assert f.proc.pid == os.getpid() and f.proc.comm and f.proc.uid == 0
+        assert f.source is FlowSource.RECONCILE
+        assert k.local_addr.version == k.remote_addr.version
+    assert all(k.local_port == 9301 for k in ins)
+    # the second scan found no new socket inode: no /proc walk
+    assert src.proc_walks == walks and again.keys() == snap.keys()
