@@ -27,6 +27,9 @@ from .backend.tc import TcBackend
 from .control import DEFAULT_SOCKET, ControlServer
 from .errors import BackendError, FlowpacerError, RulesError, TracerUnavailable
 from .flows import FlowTable
+from .metrics import (DEFAULT_LISTEN, DEFAULT_MAX_FLOW_SERIES, FlowpacerCollector,
+                      LatencyHistogram, MetricsServer)
+from .tc.nl import RtnlSocket
 from .model import BackendKind, FlowKey, RuleSet
 from .sockdiag import SockDiagSource
 
@@ -42,6 +45,8 @@ class Options:
     take_over: bool = False
     rescan_s: float = 1.0
     tracer: bool = True
+    metrics_listen: Optional[str] = DEFAULT_LISTEN   # None: no metrics endpoint
+    max_flow_series: int = DEFAULT_MAX_FLOW_SERIES
 
 
 def sd_notify(state: str) -> None:
@@ -66,6 +71,7 @@ class Counters:
     reloads_ok: int = 0
     reloads_failed: int = 0
     apply_latency_ns: deque = field(default_factory=lambda: deque(maxlen=4096))
+    apply_hist: LatencyHistogram = field(default_factory=LatencyHistogram)
     shape_latency_ns: deque = field(default_factory=lambda: deque(maxlen=4096))
 
 
@@ -85,6 +91,10 @@ class Daemon:
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._signals: deque = deque()
         self._control: Optional[ControlServer] = None
+        self._metrics: Optional[MetricsServer] = None
+        self._metrics_rtnl: Optional[RtnlSocket] = None
+        # held by the loop while it changes flows or kernel state; scrapes take it to copy a view
+        self.lock = threading.RLock()
         self._tracer_thread: Optional[threading.Thread] = None
         self._next_scan = 0.0
 
@@ -113,6 +123,12 @@ class Daemon:
         else:
             self.tracer_status = "disabled (--no-tracer)"
         self._control = ControlServer(self.opts.socket_path, self._handle)
+        if self.opts.metrics_listen:
+            try:
+                self._metrics = MetricsServer(self.opts.metrics_listen, FlowpacerCollector(
+                    self.metrics_view, self._class_stats, self.opts.max_flow_series))
+            except (OSError, ValueError) as e:
+                raise FlowpacerError(f"metrics endpoint {self.opts.metrics_listen}: {e}") from None
         self._rescan()
         for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
@@ -174,11 +190,13 @@ class Daemon:
                         except BlockingIOError:
                             pass
                     else:
-                        self._control.serve_one()
-                self._drain_signals()
-                self._drain_events()
-                if time.monotonic() >= self._next_scan:
-                    self._rescan()
+                        with self.lock:
+                            self._control.serve_one()
+                with self.lock:
+                    self._drain_signals()
+                    self._drain_events()
+                    if time.monotonic() >= self._next_scan:
+                        self._rescan()
         finally:
             sel.close()
 
@@ -234,6 +252,7 @@ class Daemon:
         t1 = time.monotonic_ns()
         self.counters.applies += 1
         self.counters.apply_latency_ns.append(t1 - t0)
+        self.counters.apply_hist.observe((t1 - t0) / 1e9)
         for op in ops:
             f = flows.get(op.key)
             if op.kind.value == "add" and f is not None and f.seen_ns:
@@ -338,10 +357,45 @@ class Daemon:
             "counters": {"applies": self.counters.applies, "op_errors": self.counters.op_errors,
                          "reloads_ok": self.counters.reloads_ok,
                          "reloads_failed": self.counters.reloads_failed,
-                         "events": dict(self.table.events),
+                         "events": {f"{s}_{k}": n for (s, k), n in self.table.events.items()},
                          "reconcile_added": self.table.reconcile_added,
                          "reconcile_removed": self.table.reconcile_removed},
         }
+
+    def metrics_view(self) -> dict:
+        """A consistent copy of what a scrape needs (taken under the loop's lock)."""
+        with self.lock:
+            b = self.backend
+            flows = []
+            for key, classid, shape in (b.flows_snapshot() if b else ()):
+                f = self.table.flows.get(key)
+                flows.append({"key": key, "classid": classid, "rule": shape.rule,
+                              "rate_bps": shape.rate_bps,
+                              "process": f.proc.comm if f else "",
+                              "direction": f.direction.value if f else "",
+                              "local_address": str(key.local_addr), "local_port": key.local_port,
+                              "remote_address": str(key.remote_addr),
+                              "remote_port": key.remote_port})
+            ts = self.tracer.stats() if self.tracer is not None else {}
+            c = self.counters
+            return {"flows": flows,
+                    "rule_names": [r.name for r in self.rules.rules] if self.rules else [],
+                    "backend": b.name if b else None, "interface": b.interface if b else None,
+                    "flow_source": self.tracer_status, "events": dict(self.table.events),
+                    "tracer_lost": ts.get("lost", 0),
+                    "tracer_unattributed": ts.get("unattributed", 0),
+                    "netlink_errors": c.op_errors, "reloads_ok": c.reloads_ok,
+                    "reloads_failed": c.reloads_failed, "live_flows": len(self.table),
+                    "apply_hist": c.apply_hist.cumulative()}
+
+    def _class_stats(self) -> dict:
+        """Read by the metrics thread over its own netlink socket, without the loop's lock."""
+        b = self.backend
+        if b is None:
+            return {}
+        if self._metrics_rtnl is None:
+            self._metrics_rtnl = RtnlSocket()
+        return b.stats_by_class(self._metrics_rtnl)
 
     def _handle(self, req: dict) -> dict:
         cmd = req.get("cmd")
@@ -372,6 +426,8 @@ class Daemon:
             self.backend.close()
         if self._control is not None:
             self._control.close()
+        if self._metrics is not None:
+            self._metrics.close()
         signal.set_wakeup_fd(-1)
         os.close(self._wake_r)
         os.close(self._wake_w)

@@ -59,15 +59,22 @@ def main():
 @click.option("--rescan", default=1.0, show_default=True, type=click.FloatRange(0.05, 3600),
               help="sock_diag reconcile period, seconds")
 @click.option("--no-tracer", is_flag=True, help="find flows by sock_diag polling only")
+@click.option("--metrics", "metrics_listen", default="127.0.0.1:9717", show_default=True,
+              metavar="HOST:PORT", help="Prometheus endpoint (loopback unless told otherwise)")
+@click.option("--no-metrics", is_flag=True, help="no Prometheus endpoint")
+@click.option("--metrics-max-flows", default=10_000, show_default=True, type=click.IntRange(0),
+              help="at most this many per-flow series; the rest are counted as overflow")
 @click.option("-v", "--verbose", count=True)
-def run(rules_path, interface, backend, socket_path, take_over, rescan, no_tracer, verbose):
+def run(rules_path, interface, backend, socket_path, take_over, rescan, no_tracer, metrics_listen,
+        no_metrics, metrics_max_flows, verbose):
     """Run the daemon: shape each matched flow until stopped (SIGTERM removes everything)."""
     _setup_logging(verbose)
     if os.geteuid() != 0:
         _fail("run needs root (CAP_NET_ADMIN for tc, CAP_BPF/CAP_SYS_ADMIN for the tracer)")
     from .app import Daemon, Options
     d = Daemon(Options(rules_path, interface, BackendKind(backend) if backend else None,
-                       socket_path, take_over, rescan, not no_tracer))
+                       socket_path, take_over, rescan, not no_tracer,
+                       None if no_metrics else metrics_listen, metrics_max_flows))
     try:
         d.start()
     except RulesError as e:

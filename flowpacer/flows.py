@@ -18,7 +18,9 @@ class FlowTable:
     def __init__(self) -> None:
         self.flows: Dict[FlowKey, Flow] = {}
         self.dirty: Set[FlowKey] = set()
-        self.events = {"tracer": 0, "reconcile": 0}
+        self.events = {("tracer", "open"): 0, ("tracer", "close"): 0,
+                       ("reconcile", "open"): 0, ("reconcile", "close"): 0}
+        self.snapshots = 0
         self.reconcile_added = 0
         self.reconcile_removed = 0
 
@@ -27,7 +29,7 @@ class FlowTable:
 
     def on_event(self, ev: FlowEvent) -> None:
         key = ev.flow.key
-        self.events["tracer"] += 1
+        self.events[("tracer", ev.kind.value)] += 1
         if ev.kind is EventKind.OPEN:
             self.flows[key] = ev.flow
         elif self.flows.pop(key, None) is None:
@@ -35,13 +37,14 @@ class FlowTable:
         self.dirty.add(key)
 
     def on_snapshot(self, snap: Mapping[FlowKey, Flow], started_ns: int) -> None:
-        self.events["reconcile"] += 1
+        self.snapshots += 1
         for key, flow in snap.items():
             cur = self.flows.get(key)
             if cur is None:
                 self.flows[key] = flow
                 self.dirty.add(key)
                 self.reconcile_added += 1
+                self.events[("reconcile", "open")] += 1
             elif cur.source is FlowSource.RECONCILE and flow.proc.pid and cur.proc != flow.proc:
                 self.flows[key] = replace(flow, seen_ns=cur.seen_ns)
                 self.dirty.add(key)
@@ -49,6 +52,7 @@ class FlowTable:
             del self.flows[key]
             self.dirty.add(key)
             self.reconcile_removed += 1
+            self.events[("reconcile", "close")] += 1
 
     def take_dirty(self) -> Set[FlowKey]:
         d, self.dirty = self.dirty, set()

@@ -404,12 +404,21 @@ class TcBackend:
                              lambda: f"add filter for {key}"), filter_done)
 
     # --------------------------------------------------------------- stats
-    def stats(self) -> Dict[FlowKey, ClassStats]:
-        by_class: Dict[int, ClassStats] = {}
-        for mtype, body in self._rtnl.dump(RTM_GETTCLASS, nl.tcmsg(self.ifindex)):
+    def flows_snapshot(self) -> List[tuple]:
+        """[(key, classid, shape)] of every installed flow (a copy)."""
+        return [(k, v.classid, v.shape) for k, v in self._flows.items()]
+
+    def stats_by_class(self, rtnl: Optional[RtnlSocket] = None) -> Dict[int, ClassStats]:
+        """{classid: ClassStats} of our classes, read now (``rtnl``: another thread's socket)."""
+        out: Dict[int, ClassStats] = {}
+        for mtype, body in (rtnl or self._rtnl).dump(RTM_GETTCLASS, nl.tcmsg(self.ifindex)):
             obj = nl.parse_tcmsg(mtype, body)
             if obj.ifindex == self.ifindex and obj.handle >> 16 == MAJOR:
-                by_class[obj.handle] = ClassStats(**nl.parse_stats2(obj))
+                out[obj.handle] = ClassStats(**nl.parse_stats2(obj))
+        return out
+
+    def stats(self) -> Dict[FlowKey, ClassStats]:
+        by_class = self.stats_by_class()
         return {k: by_class[v.classid] for k, v in self._flows.items() if v.classid in by_class}
 
     def default_stats(self) -> ClassStats:

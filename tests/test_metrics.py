@@ -1,0 +1,168 @@
+"""Prometheus metrics: collector logic with plain values, the endpoint of a real daemon, and a
+real Prometheus server scraping it."""
+import ipaddress
+import json
+import shutil
+import subprocess
+import textwrap
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from flowpacer.metrics import FlowpacerCollector, LatencyHistogram
+from flowpacer.model import ClassStats, FlowKey
+from flowpacer.testbed import PY, client_argv, in_netns, server_argv, wait_for
+
+from .test_daemon import Daemon
+
+
+def _flow(i, rule="r", rate=1000, process="srv\n\x1b[31m"):
+    k = FlowKey(ipaddress.ip_address("10.0.0.1"), 80, ipaddress.ip_address("10.0.0.2"), 1000 + i)
+    return {"key": k, "classid": 0xF1F00010 + i, "rule": rule, "rate_bps": rate,
+            "process": process, "direction": "inbound", "local_address": "10.0.0.1",
+            "local_port": 80, "remote_address": "10.0.0.2", "remote_port": 1000 + i}
+
+
+def _view(flows, **kw):
+    h = LatencyHistogram()
+    h.observe(0.0003)
+    v = {"flows": flows, "rule_names": ["r", "s"], "backend": "htb", "interface": "eth0",
+         "flow_source": "tracer", "events": {("tracer", "open"): 3}, "tracer_lost": 0,
+         "tracer_unattributed": 0, "netlink_errors": 0, "reloads_ok": 1, "reloads_failed": 0,
+         "live_flows": len(flows), "apply_hist": h.cumulative()}
+    v.update(kw)
+    return v
+
+
+def scrape(collector):
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(collector)
+    text = generate_latest(reg).decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append(s)
+    return out
+
+
+def value(samples, name, **labels):
+    return sum(s.value for s in samples.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_collector_bounds_series_and_counts_overflow():
+    flows = [_flow(i) for i in range(10)]
+    stats = {f["classid"]: ClassStats(bytes=100, packets=1) for f in flows}
+    c = FlowpacerCollector(lambda: _view(flows), lambda: stats, max_flow_series=4)
+    m = scrape(c)
+    assert len(m["flowpacer_flow_sent_bytes_total"]) == 4
+    assert value(m, "flowpacer_flow_series_overflow") == 6
+    assert value(m, "flowpacer_rule_flows", rule="r") == 10           # totals include all flows
+    assert value(m, "flowpacer_rule_sent_bytes_total", rule="r") == 1000
+    assert value(m, "flowpacer_rule_flows", rule="s") == 0
+    # untrusted process names come out escaped, the exposition stays parseable
+    assert m["flowpacer_flow_sent_bytes_total"][0].labels["process"] == "srv\n\x1b[31m"
+
+
+def test_rule_totals_are_counters_across_flow_ends_and_rule_changes():
+    flows = [_flow(0), _flow(1)]
+    stats = {f["classid"]: ClassStats(bytes=500) for f in flows}
+    view = {"v": _view(flows)}
+    c = FlowpacerCollector(lambda: view["v"], lambda: stats)
+    assert value(scrape(c), "flowpacer_rule_sent_bytes_total", rule="r") == 1000
+    # flow 1 ends; flow 0 moves to rule s (reload) and sends 200 more
+    moved = dict(flows[0], rule="s")
+    stats[moved["classid"]] = ClassStats(bytes=700)
+    view["v"] = _view([moved])
+    m = scrape(c)
+    assert value(m, "flowpacer_rule_sent_bytes_total", rule="r") == 1000     # kept
+    assert value(m, "flowpacer_rule_sent_bytes_total", rule="s") == 200      # only what came after
+    assert value(m, "flowpacer_apply_duration_seconds_count") == 1
+
+
+@pytest.mark.kernel
+def test_daemon_endpoint_serves_flows_and_only_metrics(testbed, tmp_path):
+    from .test_daemon import RULES
+    testbed.popen(testbed.server_ns, server_argv([9101], "fp-test-srv"))
+    testbed.wait_listening(9101)
+    d = Daemon(testbed, tmp_path, RULES).start()
+    try:
+        c = testbed.popen(testbed.client_ns, client_argv(str(testbed.server_v4), 9101, 4, local_port=46001),
+                          stdout=subprocess.PIPE, text=True)
+        wait_for(lambda: d.flows(), 5, 0.05, "a shaped flow")
+
+        def get(path):
+            with in_netns(testbed.server_ns):
+                return urllib.request.urlopen(f"http://127.0.0.1:9717{path}", timeout=5)
+
+        def sent():
+            text = get("/metrics").read().decode()
+            fams = {s.name: s for f in text_string_to_metric_families(text) for s in f.samples
+                    if s.name == "flowpacer_flow_sent_bytes_total"}
+            s = fams.get("flowpacer_flow_sent_bytes_total")
+            return s if s and s.value > 0 else None
+        s = wait_for(sent, 5, 0.1, "flow bytes in the metrics")
+        assert s.labels == {"rule": "slow", "process": "fp-test-srv", "direction": "inbound",
+                            "local_address": str(testbed.server_v4), "local_port": "9101",
+                            "remote_address": str(testbed.client_v4), "remote_port": "46001"}
+        for bad in ("/", "/admin", "/metrics/../etc/passwd"):
+            with pytest.raises(urllib.error.HTTPError) as e:
+                get(bad)
+            assert e.value.code == 404
+        c.communicate(timeout=30)
+    finally:
+        d.stop()
+
+
+@pytest.mark.kernel
+def test_prometheus_rate_matches_rule(testbed, tmp_path):
+    """A real Prometheus scrapes the daemon every second; rate() of a shaped flow is within 5 %
+    of its rule's rate."""
+    prom = shutil.which("prometheus")
+    assert prom, "Debian's prometheus package is needed (make deps installs it)"
+    from .test_daemon import RULES
+    testbed.popen(testbed.server_ns, server_argv([9101], "fp-test-srv"))
+    testbed.wait_listening(9101)
+    d = Daemon(testbed, tmp_path, RULES.replace("rate: 10mbit", "rate: 20mbit")).start()
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text(textwrap.dedent("""\
+        global: {scrape_interval: 1s, evaluation_interval: 1s}
+        scrape_configs:
+          - job_name: flowpacer
+            static_configs: [{targets: ["127.0.0.1:9717"]}]
+        """))
+    testbed.popen(testbed.server_ns, [prom, f"--config.file={cfg}",
+                                      f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                                      "--web.listen-address=127.0.0.1:9090"],
+                  stderr=open(tmp_path / "prom.log", "w"))
+
+    def query(q):
+        url = "http://127.0.0.1:9090/api/v1/query?" + urllib.parse.urlencode({"query": q})
+        try:
+            with in_netns(testbed.server_ns):
+                r = json.load(urllib.request.urlopen(url, timeout=5))
+        except (OSError, ValueError):
+            return None
+        return r["data"]["result"] if r.get("status") == "success" else None
+    try:
+        wait_for(lambda: query("up") , 30, 0.2, "prometheus to answer")
+        c = testbed.popen(testbed.client_ns, client_argv(str(testbed.server_v4), 9101, 14),
+                          stdout=subprocess.PIPE, text=True)
+        q = 'rate(flowpacer_flow_sent_bytes_total{rule="slow"}[6s])'
+
+        def steady():
+            res = query(q)
+            return res and float(res[0]["value"][1]) > 0 and time.monotonic() - t0 > 9 and res
+        t0 = time.monotonic()
+        res = wait_for(steady, 20, 0.5, "a rate from prometheus")
+        got = float(res[0]["value"][1])
+        assert got == pytest.approx(20e6 / 8, rel=0.05)
+        assert query('flowpacer_info{backend="htb"}')
+        c.communicate(timeout=30)
+    finally:
+        d.stop()
