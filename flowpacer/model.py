@@ -29,7 +29,7 @@ class FlowSource(str, enum.Enum):
     RECONCILE = "reconcile"  # sock_diag snapshot / periodic re-scan
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True, order=True, slots=True)
 class FlowKey:
     """The egress 4-tuple of a TCP flow as seen from this host.
 
@@ -51,7 +51,7 @@ class FlowKey:
         return f"{ep(self.local_addr, self.local_port)}->{ep(self.remote_addr, self.remote_port)}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ProcessInfo:
     """Who owns a flow. Strings come from the kernel: treat them as untrusted."""
     pid: int                 # thread group id (what ps calls PID)
@@ -62,7 +62,7 @@ class ProcessInfo:
     cgroup_id: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Flow:
     key: FlowKey
     direction: Direction
@@ -77,7 +77,7 @@ class EventKind(str, enum.Enum):
     CLOSE = "close"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FlowEvent:
     kind: EventKind
     flow: Flow
@@ -85,7 +85,7 @@ class FlowEvent:
 
 # --------------------------------------------------------------------- rules
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PortSet:
     """Inclusive port ranges; an empty set means "any port"."""
     ranges: Tuple[Tuple[int, int], ...] = ()
@@ -94,7 +94,7 @@ class PortSet:
         return not self.ranges or any(lo <= port <= hi for lo, hi in self.ranges)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Match:
     """All given fields must match; an empty tuple / None means "any"."""
     process: Tuple[str, ...] = ()        # comm globs
@@ -106,7 +106,7 @@ class Match:
     remote: Tuple[IPNetwork, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Rule:
     name: str
     match: Match
@@ -121,7 +121,7 @@ class BackendKind(str, enum.Enum):
     HTB = "htb"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RuleSet:
     interface: str
     backend: BackendKind = BackendKind.AUTO
@@ -138,7 +138,7 @@ class RuleSet:
 
 # ------------------------------------------------------------ engine/backend
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Shape:
     """What one flow should get from the backend."""
     rule: str
@@ -146,7 +146,7 @@ class Shape:
     ceil_bps: int                        # == rate_bps when the rule has no ceil
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ClassStats:
     bytes: int = 0
     packets: int = 0
@@ -157,7 +157,7 @@ class ClassStats:
     rate_est_bps: int = 0                # bytes/s, 0 when the kernel has none
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class LinkConfig:
     interface: str
     link_rate_bps: int
@@ -178,7 +178,7 @@ class OpKind(str, enum.Enum):
     REMOVE = "remove"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Op:
     """One step of a plan: give a flow its class, change its rate, or take it away."""
     kind: OpKind
@@ -186,7 +186,7 @@ class Op:
     shape: Optional[Shape] = None      # None for REMOVE
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class OpError:
     op: Op
     reason: str                        # one line, with the kernel's extack text when it gave one

@@ -157,13 +157,14 @@ class Request:
 
 
 class RtnlSocket:
-    """A NETLINK_ROUTE socket that sends batches and reports each request's outcome."""
+    """A netlink socket (NETLINK_ROUTE unless told) that sends batches and reports each
+    request's outcome, and runs dumps."""
 
     BATCH_BYTES = 48 * 1024
 
-    def __init__(self) -> None:
+    def __init__(self, protocol: int = socket.NETLINK_ROUTE) -> None:
         self._sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC,
-                                   socket.NETLINK_ROUTE)
+                                   protocol)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
         for opt in (NETLINK_EXT_ACK, NETLINK_CAP_ACK):
