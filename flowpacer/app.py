@@ -67,6 +67,29 @@ def sd_notify(state: str) -> None:
 MADV_PAGEOUT = 21
 
 
+def check_rules_access(path: str) -> None:
+    """Refuse a rules file that someone other than root could have written (as sudo does with
+    sudoers): it decides how every flow on the server is paced."""
+    import stat as st
+    try:
+        info = os.stat(path)
+    except OSError as e:
+        raise FlowpacerError(f"{path}: cannot read: {e.strerror}") from None
+    if not st.S_ISREG(info.st_mode):
+        raise FlowpacerError(f"{path}: not a regular file")
+    if info.st_uid != 0:
+        raise FlowpacerError(f"{path}: owned by uid {info.st_uid}, not root: refusing it "
+                             "(chown root)")
+    if info.st_mode & (st.S_IWGRP | st.S_IWOTH):
+        raise FlowpacerError(f"{path}: writable by group or others (mode "
+                             f"{st.S_IMODE(info.st_mode):04o}): refusing it (chmod go-w)")
+
+
+def load_rules(path: str) -> RuleSet:
+    check_rules_access(path)
+    return rules_loader.load(path)
+
+
 def release_compiler_memory() -> None:
     """Give back what bcc's one-off compile left behind (~170 MB of RSS otherwise).
 
@@ -141,7 +164,7 @@ class Daemon:
 
     def start(self) -> None:
         """Load rules, set up the backend and the flow sources. Raises FlowpacerError."""
-        self.rules = rules_loader.load(self.opts.rules_path)
+        self.rules = load_rules(self.opts.rules_path)
         self.backend = self._make_backend(self.rules)
         if self.opts.tracer:
             self._start_tracer()
@@ -295,12 +318,16 @@ class Daemon:
         sd_notify("RELOADING=1")
         try:
             try:
-                new = rules_loader.load(self.opts.rules_path)
+                new = load_rules(self.opts.rules_path)
             except RulesError as e:
                 self.counters.reloads_failed += 1
                 for p in e.problems:
                     log.error("reload refused: %s", p)
                 return {"ok": False, "errors": [str(p) for p in e.problems]}
+            except FlowpacerError as e:
+                self.counters.reloads_failed += 1
+                log.error("reload refused: %s", e)
+                return {"ok": False, "errors": [str(e)]}
             old = self.rules
             switch = (self._interface(new) != self.backend.interface
                       or (self.opts.backend or new.backend) != (self.opts.backend or old.backend)

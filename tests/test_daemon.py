@@ -213,3 +213,30 @@ def test_cleanup_command(testbed, daemon):
     r = testbed.run(testbed.server_ns, [PY, "-m", "flowpacer.cli", "cleanup", "--interface",
                                         testbed.server_if])
     assert "removed" in r.stdout and qdisc_kind(testbed) != "htb"
+
+
+@pytest.mark.parametrize("uid,mode,why", [(0, 0o664, "writable by group or others (mode 0664)"),
+                                          (0, 0o646, "writable by group or others (mode 0646)"),
+                                          (1000, 0o644, "owned by uid 1000, not root")])
+def test_rules_file_must_be_root_owned_and_not_writable_by_others(testbed, tmp_path, uid, mode, why):
+    d = Daemon(testbed, tmp_path, RULES)
+    os.chown(d.rules, uid, 0)
+    os.chmod(d.rules, mode)
+    d.start(wait=False)
+    assert d.proc.wait(timeout=60) == 1
+    last = d.log.read_text().strip().splitlines()[-1]
+    assert why in last and str(d.rules) in last and "Traceback" not in d.log.read_text()
+
+
+def test_control_socket_is_root_only(testbed, daemon):
+    import stat
+    daemon.start()
+    st = os.stat(daemon.sock)
+    assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == 0
+    # an unprivileged local user cannot ask anything
+    code = ("import socket,sys\n"
+            "s=socket.socket(socket.AF_UNIX)\n"
+            "try:\n s.connect(sys.argv[1])\nexcept PermissionError:\n print('refused')\n")
+    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", PY, "-c",
+                        code, daemon.sock], capture_output=True, text=True, timeout=30)
+    assert r.stdout.strip() == "refused", r.stderr
