@@ -174,9 +174,10 @@ class TcBackend:
         if c.has_link_class:
             reqs.append(self._class_msg(LINK_MINOR, None, c.link_class_options(self.link_rate_bps),
                                         True, "create link class"))
-        reqs.append(self._class_msg(DEFAULT_MINOR, self._flow_parent,
-                                    c.default_class_options(self.link_rate_bps), True,
-                                    "create default class"))
+        if not getattr(c, "makes_default_class", False):
+            reqs.append(self._class_msg(DEFAULT_MINOR, self._flow_parent,
+                                        c.default_class_options(self.link_rate_bps), True,
+                                        "create default class"))
         for fam, htid, b1 in all_tables():
             reqs.append(self._filter_msg(RTM_NEWTFILTER, NLM_F_CREATE | NLM_F_EXCL, fam,
                                          u32.htid_handle(htid), u32.table_options(htid, DIVISOR),
@@ -229,9 +230,15 @@ class TcBackend:
             fix.append(self._class_msg(LINK_MINOR, None,
                                        self.codec.link_class_options(self.link_rate_bps), False,
                                        "update link class"))
-        fix.append(self._class_msg(DEFAULT_MINOR, self._flow_parent,
-                                   self.codec.default_class_options(self.link_rate_bps), False,
-                                   "update default class"))
+        if getattr(self.codec, "makes_default_class", False):
+            # the qdisc owns the link rate (and its default class): change it in place
+            fix.append(self._req(RTM_NEWQDISC, 0, nl.tcmsg(self.ifindex, QDISC_HANDLE, TC_H_ROOT)
+                                 + self.codec.qdisc_options(self.link_rate_bps, DEFAULT_MINOR),
+                                 "update root qdisc"))
+        else:
+            fix.append(self._class_msg(DEFAULT_MINOR, self._flow_parent,
+                                       self.codec.default_class_options(self.link_rate_bps), False,
+                                       "update default class"))
         stale_filters = []
         bound = set()
         for obj in leaves:
@@ -343,18 +350,28 @@ class TcBackend:
                       lambda: f"delete class {nl.fmt_handle(inst.classid)} of {op.key}"), class_done)
 
     def _queue_change(self, op: Op, inst: Installed, add, res: ApplyResult) -> None:
+        try:
+            options = self.codec.flow_class_options(op.shape, self.link_rate_bps)
+        except ValueError as e:
+            res.errors.append(OpError(op, f"{op.key}: {e}"))
+            return
+
         def done(err):
             if err is not None:
                 res.errors.append(OpError(op, str(err)))
                 return
             inst.shape = op.shape
             res.changed += 1
-        add(self._class_msg(inst.classid & 0xFFFF, self._flow_parent,
-                            self.codec.flow_class_options(op.shape, self.link_rate_bps), False,
+        add(self._class_msg(inst.classid & 0xFFFF, self._flow_parent, options, False,
                             lambda: f"change class {nl.fmt_handle(inst.classid)} of {op.key}"), done)
 
     def _queue_add(self, op: Op, add, res: ApplyResult) -> None:
         key = op.key
+        try:
+            options = self.codec.flow_class_options(op.shape, self.link_rate_bps)
+        except ValueError as e:
+            res.errors.append(OpError(op, f"{key}: {e}"))
+            return
         try:
             minor = self._alloc_minor()
         except LayoutFull as e:
@@ -394,8 +411,7 @@ class TcBackend:
             self._rtnl.transact(undo)
             self._free_minor(minor)
 
-        add(self._class_msg(minor, self._flow_parent,
-                            self.codec.flow_class_options(op.shape, self.link_rate_bps), True,
+        add(self._class_msg(minor, self._flow_parent, options, True,
                             lambda: f"add class {nl.fmt_handle(classid)} for {key}"), class_done)
         add(self._filter_msg(RTM_NEWTFILTER, NLM_F_CREATE | NLM_F_EXCL, key.family, pl.handle,
                              u32.leaf_options(classid, u32.flow_keys(key.local_addr, key.local_port,
