@@ -181,6 +181,9 @@ class Daemon:
         for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        import gc
+        gc.collect()
+        gc.freeze()     # start-up objects (bcc, rules) stay out of later collections' work
         sd_notify("READY=1\nSTATUS=shaping flows on " + self.backend.interface)
         log.info("ready: %d flows shaped, flow source: %s", len(self.backend.installed()),
                  self.tracer_status)
@@ -193,9 +196,9 @@ class Daemon:
             log.warning("%s", self.tracer_status)
             return
         try:
-            t = Tracer()
+            t = Tracer(ring_pages=256)
+            t.set_watch(*engine.watch_filter(self.rules))   # applied before anything is reported
             t.start()
-            t.set_watch(*engine.watch_filter(self.rules))
         except (TracerUnavailable, OSError) as e:
             self.tracer_status = f"sock_diag polling only (tracer unavailable: {e})"
             log.warning("%s", self.tracer_status)
