@@ -20,6 +20,12 @@ test: deps
 bench: deps
 	$(PY) -m bench.run
 
+kmod: deps
+	$(MAKE) -C flowpacer/kmod
+
+sim: deps
+	$(MAKE) -C flowpacer/kmod sim
+
 clean:
 	rm -rf build *.egg-info .pytest_cache
 	$(MAKE) -C flowpacer/kmod clean 2>/dev/null || true

@@ -28,9 +28,9 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import bcc' 2>/dev/null; 
   rm -rf .venv
   /usr/bin/python3 -m venv --system-site-packages .venv
 fi
-if ! .venv/bin/python -c 'import flowpacer, pyroute2, yaml, click, pytest, hypothesis, prometheus_client, matplotlib' 2>/dev/null \
+if ! .venv/bin/python -c 'import flowpacer, pyroute2, yaml, click, pytest, hypothesis, prometheus_client, matplotlib, numpy' 2>/dev/null \
    || [ pyproject.toml -nt .venv/.installed ]; then
-  .venv/bin/pip install -q --disable-pip-version-check -e '.[test]' prometheus-client matplotlib
+  .venv/bin/pip install -q --disable-pip-version-check -e '.[test]' prometheus-client matplotlib numpy
   touch .venv/.installed
 fi
 

@@ -1,0 +1,139 @@
+"""Per-packet cost of psp's scheduling core at 10, 1 000 and 100 000 classes (issue 4).
+
+The module's scheduling code (flowpacer/kmod/psp_sched.h) runs unchanged in the userspace
+simulator (flowpacer/kmod/sim), where the rbtrees are replaced by a 4-ary heap with the same order.
+Every class is backlogged all the time (an endless source of 1514-byte packets) and the rates are
+equal and add up to 90 % of a 100 Gbit/s link, so each packet is one select + one charge + the
+requeue of its class among N. Two ways the classes start:
+
+* ``staggered``: at spread-out times, as real flows do; at most one class is due at a time;
+* ``aligned``: all at the same instant, so all fall due together every period and every packet
+  goes through the deadline tree (the worst case for the per-packet cost).
+
+Each repetition times ``--packets`` packets with the thread's CPU clock (the machines are shared:
+wall time would count other work); repetitions alternate between the class counts so that noise
+hits all of them alike. Goal: 100 000 classes cost <= 3x of 10 classes.
+
+Writes bench/results/psp_sim.json. Run: ``.venv/bin/python -m bench.psp_sim``.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import platform
+import subprocess
+import sys
+import time
+
+from flowpacer.kmod.sim.pspsim import NSEC, Sim, build
+
+from .common import percentiles, write
+
+log = logging.getLogger(__name__)
+
+LINK = 12_500_000_000          # 100 Gbit/s in bytes/s
+LOAD = 0.9
+MTU = 1514
+COUNTS = (10, 1000, 100_000)
+
+
+def cpu_facts() -> dict:
+    out = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    out["model"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        out["lscpu_caches"] = [ln.strip() for ln in subprocess.run(
+            ["lscpu"], capture_output=True, text=True, timeout=10).stdout.splitlines()
+            if "cache" in ln.lower()]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    try:
+        out["gcc"] = subprocess.run(["gcc", "--version"], capture_output=True, text=True,
+                                    timeout=10).stdout.splitlines()[0]
+    except (OSError, subprocess.TimeoutExpired, IndexError):
+        pass
+    return out
+
+
+def make_sim(n: int, staggered: bool) -> Sim:
+    s = Sim(LINK)
+    rate = int(LINK * LOAD) // n
+    period = MTU * NSEC // rate
+    for i in range(n):
+        c = s.add_class(rate)
+        s.greedy(c, MTU, now=(i * period // n) if staggered else 0)
+    s.run(until=3 * period, log=False)          # warm up: every class has sent
+    return s
+
+
+def scenario(name: str, staggered: bool, reps: int, packets: int) -> dict:
+    sims = {n: make_sim(n, staggered) for n in COUNTS}
+    link_tx = MTU * NSEC // LINK
+    samples = {n: [] for n in COUNTS}
+    sent = {n: 0 for n in COUNTS}
+    for _ in range(reps):
+        for n, s in sims.items():
+            t0 = time.thread_time_ns()
+            k = s.run(until=s.now + packets * link_tx, log=False)
+            dt = time.thread_time_ns() - t0
+            samples[n].append(dt / k)
+            sent[n] += k
+    out = {"start": "staggered" if staggered else "aligned", "classes": {}}
+    for n, s in sims.items():
+        x = s.xstats()
+        out["classes"][str(n)] = {
+            "ns_per_packet": percentiles(samples[n], (10, 50, 90)),
+            "ns_per_packet_samples": [round(v, 2) for v in samples[n]],
+            "packets_per_sample": packets,
+            "packets_total": sent[n],
+            "clamps": x.clamps,
+            "paced_packets": x.paced_pkts,
+        }
+        s.close()
+    med = {n: out["classes"][str(n)]["ns_per_packet"]["p50"] for n in COUNTS}
+    low = {n: out["classes"][str(n)]["ns_per_packet"]["min"] for n in COUNTS}
+    out["ratio_100000_to_10"] = {"median": med[100_000] / med[10], "min": low[100_000] / low[10]}
+    out["ratio_1000_to_10"] = {"median": med[1000] / med[10], "min": low[1000] / low[10]}
+    log.info("%s: %s ns/packet (median), 100000/10 = %.2f", name,
+             {n: round(v, 1) for n, v in med.items()}, out["ratio_100000_to_10"]["median"])
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--packets", type=int, default=300_000)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    build()
+    load_before = os.getloadavg()
+    t0 = time.monotonic()
+    figures = {
+        "setup": {"link_bit_s": LINK * 8, "load": LOAD, "packet_bytes": MTU,
+                  "class_rate_bit_s": {str(n): int(LINK * LOAD) // n * 8 for n in COUNTS},
+                  "timer": "thread CPU time", "unit": "ns per packet (select + charge + requeue)"},
+        "staggered": scenario("staggered", True, args.reps, args.packets),
+        "aligned": scenario("aligned", False, args.reps, args.packets),
+        "cpu": cpu_facts(),
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+        "duration_s": round(time.monotonic() - t0, 1),
+        "python": platform.python_version(),
+    }
+    goals = {"ratio_100000_to_10_max": 3.0,
+             "met_staggered": figures["staggered"]["ratio_100000_to_10"]["median"] <= 3.0,
+             "met_aligned": figures["aligned"]["ratio_100000_to_10"]["median"] <= 3.0}
+    path = write("psp_sim", figures, goals)
+    log.info("wrote %s", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,611 @@
+/* SPDX-License-Identifier: GPL-2.0 */
+/*
+ * psp_sched.h - scheduling core of the psp precise pacing qdisc.
+ *
+ * This file has no kernel dependencies.  It is compiled into the kernel
+ * module (sch_psp.c) and, unchanged, into the userspace simulator
+ * (sim/psp_sim.c), which drives it with a virtual clock for deterministic
+ * tests.  The includer provides, before including this file:
+ *
+ *   u32, u64, s64, bool, likely(), unlikely(), container_of()
+ *   struct psp_tnode   a tree node with members u64 key and u64 seq
+ *   struct psp_tree    a container ordered by (key, seq), smallest first
+ *   psp_tree_init(tree)
+ *   psp_tree_insert(tree, node), psp_tree_erase(tree, node),
+ *   psp_tree_requeue(tree, node)  node's (key, seq) grew: move it back
+ *   psp_tree_first(tree) -> node or NULL                (O(log N) or better)
+ *   psp_tree_second(tree) -> the node that is first once first is gone
+ *   psp_prefetch(addr)      a cache hint, may do nothing
+ *   psp_div_rem(a, b, &rem) -> a / b, rem = a % b       (64-bit)
+ *   psp_mul_div(a, b, c)    -> a * b / c, 128-bit product, result fits
+ *
+ * Structures start zeroed (kzalloc/calloc); the init helpers set the rest.
+ *
+ * Algorithm: a byte clock per class ("PSPacer" idea, written from scratch).
+ *
+ *   Every paced class has a rate clock t_rate: the time its head packet may
+ *   leave.  Sending a packet of B wire bytes (length + per-packet overhead)
+ *   advances it by B * NSEC_PER_SEC / rate, with the division remainder
+ *   carried to the next packet, so the long-run rate is exact.  The clock is
+ *   advanced from its previous value, never set to "now + gap": a late timer
+ *   delays one departure but not the ones after it.
+ *
+ *   The link has a clock t_link advanced the same way at the link rate; no
+ *   packet leaves before it.  Classes with a ceil above their rate also have
+ *   a ceil clock t_ceil advanced at the ceil for every packet they send.
+ *
+ *   A backlogged paced class waits in wtree, keyed by its departure time
+ *   max(t_rate, t_ceil, t_min).  When that time has come it moves to
+ *   etree, keyed by its deadline: departure time + the time its head packet
+ *   takes at its rate (earliest deadline first among the due classes: a
+ *   fast class is not held up behind a crowd of slow ones that fell due at
+ *   the same time; with the rates within the link, each packet leaves
+ *   within one packet time of its own, plus one link packet, of its
+ *   departure time).  At most
+ *   PSP_MIGRATE_MAX classes move per dequeue, so a mass wake-up never holds
+ *   the lock long.  While at most one class is due it is served straight
+ *   from wtree (deadlines only matter between several due classes), which
+ *   costs one requeue per packet.  Borrowers also sit in btree keyed by
+ *   max(t_ceil, t_min); backlogged unpaced classes sit in utree in
+ *   round-robin order.  Every operation is O(log N) in the N backlogged
+ *   classes.
+ *
+ *   Order of service when the link clock allows a packet:
+ *     1. the due paced class with the earliest deadline;
+ *     2. else an unpaced class (the default class: unmatched traffic);
+ *     3. else, if the backlogged rates leave link capacity unreserved, the
+ *        borrower with the earliest ceil clock, if due ("borrowing": a
+ *        borrowed packet does not move the rate clock, so the guaranteed
+ *        rate is kept, and the ceil clock bounds the total).
+ *   Otherwise the caller arms one timer for the earliest time anything can
+ *   go (next).
+ *
+ * Invariants:
+ *   - Late timers are made up for, without bursts: a paced class whose
+ *     clock lags "now" (the timer fired late, the link was busy) may send
+ *     two packets back to back (closer than half a packet time), and after
+ *     such a pair waits one packet time (t_min): it catches up at no more
+ *     than twice its rate, never more than two packets back to back.  While
+ *     the lateness stays below one packet time no pair forms and pacing is
+ *     exact.  The lag kept is bounded by PSP_CATCHUP_NS (or one packet time,
+ *     if longer); what lies beyond is dropped and counted (clamps).  So an
+ *     occasional late timer costs no rate.
+ *   - The ceil clock keeps a lag like the rate clock (PSP_CATCHUP_NS), and
+ *     borrowers pair up against their ceil's packet time; the link clock
+ *     may lag by PSP_LINK_CATCHUP_NS (or one link packet), which it makes
+ *     up at the device's speed.
+ *   - A class that was idle (empty queue) restarts its clocks at
+ *     max(clock, now): no credit is hoarded while idle.
+ *   - Oversubscription: while the rates of the backlogged paced classes add
+ *     up to R > link rate L, each class's packets advance its rate clock as
+ *     if its rate were rate * L / R.  Every class then gets the link in
+ *     proportion to its rate, and its clock keeps pace with real time, so
+ *     no class falls behind and bursts when others go idle.  rate_sum and
+ *     the active count are kept up to date in O(1) as classes go busy/idle.
+ *   - Unpaced classes only use link time that no due paced packet wants.
+ */
+#ifndef _PSP_SCHED_H
+#define _PSP_SCHED_H
+
+#define PSP_NSEC_PER_SEC	1000000000ULL
+#define PSP_TX_MAX_NS		(1ULL << 50)	/* cap on one packet's gap (~13 days) */
+#define PSP_EST_WINDOW_NS	(100ULL * 1000 * 1000)	/* rate estimator window */
+#define PSP_EST_SHIFT		2		/* EWMA weight 1/4 per window */
+#define PSP_EST_STALE_WINDOWS	16		/* idle that long: forget the average */
+#define PSP_MIGRATE_MAX		16		/* due classes moved per dequeue */
+#define PSP_CATCHUP_NS		(10ULL * 1000 * 1000)	/* lag a class may make up */
+#define PSP_LINK_CATCHUP_NS	(1000ULL * 1000)	/* lag the link may make up */
+#define PSP_DL_SHIFT		16		/* fixed point of dl_inv */
+#define PSP_HEAD_MAX		131071		/* bytes: caps a deadline offset */
+
+enum psp_send {
+	PSP_SEND_NONE,
+	PSP_SEND_PACED,		/* due on the class's rate clock */
+	PSP_SEND_UNPACED,	/* unpaced class, on idle link time */
+	PSP_SEND_BORROW,	/* above rate, up to ceil, on idle link time */
+};
+
+#define PSP_SC_ACTIVE	0x1	/* backlogged: in the trees */
+#define PSP_SC_BORROW	0x2	/* paced and ceil > rate */
+#define PSP_SC_DUE	0x4	/* paced, in etree (else in wtree) */
+#define PSP_SC_FIRST	0x8	/* next packet is the first after idle */
+
+struct psp_sclass {
+	/* hot: read and written for every packet of the class */
+	struct psp_tnode	rnode;		/* wtree/etree (paced), utree */
+	u64			t_rate;		/* rate clock, ns */
+	u64			t_ceil;		/* ceil clock, ns */
+	u64			t_min;		/* no departure before (after a pair) */
+	u64			t_last;		/* last departure */
+	u64			rate;		/* bytes/s, 0 = unpaced */
+	u64			ceil;		/* bytes/s, >= rate */
+	u64			rate_rem;	/* division remainders, carried */
+	u64			ceil_rem;
+	u64			scale_rem;
+	u64			est_start;	/* rate estimator window */
+	u64			est_bytes;
+	u64			due;		/* departure time of the head */
+	u64			dl_inv;		/* ns per byte << PSP_DL_SHIFT */
+	u64			late_ns_max;
+	u32			head;		/* wire bytes of the head packet */
+	u32			flags;		/* PSP_SC_* */
+	/* borrowers only */
+	struct psp_tnode	bnode;		/* btree */
+	/* statistics */
+	u64			rate_est;	/* bytes/s */
+	u64			clamps;
+	u64			borrowed_bytes;
+	u64			borrowed_pkts;
+};
+
+struct psp_sched {
+	/* hot */
+	struct psp_tree		wtree;		/* paced, waiting: by departure */
+	struct psp_tree		etree;		/* paced, due: by deadline */
+	struct psp_tree		utree;		/* backlogged unpaced classes */
+	struct psp_tree		btree;		/* backlogged borrowers */
+	u64			t_link;		/* link clock, ns */
+	u64			link_rate;	/* bytes/s, > 0 */
+	u64			link_rem;
+	u64			rate_sum;	/* rates of the backlogged paced classes */
+	u64			seq;		/* tie breaker: FIFO among equal keys */
+	u32			overhead;	/* bytes per wire packet */
+	u32			active;		/* backlogged classes */
+	/* statistics */
+	u64			paced_pkts;
+	u64			borrowed_pkts;
+	u64			unpaced_pkts;
+	u64			late_ns_total;
+	u64			late_ns_max;
+	u64			clamps;
+};
+
+/* --------------------------------------------------------------- helpers */
+
+static inline u64 psp_max(u64 a, u64 b)
+{
+	return a > b ? a : b;
+}
+
+/* Time to send @bytes at @rate, exact in the long run: the division
+ * remainder is carried in *rem to the next packet.
+ */
+static inline u64 psp_tx(u64 bytes, u64 rate, u64 *rem)
+{
+	return psp_div_rem(bytes * PSP_NSEC_PER_SEC + *rem, rate, rem);
+}
+
+static inline bool psp_oversubscribed(const struct psp_sched *q)
+{
+	return q->rate_sum > q->link_rate;
+}
+
+/*
+ * A paced gap stretched by R / L while oversubscribed, exact in the long
+ * run: the remainder of tx * R / L (in units of 1/L ns) is carried in *rem.
+ * It is the low 64 bits of tx * R - q * L, which are exact as it is < L.
+ */
+static inline u64 psp_scaled(const struct psp_sched *q, u64 tx, u64 *rem)
+{
+	u64 r, whole, quot;
+
+	if (likely(!psp_oversubscribed(q)))
+		return tx;
+	whole = psp_div_rem(q->rate_sum, q->link_rate, &r);
+	if (tx >= PSP_TX_MAX_NS / (whole + 1))
+		return PSP_TX_MAX_NS;
+	quot = psp_mul_div(tx, q->rate_sum, q->link_rate);
+	r = tx * q->rate_sum - quot * q->link_rate + *rem;
+	if (r >= q->link_rate) {
+		r -= q->link_rate;
+		quot++;
+	}
+	*rem = r;
+	return quot;
+}
+
+/* Rate a paced class gets now: rate * L / R when oversubscribed. */
+static inline u64 psp_eff_rate(const struct psp_sched *q,
+			       const struct psp_sclass *c)
+{
+	if (!c->rate || !psp_oversubscribed(q))
+		return c->rate;
+	return psp_mul_div(c->rate, q->link_rate, q->rate_sum);
+}
+
+static inline u64 psp_wire_bytes(const struct psp_sched *q, u64 len, u32 segs)
+{
+	return len + (u64)q->overhead * (segs ? segs : 1);
+}
+
+/* Departure time of a paced class's head packet. */
+static inline u64 psp_rkey(const struct psp_sclass *c)
+{
+	u64 t = psp_max(c->t_rate, c->t_min);
+
+	if (c->flags & PSP_SC_BORROW)
+		return psp_max(t, c->t_ceil);
+	return t;
+}
+
+/* Earliest time a borrower may send above its rate. */
+static inline u64 psp_bkey(const struct psp_sclass *c)
+{
+	return psp_max(c->t_ceil, c->t_min);
+}
+
+/* Deadline of a class due at @due: + its head packet's time at its rate. */
+static inline u64 psp_deadline(const struct psp_sclass *c, u64 due)
+{
+	u64 b = c->head < PSP_HEAD_MAX ? c->head : PSP_HEAD_MAX;
+
+	return due + ((b * c->dl_inv) >> PSP_DL_SHIFT);
+}
+
+static inline void psp_tree_put(struct psp_sched *q, struct psp_tree *t,
+				struct psp_tnode *n, u64 key)
+{
+	n->key = key;
+	n->seq = q->seq++;
+	psp_tree_insert(t, n);
+}
+
+/* Requeue a node whose key did not decrease (clocks only move forward). */
+static inline void psp_tree_move(struct psp_sched *q, struct psp_tree *t,
+				 struct psp_tnode *n, u64 key)
+{
+	n->key = key;
+	n->seq = q->seq++;
+	psp_tree_requeue(t, n);
+}
+
+/* Put a paced class that is in neither tree into wtree or etree. */
+static inline void psp_paced_put(struct psp_sched *q, struct psp_sclass *c,
+				 u64 now)
+{
+	c->due = psp_rkey(c);
+	if (c->due <= now) {
+		c->flags |= PSP_SC_DUE;
+		psp_tree_put(q, &q->etree, &c->rnode, psp_deadline(c, c->due));
+	} else {
+		c->flags &= ~PSP_SC_DUE;
+		psp_tree_put(q, &q->wtree, &c->rnode, c->due);
+	}
+}
+
+static inline void psp_paced_erase(struct psp_sched *q, struct psp_sclass *c)
+{
+	psp_tree_erase((c->flags & PSP_SC_DUE) ? &q->etree : &q->wtree,
+		       &c->rnode);
+	c->flags &= ~PSP_SC_DUE;
+}
+
+/* Advance a clock by @tx for a packet leaving at @now; the clock may lag
+ * now by @keep (at least @tx) before the rest of the lag is dropped.
+ */
+static inline bool psp_clock_advance(u64 *clock, u64 tx, u64 now, u64 keep)
+{
+	bool clamped = false;
+
+	if (keep < tx)
+		keep = tx;
+	if (*clock + keep < now) {
+		*clock = now - keep;
+		clamped = true;
+	}
+	*clock += tx;
+	return clamped;
+}
+
+/* ------------------------------------------------------- rate estimator */
+
+static inline u64 psp_est_fold(u64 est, u64 bytes, u64 dt)
+{
+	u64 sample = psp_mul_div(bytes, PSP_NSEC_PER_SEC, dt);
+
+	if (dt >= PSP_EST_STALE_WINDOWS * PSP_EST_WINDOW_NS)
+		return sample;
+	return est - (est >> PSP_EST_SHIFT) + (sample >> PSP_EST_SHIFT);
+}
+
+static inline void psp_est_add(struct psp_sclass *c, u64 bytes, u64 now)
+{
+	u64 dt = now - c->est_start;
+
+	c->est_bytes += bytes;
+	if (dt < PSP_EST_WINDOW_NS)
+		return;
+	c->rate_est = psp_est_fold(c->rate_est, c->est_bytes, dt);
+	c->est_start = now;
+	c->est_bytes = 0;
+}
+
+/* The estimate as of @now, counting the idle time since the last packet. */
+static inline u64 psp_est_read(const struct psp_sclass *c, u64 now)
+{
+	u64 dt = now - c->est_start;
+
+	if (now < c->est_start || dt < PSP_EST_WINDOW_NS)
+		return c->rate_est;
+	return psp_est_fold(c->rate_est, c->est_bytes, dt);
+}
+
+/* ------------------------------------------------------- setup / change */
+
+static inline void psp_sched_set_link(struct psp_sched *q, u64 link_rate,
+				      u32 overhead)
+{
+	if (q->link_rate != link_rate)
+		q->link_rem = 0;
+	q->link_rate = link_rate;
+	q->overhead = overhead;
+}
+
+static inline void psp_sched_init(struct psp_sched *q, u64 link_rate,
+				  u32 overhead)
+{
+	psp_tree_init(&q->wtree);
+	psp_tree_init(&q->etree);
+	psp_tree_init(&q->utree);
+	psp_tree_init(&q->btree);
+	psp_sched_set_link(q, link_rate, overhead);
+}
+
+/* Put a class that has just got its first packet (@head wire bytes) into
+ * the trees.
+ */
+static inline void psp_class_activate(struct psp_sched *q,
+				      struct psp_sclass *c, u64 now, u32 head)
+{
+	if (c->flags & PSP_SC_ACTIVE)
+		return;
+	c->head = head;
+	c->flags |= PSP_SC_ACTIVE | PSP_SC_FIRST;
+	q->active++;
+	if (!c->rate) {
+		psp_tree_put(q, &q->utree, &c->rnode, 0);
+		return;
+	}
+	if (c->t_rate < now)
+		c->t_rate = now;	/* idle: no credit */
+	q->rate_sum += c->rate;
+	if (c->flags & PSP_SC_BORROW) {
+		if (c->t_ceil < now)
+			c->t_ceil = now;
+		psp_tree_put(q, &q->btree, &c->bnode, psp_bkey(c));
+	}
+	psp_paced_put(q, c, now);
+}
+
+/* Take a class out of the trees: its queue is empty or being purged. */
+static inline void psp_class_deactivate(struct psp_sched *q,
+					struct psp_sclass *c)
+{
+	if (!(c->flags & PSP_SC_ACTIVE))
+		return;
+	c->flags &= ~PSP_SC_ACTIVE;
+	q->active--;
+	if (!c->rate) {
+		psp_tree_erase(&q->utree, &c->rnode);
+		return;
+	}
+	psp_paced_erase(q, c);
+	if (c->flags & PSP_SC_BORROW)
+		psp_tree_erase(&q->btree, &c->bnode);
+	q->rate_sum -= c->rate;
+}
+
+/* Set a class's rate and ceil (bytes/s; rate 0: unpaced), also while it is
+ * backlogged: the queue and the clocks stay, the next gap uses the new rate.
+ */
+static inline void psp_class_set(struct psp_sched *q, struct psp_sclass *c,
+				 u64 rate, u64 ceil, u64 now)
+{
+	bool active = c->flags & PSP_SC_ACTIVE;
+	u64 rem;
+
+	if (active)
+		psp_class_deactivate(q, c);
+	if (c->rate != rate)
+		c->rate_rem = 0;
+	if (c->ceil != ceil)
+		c->ceil_rem = 0;
+	c->rate = rate;
+	c->ceil = ceil < rate ? rate : ceil;
+	if (rate)
+		c->dl_inv = psp_div_rem(PSP_NSEC_PER_SEC << PSP_DL_SHIFT, rate,
+					&rem);
+	if (rate && c->ceil > rate)
+		c->flags |= PSP_SC_BORROW;
+	else
+		c->flags &= ~PSP_SC_BORROW;
+	if (active)
+		psp_class_activate(q, c, now, c->head);
+}
+
+/* --------------------------------------------------------------- dequeue */
+
+/* Move paced classes whose departure time has come from wtree to etree. */
+static inline void psp_migrate(struct psp_sched *q, u64 now)
+{
+	struct psp_tnode *n;
+	int i;
+
+	for (i = 0; i < PSP_MIGRATE_MAX; i++) {
+		struct psp_sclass *c;
+
+		n = psp_tree_first(&q->wtree);
+		if (!n || n->key > now)
+			return;
+		c = container_of(n, struct psp_sclass, rnode);
+		psp_tree_erase(&q->wtree, n);
+		c->flags |= PSP_SC_DUE;
+		psp_tree_put(q, &q->etree, n, psp_deadline(c, c->due));
+	}
+}
+
+/*
+ * Which class sends at @now.  Returns NULL when nothing may leave yet; then
+ * *next is the earliest time something can (0: nothing is queued) and *held
+ * the paced class that waits for its rate, if any (for overlimit counts).
+ */
+static inline struct psp_sclass *psp_select(struct psp_sched *q, u64 now,
+					    int *kind, u64 *next,
+					    struct psp_sclass **held)
+{
+	struct psp_tnode *e, *w, *u, *b = NULL;
+	u64 wake = ~0ULL;
+
+	*held = NULL;
+	*next = 0;
+	if (!q->active)
+		return NULL;
+	e = psp_tree_first(&q->etree);
+	w = psp_tree_first(&q->wtree);
+	if (w && w->key <= now) {
+		struct psp_tnode *w2 = e ? NULL : psp_tree_second(&q->wtree);
+
+		if (!e && (!w2 || w2->key > now)) {
+			/* the only due class: no deadline to compare; the
+			 * second is likely the next to go, warm it up
+			 */
+			if (w2)
+				psp_prefetch(container_of(w2, struct psp_sclass,
+							  rnode));
+			if (q->t_link > now) {
+				*next = q->t_link;
+				return NULL;
+			}
+			*kind = PSP_SEND_PACED;
+			return container_of(w, struct psp_sclass, rnode);
+		}
+		psp_migrate(q, now);
+		e = psp_tree_first(&q->etree);
+		w = psp_tree_first(&q->wtree);
+	}
+	u = psp_tree_first(&q->utree);
+	if (q->rate_sum < q->link_rate)
+		b = psp_tree_first(&q->btree);
+	if (e || u)
+		wake = now;
+	else if (w)
+		wake = w->key;
+	if (b && b->key < wake)
+		wake = b->key;
+	if (wake < q->t_link)
+		wake = q->t_link;
+	if (wake > now) {
+		*next = wake;
+		if (!e && w && w->key > now)
+			*held = container_of(w, struct psp_sclass, rnode);
+		return NULL;
+	}
+	if (e) {
+		*kind = PSP_SEND_PACED;
+		return container_of(e, struct psp_sclass, rnode);
+	}
+	if (u) {
+		*kind = PSP_SEND_UNPACED;
+		return container_of(u, struct psp_sclass, rnode);
+	}
+	*kind = PSP_SEND_BORROW;
+	return container_of(b, struct psp_sclass, bnode);
+}
+
+/*
+ * Account a packet of @bytes wire bytes that class @c sent at @now as
+ * @kind; @next: wire bytes of its new head packet, 0 when its queue is empty.
+ */
+static inline void psp_charge(struct psp_sched *q, struct psp_sclass *c,
+			      int kind, u64 bytes, u64 now, u32 next)
+{
+	u64 tx, late, ref = 0;
+
+	psp_clock_advance(&q->t_link, psp_tx(bytes, q->link_rate, &q->link_rem),
+			  now, PSP_LINK_CATCHUP_NS);
+
+	switch (kind) {
+	case PSP_SEND_PACED:
+		late = now - c->due;
+		q->paced_pkts++;
+		q->late_ns_total += late;
+		if (late > q->late_ns_max)
+			q->late_ns_max = late;
+		if (late > c->late_ns_max)
+			c->late_ns_max = late;
+		tx = psp_scaled(q, psp_tx(bytes, c->rate, &c->rate_rem),
+				&c->scale_rem);
+		if (psp_clock_advance(&c->t_rate, tx, now, PSP_CATCHUP_NS)) {
+			c->clamps++;
+			q->clamps++;
+		}
+		ref = tx;
+		break;
+	case PSP_SEND_BORROW:
+		c->borrowed_bytes += bytes;
+		c->borrowed_pkts++;
+		q->borrowed_pkts++;
+		break;
+	default:
+		q->unpaced_pkts++;
+		break;
+	}
+	if (c->flags & PSP_SC_BORROW) {
+		tx = psp_tx(bytes, c->ceil, &c->ceil_rem);
+		psp_clock_advance(&c->t_ceil, tx, now, PSP_CATCHUP_NS);
+		ref = tx;	/* a borrower may go as fast as its ceil */
+	}
+	if (c->rate) {
+		/* the second of two packets within half a packet time: a pair,
+		 * after which the class waits a packet time (catch-up <= 2x)
+		 */
+		c->t_min = !(c->flags & PSP_SC_FIRST) &&
+			   now - c->t_last < (ref + 1) / 2 ? now + ref : 0;
+		c->t_last = now;
+	}
+	c->flags &= ~PSP_SC_FIRST;
+	psp_est_add(c, bytes, now);
+
+	if (!next) {
+		psp_class_deactivate(q, c);
+		return;
+	}
+	c->head = next;
+	if (!c->rate) {
+		psp_tree_move(q, &q->utree, &c->rnode, 0);
+		return;
+	}
+	if (c->flags & PSP_SC_DUE) {
+		psp_paced_erase(q, c);
+		psp_paced_put(q, c, now);
+	} else {
+		/* sent from wtree (alone, or borrowing): its time only grew */
+		c->due = psp_rkey(c);
+		psp_tree_move(q, &q->wtree, &c->rnode, c->due);
+	}
+	if (c->flags & PSP_SC_BORROW)
+		psp_tree_move(q, &q->btree, &c->bnode, psp_bkey(c));
+}
+
+/* Forget a deactivated class's clocks (qdisc reset). */
+static inline void psp_class_reset_clocks(struct psp_sclass *c)
+{
+	c->t_rate = 0;
+	c->t_ceil = 0;
+	c->t_min = 0;
+	c->t_last = 0;
+	c->rate_rem = 0;
+	c->ceil_rem = 0;
+	c->scale_rem = 0;
+}
+
+/* Forget all clocks (qdisc reset); classes must be deactivated first. */
+static inline void psp_sched_reset(struct psp_sched *q)
+{
+	q->t_link = 0;
+	q->link_rem = 0;
+	q->rate_sum = 0;
+	q->active = 0;
+}
+
+#endif /* _PSP_SCHED_H */

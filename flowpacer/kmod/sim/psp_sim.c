@@ -1,0 +1,617 @@
+// SPDX-License-Identifier: GPL-2.0
+/*
+ * psp_sim.c - the psp scheduling core (../psp_sched.h) in userspace, on a
+ * virtual clock.
+ *
+ * Built as a shared library (make -C flowpacer/kmod sim, or by the Python
+ * wrapper in this directory) and driven through ctypes by
+ * tests/test_psp_sim.py and bench/psp_sim.py.  Time only moves when the
+ * caller says so, so every run is exactly reproducible.
+ *
+ * The kernel keeps backlogged classes in rbtrees; here a binary min-heap
+ * ordered by the same (key, seq) pair stands in.  Both return the same
+ * smallest element, so the simulator makes the same choices as the module.
+ *
+ * A class is either fed packet by packet (psp_sim_enqueue) or "greedy": an
+ * endless source of packets of one size that keeps it backlogged.
+ */
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../uapi/pkt_sch_psp.h"
+
+typedef uint32_t u32;
+typedef uint64_t u64;
+typedef int64_t s64;
+
+#define likely(x)	__builtin_expect(!!(x), 1)
+#define unlikely(x)	__builtin_expect(!!(x), 0)
+#define container_of(ptr, type, member) \
+	((type *)((char *)(ptr) - offsetof(type, member)))
+
+/* ------------------------------------------------- psp_sched.h shims */
+
+/*
+ * The heap: 4-ary, 16-byte entries, so the four children of a node share
+ * one 64-byte cache line (the array is offset by HEAP_PAD entries to align
+ * the groups).  The slot of each node lives in a dense array indexed by the
+ * node's id, not in the node, so moving entries does not touch the classes.
+ * Entries keep the low 32 bits of the insertion sequence number, compared
+ * with wrap-around: ties are broken exactly like the kernel's u64 as long as
+ * a node waits fewer than 2^31 insertions.
+ */
+struct psp_tnode {
+	u64	key;
+	u64	seq;
+	u32	id;		/* index in the tree's node/slot tables */
+};
+
+struct psp_hent {
+	u64	key;
+	u32	seq;
+	u32	id;
+};
+
+struct psp_tree {
+	struct psp_hent		*a;	/* HEAP_PAD + n entries */
+	struct psp_tnode	**node;	/* id -> node */
+	u32			*slot;	/* id -> heap index */
+	u32			n;
+	u32			cap;
+};
+
+#define HEAP_ARITY	4
+#define HEAP_PAD	3		/* a[HEAP_PAD + 4i + 1 ..] is 64-byte aligned */
+#define HENT(t, i)	((t)->a[HEAP_PAD + (i)])
+
+/* Branch-free: which child is smallest is a coin toss the CPU cannot predict. */
+static inline bool psp_hless(const struct psp_hent *x, const struct psp_hent *y)
+{
+	return (x->key < y->key) |
+	       ((x->key == y->key) & ((int32_t)(x->seq - y->seq) < 0));
+}
+
+/* Index of the smallest of the children c .. c + HEAP_ARITY - 1 (< n). */
+static inline u32 psp_min_child(const struct psp_tree *t, u32 c, u32 n)
+{
+	u32 a, b, j, best;
+
+	if (c + HEAP_ARITY <= n) {
+		a = psp_hless(&HENT(t, c + 1), &HENT(t, c)) ? c + 1 : c;
+		b = psp_hless(&HENT(t, c + 3), &HENT(t, c + 2)) ? c + 3 : c + 2;
+		return psp_hless(&HENT(t, b), &HENT(t, a)) ? b : a;
+	}
+	best = c;
+	for (j = c + 1; j < n; j++)
+		best = psp_hless(&HENT(t, j), &HENT(t, best)) ? j : best;
+	return best;
+}
+
+static inline void psp_hset(struct psp_tree *t, u32 i, struct psp_hent e)
+{
+	HENT(t, i) = e;
+	t->slot[e.id] = i;
+}
+
+static void psp_sift_up(struct psp_tree *t, u32 i, struct psp_hent e)
+{
+	while (i) {
+		u32 p = (i - 1) / HEAP_ARITY;
+
+		if (!psp_hless(&e, &HENT(t, p)))
+			break;
+		psp_hset(t, i, HENT(t, p));
+		i = p;
+	}
+	psp_hset(t, i, e);
+}
+
+static void psp_sift_down(struct psp_tree *t, u32 i, struct psp_hent e)
+{
+	for (;;) {
+		u32 c = HEAP_ARITY * i + 1, best, j;
+
+		if (c >= t->n)
+			break;
+		/* the grandchildren: one cache line per child, fetched together */
+		if (HEAP_ARITY * c + 1 < t->n)
+			for (j = 0; j < HEAP_ARITY; j++)
+				__builtin_prefetch(&HENT(t, HEAP_ARITY * (c + j) + 1));
+		best = psp_min_child(t, c, t->n);
+		if (!psp_hless(&HENT(t, best), &e))
+			break;
+		psp_hset(t, i, HENT(t, best));
+		i = best;
+	}
+	psp_hset(t, i, e);
+}
+
+static inline void psp_tree_init(struct psp_tree *t)
+{
+	t->n = 0;
+}
+
+/* Room for @cap nodes with ids < @cap: insert never allocates. */
+static int psp_tree_reserve(struct psp_tree *t, u32 cap)
+{
+	struct psp_tnode **node;
+	struct psp_hent *a;
+	u32 *slot;
+
+	if (cap <= t->cap)
+		return 0;
+	if (posix_memalign((void **)&a, 64, (HEAP_PAD + (size_t)cap) * sizeof(*a)))
+		return -1;
+	node = realloc(t->node, (size_t)cap * sizeof(*node));
+	if (!node) {
+		free(a);
+		return -1;
+	}
+	t->node = node;
+	slot = realloc(t->slot, (size_t)cap * sizeof(*slot));
+	if (!slot) {
+		free(a);
+		return -1;
+	}
+	t->slot = slot;
+	if (t->a)
+		memcpy(a, t->a, (HEAP_PAD + (size_t)t->n) * sizeof(*a));
+	free(t->a);
+	t->a = a;
+	t->cap = cap;
+	return 0;
+}
+
+static void psp_tree_free(struct psp_tree *t)
+{
+	free(t->a);
+	free(t->node);
+	free(t->slot);
+}
+
+static inline struct psp_hent psp_hent_of(const struct psp_tnode *n)
+{
+	struct psp_hent e = { n->key, (u32)n->seq, n->id };
+
+	return e;
+}
+
+static inline void psp_tree_insert(struct psp_tree *t, struct psp_tnode *n)
+{
+	t->node[n->id] = n;
+	psp_sift_up(t, t->n++, psp_hent_of(n));
+}
+
+/* Remove the root: walk the hole down along the smallest children to a
+ * leaf, then put the last entry there and let it rise (Floyd): fewer
+ * comparisons than sifting the last entry down from the top.
+ */
+static void psp_heap_pop(struct psp_tree *t)
+{
+	u32 i = 0, n = --t->n;
+
+	if (!n)
+		return;
+	for (;;) {
+		u32 c = HEAP_ARITY * i + 1, best, j;
+
+		if (c >= n)
+			break;
+		if (HEAP_ARITY * c + 1 < n)
+			for (j = 0; j < HEAP_ARITY; j++)
+				__builtin_prefetch(&HENT(t, HEAP_ARITY * (c + j) + 1));
+		best = psp_min_child(t, c, n);
+		psp_hset(t, i, HENT(t, best));
+		i = best;
+	}
+	psp_sift_up(t, i, HENT(t, n));
+}
+
+static inline void psp_tree_erase(struct psp_tree *t, struct psp_tnode *n)
+{
+	u32 i = t->slot[n->id], last;
+	struct psp_hent e;
+
+	if (i == 0) {
+		psp_heap_pop(t);
+		return;
+	}
+	last = --t->n;
+	if (i == last)
+		return;
+	e = HENT(t, last);
+	if (i && psp_hless(&e, &HENT(t, (i - 1) / HEAP_ARITY)))
+		psp_sift_up(t, i, e);
+	else
+		psp_sift_down(t, i, e);
+}
+
+/* (key, seq) grew: sink the node from where it is. */
+static inline void psp_tree_requeue(struct psp_tree *t, struct psp_tnode *n)
+{
+	psp_sift_down(t, t->slot[n->id], psp_hent_of(n));
+}
+
+static inline struct psp_tnode *psp_tree_first(struct psp_tree *t)
+{
+	return t->n ? t->node[HENT(t, 0).id] : NULL;
+}
+
+/* The smallest child of the root: first once the root is gone. */
+static inline struct psp_tnode *psp_tree_second(struct psp_tree *t)
+{
+	if (t->n < 2)
+		return NULL;
+	return t->node[HENT(t, psp_min_child(t, 1, t->n)).id];
+}
+
+static inline void psp_prefetch(const void *p)
+{
+	__builtin_prefetch(p);
+	__builtin_prefetch((const char *)p + 64);
+}
+
+static inline u64 psp_div_rem(u64 a, u64 b, u64 *rem)
+{
+	*rem = a % b;
+	return a / b;
+}
+
+static inline u64 psp_mul_div(u64 a, u64 b, u64 c)
+{
+	return (u64)((unsigned __int128)a * b / c);
+}
+
+#include "../psp_sched.h"
+
+/* ------------------------------------------------------------ the sim */
+
+struct sim_class {
+	/* hot first, as in the kernel */
+	u32			qlen;
+	u32			greedy;		/* > 0: endless packets of this size */
+	u32			head, cap;
+	u32			*ring;		/* queued packet lengths */
+	u64			pkts, bytes;
+	struct psp_sclass	sc;
+	u32			limit;
+	u32			used;
+	u32			idx;		/* index in psp_sim.cls */
+	u64			drops;
+};
+
+#define SIM_CHUNK	4096		/* classes allocated together */
+
+struct psp_sim {
+	struct psp_sched	s;
+	struct sim_class	**cls;
+	struct sim_class	**chunks;	/* SIM_CHUNK classes each */
+	u32			ncls, cap, nchunks;
+	u64			armed;		/* last wake time handed out */
+	u64			timer_fires;
+	u64			timer_late_ns_max;
+};
+
+/* One departure, as logged by psp_sim_run(). */
+struct psp_sim_pkt {
+	u64	t;
+	u32	cls;
+	u32	len;
+	u32	kind;		/* enum psp_send */
+	u32	pad;
+};
+
+struct psp_sim *psp_sim_new(u64 link_rate, u32 overhead);
+void psp_sim_free(struct psp_sim *sim);
+void psp_sim_set_link(struct psp_sim *sim, u64 link_rate, u32 overhead);
+int psp_sim_add_class(struct psp_sim *sim, u64 rate, u64 ceil, u32 limit);
+int psp_sim_change_class(struct psp_sim *sim, int cls, u64 rate, u64 ceil,
+			 u32 limit, u64 now);
+int psp_sim_del_class(struct psp_sim *sim, int cls);
+int psp_sim_enqueue(struct psp_sim *sim, int cls, u32 len, u64 now);
+int psp_sim_set_greedy(struct psp_sim *sim, int cls, u32 len, u64 now);
+int psp_sim_dequeue(struct psp_sim *sim, u64 now, struct psp_sim_pkt *out);
+long psp_sim_run(struct psp_sim *sim, u64 start, u64 until, u64 late_ns,
+		 struct psp_sim_pkt *log, long max_log, u64 *end);
+void psp_sim_xstats(struct psp_sim *sim, struct tc_psp_xstats *st);
+int psp_sim_class_xstats(struct psp_sim *sim, int cls, u64 now,
+			 struct tc_psp_class_xstats *xs);
+int psp_sim_class_counts(struct psp_sim *sim, int cls, u64 out[4]);
+u32 psp_sim_sizeof(int which);
+
+static struct sim_class *sim_get(struct psp_sim *sim, int cls)
+{
+	if (cls < 0 || (u32)cls >= sim->ncls || !sim->cls[cls]->used)
+		return NULL;
+	return sim->cls[cls];
+}
+
+struct psp_sim *psp_sim_new(u64 link_rate, u32 overhead)
+{
+	struct psp_sim *sim;
+
+	if (!link_rate)
+		return NULL;
+	sim = calloc(1, sizeof(*sim));
+	if (!sim)
+		return NULL;
+	psp_sched_init(&sim->s, link_rate, overhead);
+	return sim;
+}
+
+void psp_sim_free(struct psp_sim *sim)
+{
+	u32 i;
+
+	if (!sim)
+		return;
+	for (i = 0; i < sim->ncls; i++)
+		free(sim->cls[i]->ring);
+	for (i = 0; i < sim->nchunks; i++)
+		free(sim->chunks[i]);
+	free(sim->chunks);
+	free(sim->cls);
+	psp_tree_free(&sim->s.wtree);
+	psp_tree_free(&sim->s.etree);
+	psp_tree_free(&sim->s.utree);
+	psp_tree_free(&sim->s.btree);
+	free(sim);
+}
+
+void psp_sim_set_link(struct psp_sim *sim, u64 link_rate, u32 overhead)
+{
+	if (link_rate)
+		psp_sched_set_link(&sim->s, link_rate, overhead);
+}
+
+int psp_sim_add_class(struct psp_sim *sim, u64 rate, u64 ceil, u32 limit)
+{
+	struct sim_class *c;
+
+	if (ceil && ceil < rate)
+		return -1;
+	if (sim->ncls == sim->cap) {
+		u32 cap = sim->cap ? 2 * sim->cap : 16;
+		struct sim_class **a = realloc(sim->cls, (size_t)cap * sizeof(*a));
+
+		if (!a)
+			return -1;
+		sim->cls = a;
+		sim->cap = cap;
+	}
+	if (psp_tree_reserve(&sim->s.wtree, sim->cap) ||
+	    psp_tree_reserve(&sim->s.etree, sim->cap) ||
+	    psp_tree_reserve(&sim->s.utree, sim->cap) ||
+	    psp_tree_reserve(&sim->s.btree, sim->cap))
+		return -1;
+	if (sim->ncls == sim->nchunks * SIM_CHUNK) {
+		struct sim_class **ch = realloc(sim->chunks, (sim->nchunks + 1) * sizeof(*ch));
+
+		if (!ch)
+			return -1;
+		sim->chunks = ch;
+		ch[sim->nchunks] = calloc(SIM_CHUNK, sizeof(struct sim_class));
+		if (!ch[sim->nchunks])
+			return -1;
+		sim->nchunks++;
+	}
+	c = &sim->chunks[sim->ncls / SIM_CHUNK][sim->ncls % SIM_CHUNK];
+	c->limit = limit ? limit : PSP_DEFAULT_LIMIT;
+	c->used = 1;
+	c->idx = sim->ncls;
+	c->sc.rnode.id = sim->ncls;
+	c->sc.bnode.id = sim->ncls;
+	psp_class_set(&sim->s, &c->sc, rate, ceil ? ceil : rate, 0);
+	sim->cls[sim->ncls] = c;
+	return (int)sim->ncls++;
+}
+
+int psp_sim_change_class(struct psp_sim *sim, int cls, u64 rate, u64 ceil,
+			 u32 limit, u64 now)
+{
+	struct sim_class *c = sim_get(sim, cls);
+
+	if (!c || (ceil && ceil < rate))
+		return -1;
+	psp_class_set(&sim->s, &c->sc, rate, ceil ? ceil : rate, now);
+	if (limit)
+		c->limit = limit;
+	return 0;
+}
+
+int psp_sim_del_class(struct psp_sim *sim, int cls)
+{
+	struct sim_class *c = sim_get(sim, cls);
+
+	if (!c)
+		return -1;
+	psp_class_deactivate(&sim->s, &c->sc);
+	c->drops += c->qlen;
+	c->qlen = 0;
+	c->greedy = 0;
+	c->used = 0;
+	return 0;
+}
+
+int psp_sim_enqueue(struct psp_sim *sim, int cls, u32 len, u64 now)
+{
+	struct sim_class *c = sim_get(sim, cls);
+
+	if (!c || !len)
+		return -1;
+	if (c->qlen >= c->limit) {
+		c->drops++;
+		return 1;
+	}
+	if (c->qlen == c->cap) {
+		u32 cap = c->cap ? 2 * c->cap : 8, i;
+		u32 *ring = malloc((size_t)cap * sizeof(*ring));
+
+		if (!ring)
+			return -1;
+		for (i = 0; i < c->qlen; i++)
+			ring[i] = c->ring[(c->head + i) % c->cap];
+		free(c->ring);
+		c->ring = ring;
+		c->head = 0;
+		c->cap = cap;
+	}
+	c->ring[(c->head + c->qlen) % c->cap] = len;
+	c->qlen++;
+	if (!c->greedy && c->qlen == 1)
+		psp_class_activate(&sim->s, &c->sc, now,
+				   (u32)psp_wire_bytes(&sim->s, len, 1));
+	return 0;
+}
+
+int psp_sim_set_greedy(struct psp_sim *sim, int cls, u32 len, u64 now)
+{
+	struct sim_class *c = sim_get(sim, cls);
+
+	if (!c)
+		return -1;
+	c->greedy = len;
+	if (len)
+		psp_class_activate(&sim->s, &c->sc, now,
+				   (u32)psp_wire_bytes(&sim->s, c->qlen ? c->ring[c->head] : len, 1));
+	else if (!c->qlen)
+		psp_class_deactivate(&sim->s, &c->sc);
+	return 0;
+}
+
+int psp_sim_dequeue(struct psp_sim *sim, u64 now, struct psp_sim_pkt *out)
+{
+	struct psp_sclass *sc, *held;
+	struct sim_class *c;
+	int kind = PSP_SEND_NONE;
+	u64 wake;
+	u32 len, next;
+
+	if (sim->armed && now >= sim->armed) {
+		sim->timer_fires++;
+		if (now - sim->armed > sim->timer_late_ns_max)
+			sim->timer_late_ns_max = now - sim->armed;
+		sim->armed = 0;
+	}
+	sc = psp_select(&sim->s, now, &kind, &wake, &held);
+	if (!sc) {
+		out->t = wake;
+		out->kind = PSP_SEND_NONE;
+		sim->armed = wake;
+		return 0;
+	}
+	c = container_of(sc, struct sim_class, sc);
+	if (c->qlen) {
+		len = c->ring[c->head];
+		c->head = (c->head + 1) % c->cap;
+		c->qlen--;
+	} else {
+		len = c->greedy;
+	}
+	next = c->qlen ? c->ring[c->head] : c->greedy;
+	psp_charge(&sim->s, sc, kind, psp_wire_bytes(&sim->s, len, 1), now,
+		   next ? (u32)psp_wire_bytes(&sim->s, next, 1) : 0);
+	c->pkts++;
+	c->bytes += len;
+	out->t = now;
+	out->cls = c->idx;
+	out->len = len;
+	out->kind = (u32)kind;
+	return 1;
+}
+
+long psp_sim_run(struct psp_sim *sim, u64 start, u64 until, u64 late_ns,
+		 struct psp_sim_pkt *log, long max_log, u64 *end)
+{
+	struct psp_sim_pkt p;
+	u64 now = start;
+	long count = 0;
+
+	for (;;) {
+		while (psp_sim_dequeue(sim, now, &p)) {
+			if (log && count < max_log)
+				log[count] = p;
+			count++;
+		}
+		if (!p.t || p.t + late_ns > until)
+			break;
+		now = p.t + late_ns;
+	}
+	if (end)
+		*end = now;
+	return count;
+}
+
+void psp_sim_xstats(struct psp_sim *sim, struct tc_psp_xstats *st)
+{
+	u32 i, n = 0;
+
+	for (i = 0; i < sim->ncls; i++)
+		n += sim->cls[i]->used;
+	memset(st, 0, sizeof(*st));
+	st->link_rate = sim->s.link_rate;
+	st->rate_sum = sim->s.rate_sum;
+	st->paced_pkts = sim->s.paced_pkts;
+	st->borrowed_pkts = sim->s.borrowed_pkts;
+	st->unpaced_pkts = sim->s.unpaced_pkts;
+	st->late_ns_total = sim->s.late_ns_total;
+	st->late_ns_max = sim->s.late_ns_max;
+	st->clamps = sim->s.clamps;
+	st->timer_fires = sim->timer_fires;
+	st->timer_late_ns_max = sim->timer_late_ns_max;
+	st->classes = n;
+	st->active = sim->s.active;
+}
+
+int psp_sim_class_xstats(struct psp_sim *sim, int cls, u64 now,
+			 struct tc_psp_class_xstats *xs)
+{
+	struct sim_class *c = sim_get(sim, cls);
+
+	if (!c)
+		return -1;
+	memset(xs, 0, sizeof(*xs));
+	xs->rate = c->sc.rate;
+	xs->ceil = c->sc.ceil;
+	xs->eff_rate = psp_eff_rate(&sim->s, &c->sc);
+	xs->rate_est = psp_est_read(&c->sc, now);
+	xs->borrowed_bytes = c->sc.borrowed_bytes;
+	xs->borrowed_pkts = c->sc.borrowed_pkts;
+	xs->clamps = c->sc.clamps;
+	xs->late_ns_max = c->sc.late_ns_max;
+	xs->clock_ns = c->sc.rate ? (s64)(c->sc.t_rate - now) : 0;
+	xs->limit = c->limit;
+	xs->flags = (c->sc.rate ? 0 : PSP_CLASS_F_UNPACED) |
+		    ((c->sc.flags & PSP_SC_ACTIVE) ? PSP_CLASS_F_ACTIVE : 0);
+	return 0;
+}
+
+/* pkts, bytes, drops, qlen */
+int psp_sim_class_counts(struct psp_sim *sim, int cls, u64 out[4])
+{
+	struct sim_class *c;
+
+	if (cls < 0 || (u32)cls >= sim->ncls)
+		return -1;
+	c = sim->cls[cls];
+	out[0] = c->pkts;
+	out[1] = c->bytes;
+	out[2] = c->drops;
+	out[3] = c->qlen;
+	return 0;
+}
+
+/* Sizes the Python side checks its ctypes mirrors against. */
+u32 psp_sim_sizeof(int which)
+{
+	switch (which) {
+	case 0: return sizeof(struct psp_sim_pkt);
+	case 1: return sizeof(struct tc_psp_xstats);
+	case 2: return sizeof(struct tc_psp_class_xstats);
+	case 3: return sizeof(struct sim_class);
+	default: return 0;
+	}
+}

@@ -1,0 +1,84 @@
+/* SPDX-License-Identifier: GPL-2.0 WITH Linux-syscall-note */
+/*
+ * pkt_sch_psp.h - netlink interface of the psp (precise software pacer) qdisc.
+ *
+ * The one source of truth for attribute numbers, limits and statistics
+ * layouts: flowpacer/tc/psp.py mirrors it and tests/test_psp_uapi.py checks
+ * the two against each other with a C compiler.
+ *
+ * Units: rates are bytes per second (u64), times nanoseconds, sizes bytes.
+ *
+ * Objects:
+ *   qdisc  "psp", root, handle MAJ:.  At creation it makes its own default
+ *          class MAJ:DEFCLS (unpaced: unmatched traffic, within the link rate).
+ *   class  MAJ:MIN, flat (parent is the qdisc), one per paced flow or group.
+ *
+ * All attributes of both objects share one enum; the kernel refuses qdisc
+ * attributes in class options and the other way round.
+ */
+#ifndef _UAPI_PKT_SCH_PSP_H
+#define _UAPI_PKT_SCH_PSP_H
+
+#include <linux/types.h>
+
+enum {
+	TCA_PSP_UNSPEC,
+	TCA_PSP_PAD,		/* alignment padding in dumps, refused in requests */
+	/* qdisc options */
+	TCA_PSP_LINK_RATE,	/* u64 bytes/s; default: the device's ethtool speed */
+	TCA_PSP_DEFCLS,		/* u32 minor of the default class (1..0xffff) */
+	TCA_PSP_OVERHEAD,	/* u32 bytes added to every wire packet */
+	TCA_PSP_LIMIT,		/* u32 default per-class packet limit */
+	/* class options */
+	TCA_PSP_CLASS_RATE,	/* u64 bytes/s, > 0 (0 in dumps: unpaced class) */
+	TCA_PSP_CLASS_CEIL,	/* u64 bytes/s, >= rate; default: rate (no borrowing) */
+	TCA_PSP_CLASS_LIMIT,	/* u32 packets; default: the qdisc's TCA_PSP_LIMIT */
+	__TCA_PSP_MAX
+};
+
+#define TCA_PSP_MAX (__TCA_PSP_MAX - 1)
+
+#define PSP_RATE_MAX		(1ULL << 40)	/* bytes/s: ~8.8 Tbit/s */
+#define PSP_OVERHEAD_MAX	1024U		/* bytes per packet */
+#define PSP_LIMIT_MAX		(1U << 20)	/* packets per class */
+#define PSP_DEFAULT_LIMIT	1000U		/* packets per class */
+#define PSP_DEFAULT_DEFCLS	2U		/* minor of the default class */
+
+/* tc_psp_class_xstats.flags */
+#define PSP_CLASS_F_UNPACED	0x1	/* no rate: served from idle link time */
+#define PSP_CLASS_F_DEFAULT	0x2	/* receives unclassified traffic */
+#define PSP_CLASS_F_ACTIVE	0x4	/* has packets queued */
+
+/* Qdisc statistics (TCA_XSTATS / TCA_STATS_APP of the qdisc). */
+struct tc_psp_xstats {
+	__u64	link_rate;	/* bytes/s in effect */
+	__u64	rate_sum;	/* sum of the rates of the backlogged paced classes */
+	__u64	paced_pkts;	/* packets sent on their class's rate clock */
+	__u64	borrowed_pkts;	/* packets sent on idle link time above rate */
+	__u64	unpaced_pkts;	/* packets of unpaced classes */
+	__u64	late_ns_total;	/* sum of (departure - scheduled time), paced */
+	__u64	late_ns_max;
+	__u64	clamps;		/* clock catch-ups clamped to one packet */
+	__u64	timer_fires;	/* dequeues at or after the armed watchdog time */
+	__u64	timer_late_ns_max;	/* worst watchdog lateness seen */
+	__u64	gso_split;	/* GSO packets segmented at enqueue */
+	__u32	classes;
+	__u32	active;		/* classes with packets queued */
+};
+
+/* Class statistics (TCA_XSTATS / TCA_STATS_APP of a class). */
+struct tc_psp_class_xstats {
+	__u64	rate;		/* configured, bytes/s (0: unpaced) */
+	__u64	ceil;		/* configured, bytes/s */
+	__u64	eff_rate;	/* rate in effect (lower when oversubscribed) */
+	__u64	rate_est;	/* bytes/s sent, moving average (~0.4 s) */
+	__u64	borrowed_bytes;
+	__u64	borrowed_pkts;
+	__u64	clamps;
+	__u64	late_ns_max;
+	__s64	clock_ns;	/* rate clock minus now at dump time */
+	__u32	limit;		/* packets */
+	__u32	flags;		/* PSP_CLASS_F_* */
+};
+
+#endif /* _UAPI_PKT_SCH_PSP_H */
