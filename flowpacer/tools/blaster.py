@@ -160,6 +160,60 @@ def hold_connect(host: str, port: int, count: int, seconds: float, name: str) ->
     return {"closed": len(socks)}
 
 
+def burst_serve(port: int, nbytes: int, name: str) -> None:
+    """Accept, send ``nbytes`` at once, close: one short flow per connection, no threads."""
+    _raise_nofile()
+    set_comm(name)
+    s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    s.bind(("::", port))
+    s.listen(4096)
+    payload = (CHUNK * (nbytes // len(CHUNK) + 1))[:nbytes]
+    while True:
+        conn, _ = s.accept()
+        try:
+            if payload:
+                conn.sendall(payload)
+        except OSError:
+            pass
+        conn.close()
+
+
+def churn(host: str, port: int, rate: float, seconds: float, name: str) -> dict:
+    """Open+read+close connections at ``rate`` per second for ``seconds``; one JSON summary."""
+    _raise_nofile()
+    set_comm(name)
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    t0 = time.monotonic()
+    done = errors = 0
+    nbytes = 0
+    buf = bytearray(1 << 16)
+    while True:
+        now = time.monotonic()
+        if now - t0 >= seconds:
+            break
+        due = t0 + done / rate if rate > 0 else now
+        if due > now:
+            time.sleep(due - now)
+        c = socket.socket(fam, socket.SOCK_STREAM)
+        c.settimeout(5)
+        try:
+            c.connect((host, port))
+            while True:
+                n = c.recv_into(buf)
+                if not n:
+                    break
+                nbytes += n
+        except OSError:
+            errors += 1
+        finally:
+            c.close()
+        done += 1
+    span = time.monotonic() - t0
+    return {"flows": done, "errors": errors, "seconds": span, "rate": done / span, "bytes": nbytes}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="blaster")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -184,7 +238,23 @@ def main(argv=None) -> int:
     hc.add_argument("--count", type=int, required=True)
     hc.add_argument("--seconds", type=float, default=60)
     hc.add_argument("--name", default="fp-hold-cli")
+    bs = sub.add_parser("burst-serve")
+    bs.add_argument("--port", type=int, required=True)
+    bs.add_argument("--bytes", type=int, default=0)
+    bs.add_argument("--name", default="fp-burst-srv")
+    ch = sub.add_parser("churn")
+    ch.add_argument("--host", required=True)
+    ch.add_argument("--port", type=int, required=True)
+    ch.add_argument("--rate", type=float, required=True)
+    ch.add_argument("--seconds", type=float, default=5)
+    ch.add_argument("--name", default="fp-churn-cli")
     args = ap.parse_args(argv)
+    if args.cmd == "burst-serve":
+        burst_serve(args.port, args.bytes, args.name)
+        return 0
+    if args.cmd == "churn":
+        print(json.dumps(churn(args.host, args.port, args.rate, args.seconds, args.name)))
+        return 0
     if args.cmd == "hold-serve":
         hold_serve(args.port, args.name)
         return 0

@@ -1,0 +1,213 @@
+"""The daemon with its tracer under connection churn (issue 3's performance targets).
+
+1. time-to-shape: from the accept() return in the target (the tracer's kernel timestamp) to the
+   netlink ack of the flow's filter, at 200 new flows/s (goal p50 <= 1 ms, p99 <= 2 ms);
+2. churn: open+close at rising rates; does the daemon keep up (no growing backlog, classes back
+   to zero, tracer losses), and its CPU use (goal: >= 2000 flows/s sustained);
+3. bytes that leave unshaped before the filter is in place, per flow (the default class's byte
+   counter around each of 100 sequential flows whose server writes 256 KB at once).
+
+Writes bench/results/daemon.json. Run: ``.venv/bin/python -m bench.daemon_bench [part ...]``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+from flowpacer.backend.tc import DEFAULT_MINOR, MAJOR
+from flowpacer.control import call
+from flowpacer.errors import FlowpacerError
+from flowpacer.tc import nl
+from flowpacer.testbed import PY, Testbed, in_netns, wait_for
+
+from .common import RESULTS, percentiles, write
+
+
+class BenchDaemon:
+    def __init__(self, tb, rate="50mbit"):
+        self.tb = tb
+        self.tmp = tempfile.mkdtemp(prefix="fp-dbench-")
+        self.rules = os.path.join(self.tmp, "rules.yaml")
+        with open(self.rules, "w") as f:
+            f.write(textwrap.dedent(f"""\
+                interface: {tb.server_if}
+                backend: htb
+                link_rate: 10gbit
+                rules:
+                  - name: burst
+                    match: {{process: fp-burst-srv, direction: inbound}}
+                    rate: {rate}
+                """))
+        self.sock = os.path.join(self.tmp, "control.sock")
+        self.proc = tb.popen(tb.server_ns, [PY, "-m", "flowpacer.cli", "run", "--rules", self.rules,
+                                            "--socket", self.sock, "--no-metrics"],
+                             stderr=open(os.path.join(self.tmp, "daemon.log"), "w"))
+        wait_for(self._ready, 90, 0.1, "the daemon")
+
+    def _ready(self):
+        if self.proc.poll() is not None:
+            raise RuntimeError(open(os.path.join(self.tmp, "daemon.log")).read()[-3000:])
+        try:
+            return call(self.sock, {"cmd": "ping"}, timeout=2)
+        except FlowpacerError:
+            return None
+
+    def status(self):
+        return call(self.sock, {"cmd": "status"}, timeout=60)
+
+    def pid(self):
+        out = subprocess.run(["pgrep", "-f", f"--rules {self.rules}"], capture_output=True, text=True)
+        return int(out.stdout.split()[0])
+
+    def cpu_s(self):
+        with open(f"/proc/{self.pid()}/stat") as f:
+            parts = f.read().rsplit(")", 1)[1].split()
+        return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=60)
+
+
+def churn(tb, rate, seconds, procs=1):
+    ps = [tb.popen(tb.client_ns, [PY, "-m", "flowpacer.tools.blaster", "churn", "--host",
+                                  str(tb.server_v4), "--port", "7100", "--rate", str(rate / procs),
+                                  "--seconds", str(seconds)], stdout=subprocess.PIPE, text=True)
+          for _ in range(procs)]
+    outs = [json.loads(p.communicate(timeout=seconds + 60)[0].splitlines()[-1]) for p in ps]
+    return {"flows": sum(o["flows"] for o in outs), "errors": sum(o["errors"] for o in outs),
+            "rate": sum(o["rate"] for o in outs)}
+
+
+def time_to_shape(tb) -> dict:
+    tb.popen(tb.server_ns, [PY, "-m", "flowpacer.tools.blaster", "burst-serve", "--port", "7100",
+                            "--bytes", "65536"])
+    tb.wait_listening(7100)
+    d = BenchDaemon(tb)
+    try:
+        c = churn(tb, 200, 5)
+        wait_for(lambda: d.status()["shaped_flows"] == 0, 30, 0.2, "all classes gone")
+        st = d.status()
+    finally:
+        d.stop()
+    return {"offered_flows_per_s": 200, "client": c,
+            "time_to_shape_us": st["counters"]["shape_latency_us"],
+            "apply_us": st["counters"]["apply_latency_us"],
+            "tracer": {k: st["tracer"][k] for k in ("lost", "unattributed", "missed")}}
+
+
+def churn_ceiling(tb) -> dict:
+    tb.popen(tb.server_ns, [PY, "-m", "flowpacer.tools.blaster", "burst-serve", "--port", "7100"])
+    tb.wait_listening(7100)
+    d = BenchDaemon(tb)
+    steps = []
+    try:
+        for rate in (500, 1000, 2000, 3000, 4000):
+            st0 = d.status()
+            cpu0, t0 = d.cpu_s(), time.monotonic()
+            c = churn(tb, rate, 5, procs=2)
+            t_end = time.monotonic()
+            wait_for(lambda: d.status()["shaped_flows"] == 0, 60, 0.1, "the daemon to drain")
+            lag = time.monotonic() - t_end
+            st1 = d.status()
+            cpu = (d.cpu_s() - cpu0) / (time.monotonic() - t0)
+            ev0, ev1 = st0["counters"]["events"], st1["counters"]["events"]
+            steps.append({
+                "offered_per_s": rate, "achieved_per_s": c["rate"], "client_errors": c["errors"],
+                "tracer_opens": ev1["tracer_open"] - ev0["tracer_open"],
+                "tracer_closes": ev1["tracer_close"] - ev0["tracer_close"],
+                "reconcile_fixes": (ev1["reconcile_open"] + ev1["reconcile_close"]
+                                    - ev0["reconcile_open"] - ev0["reconcile_close"]),
+                "lost_events": st1["tracer"]["lost"] - st0["tracer"]["lost"],
+                "drain_after_s": lag, "daemon_cpu_share": cpu,
+                "op_errors": st1["counters"]["op_errors"] - st0["counters"]["op_errors"]})
+            print(json.dumps(steps[-1]), flush=True)
+    finally:
+        d.stop()
+    ok = [s["achieved_per_s"] for s in steps if s["drain_after_s"] < 2 and s["lost_events"] == 0]
+    return {"steps": steps, "sustained_flows_per_s": max(ok) if ok else 0}
+
+
+def unshaped_bytes(tb, n=100) -> dict:
+    tb.popen(tb.server_ns, [PY, "-m", "flowpacer.tools.blaster", "burst-serve", "--port", "7100",
+                            "--bytes", str(256 * 1024)])
+    tb.popen(tb.server_ns, [PY, "-m", "flowpacer.tools.blaster", "burst-serve", "--port", "7101",
+                            "--name", "fp-other-srv"])
+    tb.wait_listening(7100)
+    tb.wait_listening(7101)
+    d = BenchDaemon(tb, rate="20mbit")
+    with in_netns(tb.server_ns):
+        rtnl = nl.RtnlSocket()
+        ifindex = socket.if_nametoindex(tb.server_if)
+
+    def default_bytes():
+        for mtype, body in rtnl.dump(nl.RTM_GETTCLASS, nl.tcmsg(ifindex)):
+            obj = nl.parse_tcmsg(mtype, body)
+            if obj.handle == nl.tc_handle(MAJOR, DEFAULT_MINOR):
+                return nl.parse_stats2(obj)["bytes"]
+        return 0
+
+    def one(port):
+        before = default_bytes()
+        with in_netns(tb.client_ns):
+            c = socket.create_connection((str(tb.server_v4), port), timeout=10)
+        got = 0
+        while True:
+            b = c.recv(1 << 16)
+            if not b:
+                break
+            got += len(b)
+        c.close()
+        wait_for(lambda: d.status()["shaped_flows"] == 0, 10, 0.01, "class gone")
+        return default_bytes() - before, got
+
+    try:
+        control = [one(7101)[0] for _ in range(10)]     # unmatched, no payload: control packets
+        base = sorted(control)[len(control) // 2]
+        per_flow = []
+        for _ in range(n):
+            delta, got = one(7100)
+            assert got == 256 * 1024
+            per_flow.append(max(0, delta - base))
+    finally:
+        rtnl.close()
+        d.stop()
+    return {"flows": n, "payload_bytes": 256 * 1024, "control_packets_bytes": base,
+            "unshaped_bytes": percentiles(per_flow),
+            "flows_with_any_unshaped_payload": sum(1 for x in per_flow if x > 0)}
+
+
+PARTS = {"time_to_shape": ("dbn1", time_to_shape), "churn": ("dbn2", churn_ceiling),
+         "unshaped": ("dbn3", unshaped_bytes)}
+
+
+def main(argv=None) -> int:
+    names = (argv if argv is not None else sys.argv[1:]) or list(PARTS)
+    prev = RESULTS / "daemon.json"
+    figures = json.loads(prev.read_text()).get("figures", {}) if prev.exists() else {}
+    for name in names:
+        tag, fn = PARTS[name]
+        with Testbed(tag=tag) as tb:
+            figures[name] = fn(tb)
+        print(json.dumps({name: figures[name]}, indent=2), flush=True)
+    goals = {}
+    if "time_to_shape" in figures:
+        t = figures["time_to_shape"]["time_to_shape_us"]
+        goals["time_to_shape_p50<=1ms"] = t.get("p50", 1e9) <= 1000
+        goals["time_to_shape_p99<=2ms"] = t.get("p99", 1e9) <= 2000
+    if "churn" in figures:
+        goals["churn>=2000_per_s"] = figures["churn"]["sustained_flows_per_s"] >= 2000
+    write("daemon", figures, goals)
+    print(json.dumps(goals, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
