@@ -63,7 +63,7 @@ class BenchDaemon:
         return call(self.sock, {"cmd": "status"}, timeout=60)
 
     def pid(self):
-        out = subprocess.run(["pgrep", "-f", f"--rules {self.rules}"], capture_output=True, text=True)
+        out = subprocess.run(["pgrep", "-f", f"flowpacer.cli run --rules {self.rules}"], capture_output=True, text=True)
         return int(out.stdout.split()[0])
 
     def cpu_s(self):
