@@ -4,7 +4,7 @@ VENV  := .venv
 PY    := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: deps demo test test-host test-vm bench kmod sim clean cleanup
+.PHONY: deps demo test test-vm bench kmod sim clean
 
 deps: .deps-stamp
 .deps-stamp: tools/setup.sh pyproject.toml
@@ -16,6 +16,9 @@ demo: deps
 
 test: deps
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
+
+test-vm: deps
+	$(PY) -m pytest -ra tests/test_vm.py
 
 bench: deps
 	$(PY) -m bench.run

@@ -1,0 +1,84 @@
+"""Fixtures for the tests that run inside the qemu test VM (tests/test_vm.py starts them).
+
+- every test fails when the kernel logged a WARNING, BUG, Oops, ... while it ran
+  (``@pytest.mark.allow_dmesg(REGEX)`` exempts matching lines);
+- with ``FLOWPACER_GUEST_REPORT=FILE`` the outcome of every test is written to FILE (JSON)
+  for the host-side bridge.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import kmsg  # noqa: E402
+
+IN_VM = os.environ.get("FLOWPACER_IN_VM") == "1"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "allow_dmesg(regex): kernel log lines that may appear")
+
+
+@pytest.fixture(autouse=True)
+def dmesg_clean(request):
+    """Fail the test if the kernel logged signs of a bug while it ran (teardown included)."""
+    if not IN_VM:
+        pytest.fail("tests/guest runs inside the test VM: use tests/test_vm.py or vm/run.py")
+    reader = kmsg.KmsgReader()
+    yield reader
+    try:
+        lines = reader.read_new()
+    finally:
+        reader.close()
+    allowed = [re.compile(m.args[0]) for m in request.node.iter_markers("allow_dmesg")]
+    bad = [ln for ln in kmsg.problems(lines) if not any(a.search(ln) for a in allowed)]
+    if bad:
+        pytest.fail("kernel log during the test:\n" + "\n".join(bad[:40]), pytrace=False)
+
+
+# ----------------------------------------------------------------- report for the host
+
+_REPORT = {}
+
+
+def pytest_runtest_logreport(report):
+    if not os.environ.get("FLOWPACER_GUEST_REPORT"):
+        return
+    ent = _REPORT.setdefault(report.nodeid, {"outcome": "passed", "text": "", "duration": 0.0})
+    ent["duration"] += report.duration
+    if report.failed:
+        ent["outcome"] = "failed"
+        ent["text"] += f"--- {report.when} ---\n{report.longreprtext}\n"
+    elif report.skipped and ent["outcome"] == "passed":
+        if hasattr(report, "wasxfail"):
+            ent["outcome"] = "xfailed"
+            ent["text"] += report.wasxfail
+        else:
+            ent["outcome"] = "skipped"
+            ent["text"] += (report.longrepr[2] if isinstance(report.longrepr, tuple)
+                            else str(report.longrepr))
+    for name, content in report.sections:
+        if report.failed and content.strip():
+            ent["text"] += f"--- {name} ---\n{content[-4000:]}\n"
+
+
+def pytest_collectreport(report):
+    if os.environ.get("FLOWPACER_GUEST_REPORT") and report.failed:
+        _REPORT[f"collect:{report.nodeid}"] = {"outcome": "failed",
+                                               "text": report.longreprtext, "duration": 0.0}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = os.environ.get("FLOWPACER_GUEST_REPORT")
+    if path:
+        tmp = path + ".tmp"
+        Path(tmp).write_text(json.dumps({"exitstatus": int(exitstatus), "tests": _REPORT},
+                                        indent=1))
+        os.replace(tmp, path)

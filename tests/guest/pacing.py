@@ -1,0 +1,571 @@
+"""Pacing measurement tools for the test VM (and any root shell with veth and iperf3).
+
+A ``Testbed`` is two network namespaces joined by a veth pair: the sender's end gets the root
+qdisc under test (any callable ``setup(testbed)``: ``Htb``, ``Tbf``, ``Fq`` here, psp later via
+pyroute2), iperf3 sends one bounded TCP stream, and an AF_PACKET socket in the receiver's
+namespace records every data packet with its kernel timestamp. ``analyze`` turns that into
+goodput, rate error and the inter-packet gap figures (``PacingStats``).
+
+GSO super-packets are seen whole on a veth; the capture asks for the virtio-net header
+(PACKET_VNET_HDR) so each one is counted as the ``gso_size`` segments a NIC would put on the
+wire back to back at the same instant.
+
+Rates are bytes per second (``*_bps``) as everywhere in flowpacer; ``mbit(10)`` converts.
+
+    with Testbed() as tb:                       # namespaces fps<sfx>/fpr<sfx>, veth fpvs/fpvr
+        st = measure(tb, Htb(mbit(10)), mbit(10), gso=False, duration=4)
+        print(st.within25, st.longest_run, st.goodput_bps)
+
+    def psp(tb):                                # any callable is a qdisc set-up, e.g.
+        with pyroute2.NetNS(tb.sender_ns) as ns:  # pyroute2 in the sender's namespace
+            ...
+
+Command line (inside the VM, as root)::
+
+    python tests/guest/pacing.py matrix [--rates 2,10] [--duration 6] [--qdiscs htb,tbf,fq]
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import json
+import logging
+import math
+import os
+import select
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+log = logging.getLogger(__name__)
+
+ETH_P_ALL = 0x0003
+ETH_P_IP = 0x0800
+ETH_P_IPV6 = 0x86DD
+SOL_PACKET = 263
+PACKET_VNET_HDR = 15
+PACKET_OUTGOING = 4
+SO_TIMESTAMPNS = 35
+SO_RCVBUFFORCE = 33
+PACKET_STATISTICS = 6
+CLONE_NEWNET = 0x40000000
+VNET_HDR_LEN = 10
+IPERF_PORT = 5201
+
+
+def mbit(x: float) -> int:
+    """Megabits per second -> bytes per second."""
+    return int(round(x * 1e6 / 8))
+
+
+def to_mbit(rate_bps: float) -> float:
+    return rate_bps * 8 / 1e6
+
+
+class TestbedError(Exception):
+    """A testbed command failed; one line with the command and its stderr."""
+    __test__ = False
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:
+    """Poll ``cond`` until it is true; raise TimeoutError naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if cond():
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+def sh(args: Sequence[str], ns: Optional[str] = None, timeout: float = 30,
+       check: bool = True) -> subprocess.CompletedProcess:
+    argv = (["ip", "netns", "exec", ns] if ns else []) + [str(a) for a in args]
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise TestbedError(f"{' '.join(argv)}: no answer in {timeout:.0f} s") from None
+    if check and proc.returncode != 0:
+        raise TestbedError(f"{' '.join(argv)}: exit {proc.returncode}: "
+                           f"{proc.stderr.strip() or proc.stdout.strip()}")
+    return proc
+
+
+def modprobe(*names: str) -> None:
+    """Load modules. Where the kernel has no modules directory (a host kernel with
+    everything built in) a failure is left to the command that needs the feature."""
+    strict = os.path.exists(f"/lib/modules/{os.uname().release}/modules.dep")
+    for n in names:
+        sh(["modprobe", n], check=strict)
+
+
+# ------------------------------------------------------------------------ testbed
+
+class Testbed:
+    """Sender and receiver network namespaces joined by a veth pair (IPv4 /24).
+
+    Use as a context manager: everything made is deleted on exit, also on failure.
+    """
+    __test__ = False  # not a pytest test class
+
+    def __init__(self, suffix: Optional[str] = None, subnet: str = "10.201.0"):
+        sfx = suffix or uuid.uuid4().hex[:6]
+        self.suffix = sfx
+        self.sender_ns = f"fps{sfx}"
+        self.receiver_ns = f"fpr{sfx}"
+        self.sender_dev = f"fpvs{sfx}"
+        self.receiver_dev = f"fpvr{sfx}"
+        self.sender_addr = f"{subnet}.1"
+        self.receiver_addr = f"{subnet}.2"
+        self._made: List[str] = []
+        self._procs: List[subprocess.Popen] = []
+
+    def __enter__(self) -> "Testbed":
+        try:
+            self.create()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def create(self) -> None:
+        modprobe("veth")
+        for ns in (self.sender_ns, self.receiver_ns):
+            sh(["ip", "netns", "add", ns])
+            self._made.append(ns)
+        sh(["ip", "link", "add", self.sender_dev, "netns", self.sender_ns, "type", "veth",
+            "peer", "name", self.receiver_dev, "netns", self.receiver_ns])
+        for ns, dev, addr in ((self.sender_ns, self.sender_dev, self.sender_addr),
+                              (self.receiver_ns, self.receiver_dev, self.receiver_addr)):
+            sh(["ip", "link", "set", "lo", "up"], ns)
+            sh(["ip", "addr", "add", f"{addr}/24", "dev", dev], ns)
+            sh(["ip", "link", "set", dev, "up"], ns)
+        # the kernel only answers once both ends are up: wait for the carrier
+        wait_for(lambda: "LOWER_UP" in sh(["ip", "-o", "link", "show", self.sender_dev],
+                                         self.sender_ns).stdout, 10, "veth carrier")
+
+    def close(self) -> None:
+        for p in self._procs:
+            if p.poll() is None:
+                p.kill()
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        self._procs.clear()
+        for ns in reversed(self._made):
+            sh(["ip", "netns", "del", ns], check=False)
+        self._made.clear()
+
+    # -- helpers ---------------------------------------------------------------
+    def s(self, *args: str, **kw) -> subprocess.CompletedProcess:
+        """Run a command in the sender's namespace."""
+        return sh(args, self.sender_ns, **kw)
+
+    def r(self, *args: str, **kw) -> subprocess.CompletedProcess:
+        """Run a command in the receiver's namespace."""
+        return sh(args, self.receiver_ns, **kw)
+
+    def popen(self, ns: str, args: Sequence[str], **kw) -> subprocess.Popen:
+        p = subprocess.Popen(["ip", "netns", "exec", ns] + [str(a) for a in args], **kw)
+        self._procs.append(p)
+        return p
+
+    def set_gso(self, on: bool) -> None:
+        """GSO/TSO on (the default) or off. Off also sets gso_max_segs 1 on the sender's veth:
+        ethtool alone still lets TCP hand the qdisc ~64 KB skbs."""
+        state = "on" if on else "off"
+        self.s("ethtool", "-K", self.sender_dev, "tso", state, "gso", state)
+        self.s("ip", "link", "set", self.sender_dev, "gso_max_segs", "65535" if on else "1")
+
+    def clear_qdisc(self) -> None:
+        self.s("tc", "qdisc", "del", "dev", self.sender_dev, "root", check=False)
+
+    def qdisc_show(self) -> str:
+        return self.s("tc", "-s", "qdisc", "show", "dev", self.sender_dev).stdout
+
+
+QdiscSetup = Callable[[Testbed], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Htb:
+    """htb root with one default class at ``rate_bps`` (tc's default burst unless given)."""
+    rate_bps: int
+    burst_bytes: Optional[int] = None
+    name: str = "htb"
+
+    def __call__(self, tb: Testbed) -> None:
+        modprobe("sch_htb")
+        tb.s("tc", "qdisc", "replace", "dev", tb.sender_dev, "root", "handle", "1:", "htb",
+             "default", "1")
+        extra = ["burst", str(self.burst_bytes), "cburst", str(self.burst_bytes)] \
+            if self.burst_bytes else []
+        tb.s("tc", "class", "add", "dev", tb.sender_dev, "parent", "1:", "classid", "1:1", "htb",
+             "rate", f"{self.rate_bps * 8}bit", *extra)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tbf:
+    """tbf root at ``rate_bps`` with a bucket of two full-size frames (tbf splits GSO skbs
+    bigger than the bucket into MTU-sized packets)."""
+    rate_bps: int
+    burst_bytes: int = 3028
+    latency_ms: int = 200
+    name: str = "tbf"
+
+    def __call__(self, tb: Testbed) -> None:
+        modprobe("sch_tbf")
+        tb.s("tc", "qdisc", "replace", "dev", tb.sender_dev, "root", "tbf",
+             "rate", f"{self.rate_bps * 8}bit", "burst", str(self.burst_bytes),
+             "latency", f"{self.latency_ms}ms")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fq:
+    """fq root with a per-flow ``maxrate``."""
+    rate_bps: int
+    name: str = "fq"
+
+    def __call__(self, tb: Testbed) -> None:
+        modprobe("sch_fq")
+        tb.s("tc", "qdisc", "replace", "dev", tb.sender_dev, "root", "fq",
+             "maxrate", f"{self.rate_bps * 8}bit")
+
+
+# ------------------------------------------------------------------------ capture
+
+@dataclasses.dataclass(frozen=True)
+class Packet:
+    """One captured skb (a GSO skb carries ``segs`` wire packets)."""
+    ts_ns: int
+    sport: int
+    l2_bytes: int        # frame length as the qdisc counts it (no FCS)
+    payload_bytes: int   # TCP payload
+    gso_size: int        # MSS of a GSO skb, 0 for a plain packet
+
+    @property
+    def segs(self) -> int:
+        if self.gso_size and self.payload_bytes > self.gso_size:
+            return -(-self.payload_bytes // self.gso_size)
+        return 1
+
+    def wire(self) -> List[Tuple[int, int, int]]:
+        """(ts_ns, frame bytes, payload bytes) of each wire packet."""
+        n = self.segs
+        if n == 1:
+            return [(self.ts_ns, self.l2_bytes, self.payload_bytes)]
+        hdr = self.l2_bytes - self.payload_bytes
+        out = [(self.ts_ns, hdr + self.gso_size, self.gso_size)] * (n - 1)
+        last = self.payload_bytes - self.gso_size * (n - 1)
+        out.append((self.ts_ns, hdr + last, last))
+        return out
+
+
+def parse_frame(data: bytes, dport: int) -> Optional[Tuple[int, int, int, int]]:
+    """(sport, l2_bytes, payload_bytes, gso_size) for a TCP data packet to ``dport`` in a
+    frame read with PACKET_VNET_HDR, else None."""
+    if len(data) < VNET_HDR_LEN + 14 + 40:
+        return None
+    _flags, gso_type, _hdr_len, gso_size = struct.unpack_from("<BBHH", data, 0)
+    eth = VNET_HDR_LEN
+    ethertype = struct.unpack_from("!H", data, eth + 12)[0]
+    ip = eth + 14
+    if ethertype == ETH_P_IP:
+        ihl = (data[ip] & 0x0F) * 4
+        tot_len = struct.unpack_from("!H", data, ip + 2)[0]
+        if data[ip + 9] != socket.IPPROTO_TCP:
+            return None
+        l3_len, th = tot_len, ip + ihl
+        l4_len = tot_len - ihl
+    elif ethertype == ETH_P_IPV6:
+        plen = struct.unpack_from("!H", data, ip + 4)[0]
+        if data[ip + 6] != socket.IPPROTO_TCP:
+            return None
+        l3_len, th = 40 + plen, ip + 40
+        l4_len = plen
+    else:
+        return None
+    if len(data) < th + 20:
+        return None
+    sport, dp = struct.unpack_from("!HH", data, th)
+    if dp != dport:
+        return None
+    doff = (data[th + 12] >> 4) * 4
+    payload = l4_len - doff
+    if payload <= 0:
+        return None
+    return sport, 14 + l3_len, payload, gso_size if gso_type else 0
+
+
+class Capture:
+    """Records TCP data packets to ``port`` arriving on ``dev`` in network namespace ``ns``.
+
+    A thread enters the namespace (setns) and reads an AF_PACKET socket with kernel receive
+    timestamps (SO_TIMESTAMPNS) and the virtio-net header (PACKET_VNET_HDR, for gso_size).
+    ``with Capture(...) as cap: ...; packets = cap.stop()``.
+    """
+
+    def __init__(self, ns: str, dev: str, port: int):
+        self.ns, self.dev, self.port = ns, dev, port
+        self.packets: List[Packet] = []
+        self.drops = 0
+        self.error: Optional[BaseException] = None
+        self._ready = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"capture-{dev}", daemon=True)
+
+    def __enter__(self) -> "Capture":
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise TestbedError("the capture did not start within 30 s")
+        if self.error is not None:
+            raise TestbedError(f"capture on {self.dev}: {self.error}")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> List[Packet]:
+        self._stop.set()
+        self._thread.join(30)
+        if self._thread.is_alive():
+            raise TestbedError("the capture thread did not stop")
+        if self.error is not None:
+            raise TestbedError(f"capture on {self.dev}: {self.error}")
+        return self.packets
+
+    def _open(self) -> socket.socket:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open(f"/run/netns/{self.ns}", os.O_RDONLY)
+        try:
+            if libc.setns(fd, CLONE_NEWNET) != 0:  # this thread only
+                err = ctypes.get_errno()
+                raise OSError(err, f"setns {self.ns}: {os.strerror(err)}")
+        finally:
+            os.close(fd)
+        s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
+        s.setsockopt(SOL_PACKET, PACKET_VNET_HDR, 1)
+        s.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+        try:
+            s.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 32 << 20)
+        except OSError:
+            pass
+        s.bind((self.dev, ETH_P_ALL))
+        s.setblocking(False)
+        return s
+
+    def _run(self) -> None:
+        try:
+            s = self._open()
+        except BaseException as e:  # reported by __enter__
+            self.error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        anc = socket.CMSG_SPACE(16)
+        try:
+            while True:
+                stopping = self._stop.is_set()
+                r, _, _ = select.select([s], [], [], 0.1)
+                while r:
+                    try:
+                        data, ancdata, _flags, addr = s.recvmsg(256, anc)
+                    except BlockingIOError:
+                        break
+                    if addr[2] == PACKET_OUTGOING:
+                        continue
+                    parsed = parse_frame(data, self.port)
+                    if parsed is None:
+                        continue
+                    for level, typ, cdata in ancdata:
+                        if level == socket.SOL_SOCKET and typ == SO_TIMESTAMPNS and len(cdata) >= 16:
+                            sec, nsec = struct.unpack_from("qq", cdata)
+                            self.packets.append(Packet(sec * 1_000_000_000 + nsec, *parsed))
+                if stopping:  # one last drain after the stop request
+                    break
+            st = s.getsockopt(SOL_PACKET, PACKET_STATISTICS, 8)  # tp_packets, tp_drops
+            self.drops = struct.unpack("II", st)[1]
+        except BaseException as e:
+            self.error = e
+        finally:
+            s.close()
+
+
+# ------------------------------------------------------------------------ analysis
+
+@dataclasses.dataclass
+class PacingStats:
+    target_bps: int
+    packets: int             # wire packets in the analysed window
+    skbs: int                # captured skbs in the window
+    window_s: float
+    rate_bps: float          # frame bytes per second (what the qdisc limits)
+    goodput_bps: float       # TCP payload bytes per second
+    rate_error: float        # rate_bps / target_bps - 1
+    ideal_gap_us: float      # for a full-size frame
+    median_gap_us: float
+    p99_gap_us: float
+    within25: float          # share of gaps within +-25 % of the ideal gap for that packet
+    b2b_share: float         # share of gaps under 1/4 of the ideal ("back to back")
+    longest_run: int         # most packets in a row separated by back-to-back gaps
+    max_per_ms: int          # most packets in one 1 ms bin
+    empty_ms: float          # share of 1 ms bins without a packet
+    mean_segs: float         # wire packets per skb
+    capture_drops: int = 0
+    iperf_bps: float = 0.0   # iperf3's own receiver goodput over the whole run
+
+    def row(self) -> str:
+        return (f"{to_mbit(self.goodput_bps):7.3f} {100 * self.rate_error:+6.1f}% "
+                f"{self.ideal_gap_us:7.0f} {self.median_gap_us:7.0f} {self.p99_gap_us:7.0f} "
+                f"{100 * self.within25:6.1f}% {100 * self.b2b_share:6.1f}% "
+                f"{self.longest_run:5d} {self.max_per_ms:4d} {100 * self.empty_ms:5.1f}% "
+                f"{self.mean_segs:5.1f} {self.packets:6d}")
+
+    HEADER = ("goodput  raterr  ideal_us  med_us  p99_us  within25  b2b%   run  max/ms "
+              "empty  segs   pkts")
+
+
+def _pct(sorted_vals: List[float], q: float) -> float:
+    if not sorted_vals:
+        return float("nan")
+    i = min(len(sorted_vals) - 1, max(0, int(math.ceil(q * len(sorted_vals))) - 1))
+    return sorted_vals[i]
+
+
+def analyze(packets: Iterable[Packet], target_bps: int, warmup_s: float = 1.0,
+            tail_s: float = 0.0, full_frame: int = 1514) -> PacingStats:
+    """Figures for the busiest flow in ``packets`` between ``warmup_s`` after its first
+    packet and ``tail_s`` before its last."""
+    pkts = sorted(packets, key=lambda p: p.ts_ns)
+    if not pkts:
+        raise ValueError("no data packets were captured")
+    by_flow: Dict[int, int] = {}
+    for p in pkts:
+        by_flow[p.sport] = by_flow.get(p.sport, 0) + p.payload_bytes
+    flow = max(by_flow, key=by_flow.get)
+    pkts = [p for p in pkts if p.sport == flow]
+    t_lo = pkts[0].ts_ns + int(warmup_s * 1e9)
+    t_hi = pkts[-1].ts_ns - int(tail_s * 1e9)
+    win = [p for p in pkts if t_lo <= p.ts_ns <= t_hi]
+    wire = [w for p in win for w in p.wire()]
+    if len(wire) < 3:
+        raise ValueError(f"only {len(wire)} packets after the warm-up: run longer")
+    span_ns = wire[-1][0] - wire[0][0]
+    if span_ns <= 0:
+        raise ValueError("all packets have the same timestamp")
+    # bytes sent in [first, last): the last skb's segments all arrive at the end instant
+    t_end = wire[-1][0]
+    sent = sum(w[1] for w in wire if w[0] < t_end)
+    good = sum(w[2] for w in wire if w[0] < t_end)
+    rate = sent * 1e9 / span_ns
+    goodput = good * 1e9 / span_ns
+    gaps, ideal = [], []
+    for (t0, l0, _), (t1, _, _) in zip(wire, wire[1:]):
+        gaps.append(t1 - t0)
+        ideal.append(l0 * 1e9 / target_bps)
+    within = sum(1 for g, i in zip(gaps, ideal) if abs(g - i) <= 0.25 * i)
+    b2b = [g < i / 4 for g, i in zip(gaps, ideal)]
+    longest = cur = 0
+    for b in b2b:
+        cur = cur + 1 if b else 0
+        longest = max(longest, cur)
+    bins: Dict[int, int] = {}
+    for t, _, _ in wire:
+        k = (t - wire[0][0]) // 1_000_000
+        bins[k] = bins.get(k, 0) + 1
+    nbins = (wire[-1][0] - wire[0][0]) // 1_000_000 + 1
+    sg = sorted(gaps)
+    return PacingStats(
+        target_bps=target_bps, packets=len(wire), skbs=len(win), window_s=span_ns / 1e9,
+        rate_bps=rate, goodput_bps=goodput, rate_error=rate / target_bps - 1,
+        ideal_gap_us=full_frame * 1e6 / target_bps,
+        median_gap_us=_pct(sg, 0.5) / 1e3, p99_gap_us=_pct(sg, 0.99) / 1e3,
+        within25=within / len(gaps), b2b_share=sum(b2b) / len(gaps),
+        longest_run=longest + 1 if longest else 1, max_per_ms=max(bins.values()),
+        empty_ms=1 - len(bins) / nbins, mean_segs=len(wire) / len(win))
+
+
+# ------------------------------------------------------------------------ traffic
+
+def measure(tb: Testbed, setup: Optional[QdiscSetup], target_bps: int, *, gso: bool = True,
+            duration: float = 5.0, warmup_s: float = 1.0) -> PacingStats:
+    """Install ``setup`` on the sender's veth, send one iperf3 TCP stream for ``duration``
+    seconds, capture it at the receiver and analyse it against ``target_bps``."""
+    tb.clear_qdisc()
+    tb.set_gso(gso)
+    if setup is not None:
+        setup(tb)
+    server = tb.popen(tb.receiver_ns, ["iperf3", "-s", "-1", "-B", tb.receiver_addr,
+                                       "-p", str(IPERF_PORT)],
+                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: f":{IPERF_PORT}" in tb.r("ss", "-Hltn").stdout
+                 or server.poll() is not None, 20, "iperf3 to listen")
+        if server.poll() is not None:
+            raise TestbedError(f"the iperf3 server exited ({server.returncode})")
+        with Capture(tb.receiver_ns, tb.receiver_dev, IPERF_PORT) as cap:
+            client = tb.s("iperf3", "-c", tb.receiver_addr, "-p", str(IPERF_PORT), "-B",
+                          tb.sender_addr, "-t", str(duration), "-J", timeout=duration + 60,
+                          check=False)
+        try:
+            rep = json.loads(client.stdout)
+        except ValueError:
+            rep = {"error": client.stderr.strip() or client.stdout.strip()[:200]}
+        if client.returncode != 0 or "error" in rep:
+            raise TestbedError(f"iperf3 failed: {rep.get('error', client.returncode)}")
+        wait_for(lambda: server.poll() is not None, 20, "the iperf3 server to exit")
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(timeout=10)
+    stats = analyze(cap.packets, target_bps, warmup_s=warmup_s)
+    stats.capture_drops = cap.drops
+    stats.iperf_bps = rep["end"]["sum_received"]["bits_per_second"] / 8
+    return stats
+
+
+# ------------------------------------------------------------------------ CLI
+
+def _matrix(args: argparse.Namespace) -> int:
+    rates = [float(x) for x in args.rates.split(",")]
+    kinds = {"htb": Htb, "tbf": Tbf, "fq": Fq}
+    print(f"{'qdisc':5} {'rate':>5} {'gso':3} {PacingStats.HEADER}")
+    with Testbed() as tb:
+        for r in rates:
+            for gso in (True, False):
+                for name in args.qdiscs.split(","):
+                    setup = kinds[name](mbit(r))
+                    dur = args.duration
+                    st = measure(tb, setup, mbit(r), gso=gso, duration=dur)
+                    print(f"{name:5} {r:5g} {'on' if gso else 'off':3} {st.row()}", flush=True)
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description="pacing measurement tools (run as root)")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("matrix", help="measure htb, tbf and fq at some rates, GSO on and off")
+    m.add_argument("--rates", default="2,10", help="Mbit/s, comma separated")
+    m.add_argument("--qdiscs", default="htb,tbf,fq")
+    m.add_argument("--duration", type=float, default=6.0)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        return _matrix(args)
+    except (TestbedError, TimeoutError, ValueError, OSError) as e:
+        print(f"pacing: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

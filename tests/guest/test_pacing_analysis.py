@@ -1,0 +1,77 @@
+"""The pure parts of the measurement tools: frame parsing and the gap statistics."""
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from pacing import Packet, analyze, mbit, parse_frame
+
+RATE = mbit(10)
+GAP_NS = 1514 * 1e9 / RATE      # 1211.2 us
+
+
+def frame_v4(payload: int, dport: int = 5201, sport: int = 40000, gso_size: int = 0) -> bytes:
+    vnet = struct.pack("<BBHHHH", 0, 1 if gso_size else 0, 66, gso_size, 0, 0)
+    eth = b"\x02" * 12 + struct.pack("!H", 0x0800)
+    tcp = struct.pack("!HHIIBBHHH", sport, dport, 1, 1, 8 << 4, 0x10, 100, 0, 0) + b"\0" * 12
+    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(tcp) + payload, 0, 0, 64, 6, 0,
+                     b"\x0a\0\0\x01", b"\x0a\0\0\x02")
+    return vnet + eth + ip + tcp + b"x" * min(payload, 100)
+
+
+def frame_v6(payload: int, dport: int = 5201) -> bytes:
+    vnet = bytes(10)
+    eth = b"\x02" * 12 + struct.pack("!H", 0x86DD)
+    tcp = struct.pack("!HHIIBBHHH", 40000, dport, 1, 1, 5 << 4, 0x10, 100, 0, 0)
+    ip = struct.pack("!IHBB16s16s", 6 << 28, len(tcp) + payload, 6, 64, bytes(16), bytes(16))
+    return vnet + eth + ip + tcp + b"x" * min(payload, 100)
+
+
+def test_parse_frame():
+    assert parse_frame(frame_v4(1448), 5201) == (40000, 1514, 1448, 0)
+    assert parse_frame(frame_v4(0), 5201) is None            # a pure ACK
+    assert parse_frame(frame_v4(1448, dport=80), 5201) is None
+    assert parse_frame(frame_v4(43440, gso_size=1448), 5201) == (40000, 43506, 43440, 1448)
+    assert parse_frame(frame_v6(1428), 5201) == (40000, 14 + 40 + 20 + 1428, 1428, 0)
+    assert parse_frame(b"short", 5201) is None
+
+
+def test_gso_skb_expands_to_wire_packets():
+    p = Packet(ts_ns=5, sport=1, l2_bytes=66 + 3000, payload_bytes=3000, gso_size=1448)
+    assert p.segs == 3
+    assert [w[1:] for w in p.wire()] == [(1514, 1448), (1514, 1448), (66 + 104, 104)]
+    assert Packet(0, 1, 1514, 1448, 1448).segs == 1
+
+
+def test_perfect_pacing():
+    pkts = [Packet(int(i * GAP_NS), 1, 1514, 1448, 0) for i in range(5000)]
+    st = analyze(pkts, RATE, warmup_s=1.0)
+    assert st.within25 == 1.0 and st.b2b_share == 0.0 and st.longest_run == 1
+    assert abs(st.rate_error) < 1e-3
+    assert st.goodput_bps == pytest.approx(RATE * 1448 / 1514, rel=1e-3)
+    assert st.median_gap_us == pytest.approx(GAP_NS / 1e3, rel=1e-3)
+    assert st.empty_ms == pytest.approx(1 - 1000 / 1211.2, abs=0.01)
+    assert st.max_per_ms == 1
+
+
+def test_bursts_of_gso_skbs():
+    segs = 45
+    pkts = [Packet(int(i * segs * GAP_NS), 1, 66 + segs * 1448, segs * 1448, 1448)
+            for i in range(200)]
+    st = analyze(pkts, RATE, warmup_s=1.0)
+    assert st.mean_segs == segs and st.longest_run == segs and st.max_per_ms == segs
+    assert st.within25 == 0.0
+    assert st.b2b_share == pytest.approx((segs - 1) / segs, abs=0.01)
+    assert abs(st.rate_error) < 0.01
+
+
+def test_busiest_flow_and_warmup():
+    data = [Packet(int(i * GAP_NS), 1, 1514, 1448, 0) for i in range(3000)]
+    data += [Packet(int(i * 1e9), 2, 200, 134, 0) for i in range(3)]  # a control flow
+    st = analyze(data, RATE, warmup_s=2.0)
+    assert st.packets == pytest.approx(3000 - 2e9 / GAP_NS, abs=2)
+    with pytest.raises(ValueError):
+        analyze([], RATE)
+    with pytest.raises(ValueError):
+        analyze(data[:10], RATE, warmup_s=1.0)

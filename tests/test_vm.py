@@ -1,0 +1,158 @@
+"""Host-side bridge to the tests that run inside the qemu TCG VM (Debian's 6.1 kernel).
+
+The VM boots once per pytest session (``guest_run``) and runs ``pytest tests/guest`` there;
+each guest test is one host test here (``test_guest[<guest test id>]``), collected on the
+host with ``FLOWPACER_COLLECT_GUEST=1 pytest --collect-only -q tests/guest``. A VM that
+cannot boot fails every test, with the console log; it never skips.
+
+Only the selected guest tests are run in the VM (``-k`` works as on the host).
+``FLOWPACER_VM_TIMEOUT`` (seconds, default 900) bounds the guest run. The guest's result
+files (guest.xml, guest-report.json, pacing-figures.txt, console.log, dmesg.txt) stay in the
+session's pytest tmp dir (``vm0``); ``test_guest_run_clean`` prints where, and the figures.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+GUEST_REL = "tests/guest"
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from vm import run as vmrun  # noqa: E402
+
+pytestmark = pytest.mark.vm
+
+if os.environ.get("FLOWPACER_IN_VM"):
+    pytest.skip("this is the VM already: the bridge runs on the host", allow_module_level=True)
+
+SELF_TEST_LINE = "flowpacer dmesg self-test"   # written on purpose by a guest test
+TIMEOUT_S = float(os.environ.get("FLOWPACER_VM_TIMEOUT", "900"))
+BOOT_LIMIT_S = 30.0
+
+
+def _collect_guest_ids():
+    env = dict(os.environ, FLOWPACER_COLLECT_GUEST="1")
+    env.pop("FLOWPACER_IN_VM", None)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+             GUEST_REL], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return [], "collecting tests/guest on the host took over 300 s"
+    ids = [ln.strip() for ln in proc.stdout.splitlines()
+           if ln.startswith(GUEST_REL + "/") and "::" in ln]
+    if proc.returncode != 0 or not ids:
+        return [], f"collecting {GUEST_REL} failed (exit {proc.returncode}):\n" \
+                   f"{proc.stdout[-4000:]}{proc.stderr[-4000:]}"
+    return ids, ""
+
+
+GUEST_IDS, COLLECT_ERROR = _collect_guest_ids()
+
+
+class GuestRun:
+    def __init__(self):
+        self.result = None       # vmrun.VMResult
+        self.error = None        # vmrun.VMError
+        self.report = None       # {"exitstatus": int, "tests": {nodeid: {...}}}
+        self.selected = []
+        self.error_shown = False
+
+    def output_tail(self, n: int = 60) -> str:
+        out = self.result.output if self.result else (self.error.output if self.error else "")
+        return "\n".join(out.rstrip().splitlines()[-n:])
+
+    def fail_if_no_vm(self):
+        if self.error is not None:
+            if not self.error_shown:
+                self.error_shown = True
+                pytest.fail(self.error.details(80), pytrace=False)
+            pytest.fail(f"{self.error} (console log: see the first failing test_vm test)",
+                        pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def guest_run(request, tmp_path_factory):
+    """Boot the VM once and run the selected guest tests in it."""
+    gr = GuestRun()
+    gr.selected = [f"{GUEST_REL}/{it.callspec.params['guest_id']}" for it in request.session.items
+                   if getattr(it, "callspec", None) and "guest_id" in it.callspec.params]
+    if not gr.selected:
+        gr.selected = list(GUEST_IDS)
+    targets = [GUEST_REL] if set(gr.selected) >= set(GUEST_IDS) else gr.selected
+    out = tmp_path_factory.mktemp("vm")
+    report = out / "guest-report.json"
+    env = {k: v for k, v in os.environ.items()
+           if k.startswith("FLOWPACER_") and k not in ("FLOWPACER_COLLECT_GUEST", "FLOWPACER_IN_VM")}
+    env["FLOWPACER_GUEST_REPORT"] = str(report)
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfE",
+           f"--junitxml={out / 'guest.xml'}", *targets]
+    try:
+        gr.result = vmrun.run(cmd, cwd=str(REPO), timeout=TIMEOUT_S, env=env, out_dir=out)
+    except vmrun.VMError as e:
+        gr.error = e
+        return gr
+    try:
+        gr.report = json.loads(report.read_text())
+    except (OSError, ValueError):
+        gr.report = None
+    return gr
+
+
+@pytest.mark.parametrize("guest_id", [i[len(GUEST_REL) + 1:] for i in GUEST_IDS] or ["collection"])
+def test_guest(guest_run, guest_id):
+    if COLLECT_ERROR:
+        pytest.fail(COLLECT_ERROR, pytrace=False)
+    guest_run.fail_if_no_vm()
+    res = guest_run.result
+    if res.timed_out:
+        pytest.fail(f"the guest test run hit its {TIMEOUT_S:.0f} s timeout:\n"
+                    f"{guest_run.output_tail()}", pytrace=False)
+    if guest_run.report is None:
+        pytest.fail(f"the guest pytest wrote no report (exit {res.rc}):\n{guest_run.output_tail()}",
+                    pytrace=False)
+    ent = guest_run.report["tests"].get(f"{GUEST_REL}/{guest_id}")
+    if ent is None:
+        pytest.fail(f"the guest did not report this test (exit {res.rc}):\n"
+                    f"{guest_run.output_tail()}", pytrace=False)
+    if ent["outcome"] == "failed":
+        pytest.fail(f"failed in the VM ({ent['duration']:.1f} s):\n{ent['text']}", pytrace=False)
+    if ent["outcome"] == "skipped":
+        pytest.skip(f"skipped in the VM: {ent['text']}")
+    if ent["outcome"] == "xfailed":
+        pytest.xfail(f"xfailed in the VM: {ent['text']}")
+    assert ent["outcome"] == "passed"
+
+
+def test_guest_run_clean(guest_run, record_property):
+    """The VM booted in time, its pytest ran to the end, and the whole kernel log of the run
+    (boot, tests, module unloads after the tests) has no WARNING/BUG/Oops/... line."""
+    if COLLECT_ERROR:
+        pytest.fail(COLLECT_ERROR, pytrace=False)
+    guest_run.fail_if_no_vm()
+    res = guest_run.result
+    record_property("vm_boot_s", round(res.boot_s, 2))
+    record_property("vm_wall_s", round(res.wall_s, 2))
+    print(f"VM: command started {res.boot_s:.1f} s after qemu, whole run {res.wall_s:.1f} s; "
+          f"files in {res.out_dir}")
+    figures = res.out_dir / "pacing-figures.txt"
+    if figures.exists():
+        print(figures.read_text())
+    assert res.boot_s < BOOT_LIMIT_S, f"boot took {res.boot_s:.1f} s"
+    bad = [ln for ln in res.dmesg_problems() if SELF_TEST_LINE not in ln]
+    assert not bad, "guest kernel log:\n" + "\n".join(bad[:40])
+    assert guest_run.report is not None, guest_run.output_tail()
+    assert guest_run.report["exitstatus"] in (0, 1), guest_run.output_tail()
+    unknown = [n for n in guest_run.report["tests"]
+               if n not in GUEST_IDS and n.startswith(GUEST_REL)]
+    assert not unknown, f"guest tests the host did not collect: {unknown}"
+    collect_errors = {n: e["text"] for n, e in guest_run.report["tests"].items()
+                      if n.startswith("collect:")}
+    assert not collect_errors, f"collection errors in the VM: {collect_errors}"

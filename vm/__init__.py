@@ -1,0 +1,1 @@
+"""The qemu TCG test VM harness (see vm/README.md)."""

@@ -1,0 +1,296 @@
+#!/usr/bin/env python3
+"""Run one command as root inside the flowpacer test VM (qemu TCG, Debian's 6.1 kernel).
+
+    python3 vm/run.py [--timeout S] [--insmod FILE.ko] [--env K=V] -- COMMAND [ARG...]
+
+The guest sees the host's root read-only over 9p under a tmpfs overlay (so it has the
+host's python, venv, tc and iperf3 and the repo at the same path), runs COMMAND in the same
+working directory with ``FLOWPACER_IN_VM=1``, and powers off. The command's output is
+streamed while it runs; the exit status is the command's. ``FLOWPACER_VM_OUT`` names a
+directory that is shared with the host (the same path on both sides) for result files.
+
+As a library: ``run(cmd, ...) -> VMResult`` (raises ``VMError`` when the guest cannot boot
+or does not finish; the message carries the console log).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
+
+if __package__:
+    from . import build as vmbuild
+else:  # run as a script: vm/ is sys.path[0]
+    import build as vmbuild  # type: ignore[no-redef]
+
+log = logging.getLogger(__name__)
+
+QEMU = "qemu-system-x86_64"
+DEFAULT_MEM_MB = 2048
+DEFAULT_SMP = 2
+DEFAULT_BOOT_TIMEOUT = 90.0   # host seconds from qemu start to the job's start
+KILL_GRACE = 30.0             # host seconds past the job timeout before qemu is killed
+# Kernel command line: serial console, exit qemu on panic, trust the (emulated) TSC,
+# no speculative-execution mitigations (they only slow the emulation down).
+# FLOWPACER_VM_APPEND adds to it (for debugging).
+APPEND = "console=ttyS0 panic=-1 tsc=reliable mitigations=off rdinit=/init"
+_HIDDEN_DIRS = ("/proc", "/sys", "/dev", "/run")  # fresh in the guest: host paths there are not
+
+
+class VMError(Exception):
+    """The VM did not run the command to the end (boot failure, crash, host timeout)."""
+
+    def __init__(self, message: str, console: str = "", output: str = ""):
+        self.console = console
+        self.output = output
+        super().__init__(message)
+
+    def details(self, lines: int = 60) -> str:
+        """The message with the tail of the console log (and of the output, if any)."""
+        parts = [str(self)]
+        if self.output.strip():
+            parts.append("--- command output (tail) ---")
+            parts += self.output.rstrip().splitlines()[-lines:]
+        parts.append("--- console log (tail) ---")
+        parts += (self.console.rstrip().splitlines()[-lines:] or ["(empty)"])
+        return "\n".join(parts)
+
+
+@dataclasses.dataclass
+class VMResult:
+    rc: int                    # the command's exit status (124: it hit the guest timeout)
+    output: str                # stdout and stderr, interleaved
+    dmesg: str                 # the guest's kernel log after the command
+    console: str               # the serial console log (boot messages, stage markers)
+    boot_s: float              # host seconds from qemu start to the command's start
+    wall_s: float              # host seconds for the whole run
+    timed_out: bool
+    out_dir: Path              # the shared directory (FLOWPACER_VM_OUT inside the guest)
+
+    def dmesg_problems(self) -> List[str]:
+        return dmesg_problems(self.dmesg)
+
+
+DMESG_BAD = re.compile(r"WARNING|BUG|Oops|general protection|KASAN|refcount_t")
+
+
+def dmesg_problems(text: str) -> List[str]:
+    """Kernel log lines that mean the kernel found a bug (WARN, BUG, Oops, ...)."""
+    return [ln for ln in text.splitlines() if DMESG_BAD.search(ln)]
+
+
+def _read(p: Path) -> str:
+    try:
+        return p.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def _qemu_cmd(art: "vmbuild.Artifacts", out: Path, mem_mb: int, smp: int,
+              console: Path) -> List[str]:
+    return [
+        QEMU, "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+        "-machine", "q35", "-accel", "tcg", "-cpu", "max", "-m", str(mem_mb), "-smp", str(smp),
+        "-kernel", str(art.vmlinux), "-initrd", str(art.initramfs),
+        "-append", f"{APPEND} {os.environ.get('FLOWPACER_VM_APPEND', '')}".strip(),
+        "-serial", f"file:{console}",
+        "-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,"
+                   "multidevs=remap",
+        "-virtfs", f"local,path={out},mount_tag=fpout,security_model=none",
+        "-device", "virtio-rng-pci",
+    ]
+
+
+def run(cmd: Union[Sequence[str], str], *, cwd: Optional[str] = None, timeout: float = 600,
+        env: Optional[Dict[str, str]] = None, insmod: Iterable[str] = (),
+        mem_mb: int = DEFAULT_MEM_MB, smp: int = DEFAULT_SMP, out_dir: Optional[Path] = None,
+        boot_timeout: float = DEFAULT_BOOT_TIMEOUT,
+        on_output: Optional[Callable[[str], None]] = None) -> VMResult:
+    """Boot the VM, run ``cmd`` as root in ``cwd`` (default: the current directory), power off.
+
+    ``cmd`` is an argv list, or a string for ``/bin/sh -c``. ``env`` adds variables to the
+    guest's clean environment. ``insmod`` lists module files (e.g. a freshly built
+    ``flowpacer/kmod/sch_psp.ko``) loaded before the command; a failing insmod fails the run.
+    ``on_output`` receives the command's output as it arrives.
+    """
+    if shutil.which(QEMU) is None:
+        raise VMError(f"{QEMU} is not installed (apt-get install qemu-system-x86)")
+    cwd = os.path.abspath(cwd or os.getcwd())
+    if any(cwd == d or cwd.startswith(d + "/") for d in _HIDDEN_DIRS):
+        raise VMError(f"working directory {cwd} does not exist in the guest (fresh {cwd.split('/')[1]})")
+    mods = [os.path.abspath(m) for m in insmod]
+    for m in mods:
+        if not os.path.isfile(m):
+            raise VMError(f"insmod {m}: no such file")
+        if re.search(r"\s", m):
+            raise VMError(f"insmod {m}: paths with white space are not supported")
+    env = dict(env or {})
+    for k in env:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+            raise VMError(f"env: {k!r} is not a variable name")
+    try:
+        art = vmbuild.build()
+    except (vmbuild.BuildError, OSError) as e:
+        raise VMError(f"cannot build the VM boot files: {e}") from None
+
+    made_out = out_dir is None
+    out = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="fpvm-"))
+    out.mkdir(parents=True, exist_ok=True)
+    out = out.resolve()
+    if any(str(out).startswith(d + "/") for d in _HIDDEN_DIRS):
+        raise VMError(f"out_dir {out} cannot be shared at the same path in the guest")
+    for name in ("ready", "rc", "done", "output.log", "dmesg.txt", "stage2-error", "insmod.log"):
+        (out / name).unlink(missing_ok=True)
+    (out / "job.env").write_text(
+        f"FP_CWD={shlex.quote(cwd)}\nFP_TIMEOUT={int(max(1, timeout))}\n"
+        f"FP_HOST_OUT={shlex.quote(str(out))}\nFP_INSMOD={shlex.quote(' '.join(mods))}\n")
+    script = [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
+    script.append(f"exec /bin/sh -c {shlex.quote(cmd)}" if isinstance(cmd, str)
+                  else "exec " + shlex.join(list(cmd)))
+    (out / "cmd.sh").write_text("\n".join(script) + "\n")
+    console = out / "console.log"
+    qemu_err = out / "qemu.stderr"
+
+    argv = _qemu_cmd(art, out, mem_mb, smp, console)
+    log.debug("starting %s", shlex.join(argv))
+    t0 = time.monotonic()
+    with open(qemu_err, "wb") as err:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
+                                start_new_session=True)
+    boot_s = None
+    pos = 0
+    failure = None
+    try:
+        while True:
+            exited = proc.poll() is not None
+            now = time.monotonic() - t0
+            if boot_s is None and (out / "ready").exists():
+                boot_s = now
+                log.info("guest ready after %.1f s", boot_s)
+            if on_output is not None and (out / "output.log").exists():
+                with open(out / "output.log", "rb") as f:
+                    f.seek(pos)
+                    chunk = f.read()
+                if chunk:
+                    pos += len(chunk)
+                    on_output(chunk.decode(errors="replace"))
+            if exited:
+                break
+            if boot_s is None and now > boot_timeout:
+                failure = f"the guest did not start the command within {boot_timeout:.0f} s"
+                break
+            if boot_s is not None and now > boot_s + timeout + KILL_GRACE:
+                failure = f"the guest did not finish within {timeout + KILL_GRACE:.0f} s of its start"
+                break
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
+    wall = time.monotonic() - t0
+    cons = _read(console)
+    output = _read(out / "output.log")
+    rc_text = _read(out / "rc").strip()
+    if failure is None and not rc_text:
+        why = _read(out / "stage2-error").strip() or (
+            "the guest stopped before the command started" if boot_s is None
+            else "the guest stopped before the command finished")
+        qerr = _read(qemu_err).strip()
+        why += f"; qemu exit {proc.returncode}" + (f": {qerr.splitlines()[-1]}" if qerr else "")
+        panic = [ln for ln in cons.splitlines() if "Kernel panic" in ln]
+        if panic:
+            why += f"; {panic[0].strip()}"
+        failure = why
+    if failure is not None:
+        raise VMError(f"VM run failed: {failure}; files in {out}", cons, output)
+    rc = int(rc_text)
+    res = VMResult(rc=rc, output=output, dmesg=_read(out / "dmesg.txt"), console=cons,
+                   boot_s=boot_s if boot_s is not None else wall, wall_s=wall,
+                   timed_out=rc == 124 or (rc == 137 and wall - (boot_s or 0) >= timeout),
+                   out_dir=out)
+    if made_out:
+        log.debug("job files kept in %s", out)
+    return res
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(
+        description="Run a command as root inside the flowpacer test VM (qemu TCG, 6.1 kernel).",
+        usage="%(prog)s [options] -- COMMAND [ARG...]")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds for the command (600)")
+    ap.add_argument("--insmod", action="append", default=[], metavar="FILE.ko",
+                    help="load this module before the command (repeatable)")
+    ap.add_argument("--env", action="append", default=[], metavar="K=V",
+                    help="extra environment variable (repeatable)")
+    ap.add_argument("--mem", type=int, default=DEFAULT_MEM_MB, help="guest MiB (%(default)s)")
+    ap.add_argument("--smp", type=int, default=DEFAULT_SMP, help="guest CPUs (%(default)s)")
+    ap.add_argument("--out", metavar="DIR", help="shared job directory (default: a new /tmp dir)")
+    ap.add_argument("--dmesg", action="store_true", help="print the guest's dmesg afterwards")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep the job directory (kept anyway when the command fails)")
+    ap.add_argument("--build-only", action="store_true", help="only build vm/out and exit")
+    ap.add_argument("-q", "--quiet", action="store_true", help="no live output, no summary")
+    ap.add_argument("command", nargs=argparse.REMAINDER)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="vm/run: %(message)s")
+    if args.build_only:
+        try:
+            art = vmbuild.build()
+        except (vmbuild.BuildError, OSError) as e:
+            print(f"vm/run: {e}", file=sys.stderr)
+            return 2
+        print(f"{art.vmlinux}\n{art.initramfs}")
+        return 0
+    cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not cmd:
+        ap.error("no command given (put it after --)")
+    env = {}
+    for kv in args.env:
+        k, sep, v = kv.partition("=")
+        if not sep:
+            ap.error(f"--env {kv}: expected K=V")
+        env[k] = v
+
+    def show(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    try:
+        res = run(cmd, timeout=args.timeout, env=env, insmod=args.insmod, mem_mb=args.mem,
+                  smp=args.smp, out_dir=Path(args.out) if args.out else None,
+                  on_output=None if args.quiet else show)
+    except VMError as e:
+        print(f"vm/run: {e.details()}", file=sys.stderr)
+        return 125
+    if args.quiet:
+        sys.stdout.write(res.output)
+    if args.dmesg:
+        print("--- guest dmesg ---\n" + res.dmesg.rstrip())
+    bad = res.dmesg_problems()
+    if not args.quiet:
+        print(f"vm/run: exit {res.rc}{' (timed out)' if res.timed_out else ''}; "
+              f"boot {res.boot_s:.1f} s, total {res.wall_s:.1f} s; job files in {res.out_dir}",
+              file=sys.stderr)
+    for ln in bad:
+        print(f"vm/run: dmesg: {ln}", file=sys.stderr)
+    if args.out is None and res.rc == 0 and not args.keep:
+        shutil.rmtree(res.out_dir, ignore_errors=True)
+    return res.rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
