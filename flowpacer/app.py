@@ -65,6 +65,7 @@ def sd_notify(state: str) -> None:
 
 
 MADV_PAGEOUT = 21
+AUDIT_S = 5.0          # how often the flow classes are checked against the kernel
 
 
 def check_rules_access(path: str) -> None:
@@ -144,6 +145,8 @@ class Daemon:
         self.lock = threading.RLock()
         self._tracer_thread: Optional[threading.Thread] = None
         self._next_scan = 0.0
+        self._next_audit = 0.0
+        self.backend_state = "ok"     # ok | gone | lost | foreign | speed (see TcBackend.check)
 
     # ---------------------------------------------------------------- set-up
     def _interface(self, rs: RuleSet) -> str:
@@ -265,11 +268,66 @@ class Daemon:
             snap = self.sockdiag.snapshot()          # outside the lock: events keep flowing
         except Exception as e:  # never let a scan failure stop the daemon
             log.warning("sock_diag scan failed: %s", e)
-        else:
-            with self.lock:
+            snap = None
+        with self.lock:
+            self._check_backend()
+            if snap is not None:
                 self.table.on_snapshot(snap, started)
                 self._apply(self.table.take_dirty())
         self._next_scan = time.monotonic() + self.opts.rescan_s
+
+    def _check_backend(self) -> None:
+        """Notice an interface that went away or came back, a root qdisc someone deleted or
+        replaced, a changed link speed; rebuild and re-apply where that is ours to do."""
+        b = self.backend
+        if b is None:
+            return
+        try:
+            state = b.check()
+        except (OSError, FlowpacerError) as e:
+            log.warning("backend check failed: %s", e)
+            return
+        prev, self.backend_state = self.backend_state, state
+        if state == "ok":
+            if prev != "ok":
+                log.info("%s: flowpacer's qdisc is in place again", b.interface)
+            now = time.monotonic()
+            if now >= self._next_audit:
+                self._next_audit = now + AUDIT_S
+                gone = b.audit()
+                if gone:
+                    self.counters.op_errors += len(gone)
+                    log.warning("%s: %d flow classes were removed by someone else; adding them "
+                                "again", b.interface, len(gone))
+                    self.table.dirty.update(gone)
+                    self._apply(self.table.take_dirty())
+            return
+        if state == "gone":
+            if prev != "gone":
+                log.warning("%s: interface is gone; flows stay known and are shaped again when it "
+                            "returns", b.interface)
+                b.forget()
+            return
+        if state == "foreign":
+            if prev != "foreign":
+                log.error("%s: someone replaced flowpacer's root qdisc; not fighting it: flows are "
+                          "not shaped until it is removed (or flowpacer restarts with --take-over)",
+                          b.interface)
+                b.forget()
+            return
+        # lost (our qdisc vanished, the interface is back) or speed: rebuild and re-apply
+        why = {"lost": "root qdisc missing (interface re-created or qdisc deleted)",
+               "speed": "link speed changed"}[state]
+        try:
+            b.forget()
+            b.setup()
+        except FlowpacerError as e:
+            log.error("%s: %s; cannot rebuild: %s", b.interface, why, e)
+            return
+        self.backend_state = "ok"
+        log.warning("%s: %s: rebuilt, re-applying %d flows", b.interface, why, len(self.table))
+        self.table.mark_all()
+        self._apply(self.table.take_dirty())
 
     def _apply(self, keys: Iterable[FlowKey]):
         keys = list(keys)
@@ -283,10 +341,23 @@ class Daemon:
             if s is not None:
                 have[k] = s
         ops = engine.plan(want, have)
-        if not ops:
+        if not ops or self.backend_state in ("gone", "foreign"):
             return None
         t0 = time.monotonic_ns()
-        res = self.backend.apply(ops)
+        try:
+            res = self.backend.apply(ops)
+        except (OSError, FlowpacerError) as e:
+            # the transport failed (e.g. ENOBUFS): what went in is uncertain, so rebuild the
+            # bookkeeping from the kernel and let the next pass re-plan every flow
+            self.counters.op_errors += 1
+            log.error("apply failed: %s; resynchronising with the kernel", e)
+            try:
+                self.backend.resync()
+            except (OSError, FlowpacerError) as e2:
+                log.error("resync failed: %s", e2)
+            self.table.mark_all(self.backend.installed().keys())
+            self._next_scan = 0.0
+            return None
         t1 = time.monotonic_ns()
         self.counters.applies += 1
         self.counters.apply_latency_ns.append(t1 - t0)
@@ -389,6 +460,7 @@ class Daemon:
             "backend": b.name if b else None,
             "backend_reason": self.backend_reason,
             "interface": b.interface if b else None,
+            "backend_state": self.backend_state,
             "link_rate_bit": b.link_rate_bps * 8 if b else 0,
             "rules": self.opts.rules_path,
             "flow_source": self.tracer_status,

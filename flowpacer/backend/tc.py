@@ -162,10 +162,7 @@ class TcBackend:
         self._create()
 
     def _create(self) -> None:
-        self._flows.clear()
-        self._free_minors.clear()
-        self._next_minor = FIRST_FLOW_MINOR
-        self._layout = Layout()
+        self.forget()
         c = self.codec
         reqs = [self._req(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_REPLACE,
                           nl.tcmsg(self.ifindex, QDISC_HANDLE, TC_H_ROOT)
@@ -443,6 +440,62 @@ class TcBackend:
             if obj.ifindex == self.ifindex and obj.handle == tc_handle(MAJOR, DEFAULT_MINOR):
                 return ClassStats(**nl.parse_stats2(obj))
         return ClassStats()
+
+    # -------------------------------------------------------------- health
+    def check(self) -> str:
+        """What became of our objects since the last look (cheap: one qdisc dump).
+
+        ``ok``; ``gone`` (the interface is missing); ``lost`` (our root qdisc is not there and the
+        kernel's default is back: we may rebuild); ``foreign`` (someone else's root qdisc is
+        there: we do not fight it); ``speed`` (no configured link rate and the interface's speed
+        changed)."""
+        try:
+            idx = socket.if_nametoindex(self.interface)
+        except OSError:
+            return "gone"
+        if idx != self.ifindex:
+            return "lost"             # deleted and made again: nothing of ours is on it
+        try:
+            root = root_qdisc(self._rtnl, idx)
+        except NetlinkError:
+            return "gone"
+        if root is None or root.handle >> 16 == 0:
+            return "lost"
+        if root.handle != QDISC_HANDLE or root.kind != self.codec.kind:
+            return "foreign"
+        if not self._want_link_rate:
+            speed = link_speed_bps(self.interface)
+            if speed and speed != self.link_rate_bps:
+                return "speed"
+        return "ok"
+
+    def audit(self) -> List[FlowKey]:
+        """Flows whose class someone removed behind our back: forgotten (their filter deleted if
+        it is still there) and returned, so that the caller can plan them again."""
+        present = set(self.stats_by_class())
+        gone = [k for k, v in self._flows.items() if v.classid not in present]
+        undo = []
+        for k in gone:
+            inst = self._flows.pop(k)
+            self._layout.release(inst.filter_handle)
+            self._free_minor(inst.classid & 0xFFFF)
+            undo.append(self._filter_msg(RTM_DELTFILTER, 0, k.family, inst.filter_handle,
+                                         u32.kind_only(), "delete orphaned filter"))
+        if undo:
+            self._rtnl.transact(undo)
+        return gone
+
+    def forget(self) -> None:
+        """Drop our bookkeeping (the kernel objects are gone or not ours any more)."""
+        self._flows.clear()
+        self._free_minors.clear()
+        self._next_minor = FIRST_FLOW_MINOR
+        self._layout = Layout()
+
+    def resync(self) -> None:
+        """Rebuild the bookkeeping from the kernel after an error left it uncertain."""
+        self.forget()
+        self.setup()
 
     # ------------------------------------------------------------ teardown
     def teardown(self) -> None:
