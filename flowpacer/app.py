@@ -168,6 +168,10 @@ class Daemon:
         """Load rules, set up the backend and the flow sources. Raises FlowpacerError."""
         self.rules = load_rules(self.opts.rules_path)
         self.backend = self._make_backend(self.rules)
+        self.table.dirty.update(self.backend.installed())   # adopted: kept only if still live
+        # adopt/clean up at once: classes of flows that ended while no daemon ran go now, live
+        # flows keep (or get) their class before the tracer's slow compile
+        self._rescan()
         if self.opts.tracer:
             self._start_tracer()
         else:
@@ -326,7 +330,7 @@ class Daemon:
             return
         self.backend_state = "ok"
         log.warning("%s: %s: rebuilt, re-applying %d flows", b.interface, why, len(self.table))
-        self.table.mark_all()
+        self.table.mark_all(b.installed().keys())
         self._apply(self.table.take_dirty())
 
     def _apply(self, keys: Iterable[FlowKey]):

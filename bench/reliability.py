@@ -1,0 +1,232 @@
+"""Reliability scenarios (issue 7), shared by tests/test_reliability.py and ``make soak``.
+
+crash_restart: kill -9 the daemon while 500 target flows are live and 100 flows/s churn, then
+  start it again: time until exactly the live target flows are shaped (no class or filter of a
+  dead flow left), and the goodput of an unmatched download running through it all.
+churn_soak: N open/close cycles: kernel objects back to baseline, the daemon's RSS and open fds
+  sampled along the way, flow table empty at the end.
+
+``python -m bench.reliability [--cycles N]`` writes bench/results/reliability.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+from flowpacer.control import call
+from flowpacer.errors import FlowpacerError
+from flowpacer.testbed import PY, Testbed, client_argv, wait_for
+
+from .common import write
+
+RULES = """\
+interface: {ifname}
+backend: htb
+link_rate: 1gbit
+rules:
+  - name: held
+    match: {{process: fp-hold-srv, direction: inbound}}
+    rate: 1mbit
+  - name: churn
+    match: {{process: fp-burst-srv, direction: inbound}}
+    rate: 5mbit
+"""
+
+
+class Run:
+    """One daemon process in the testbed's server namespace."""
+
+    def __init__(self, tb, tmp, extra=()):
+        self.tb, self.tmp = tb, tmp
+        self.rules = os.path.join(tmp, "rules.yaml")
+        if not os.path.exists(self.rules):
+            with open(self.rules, "w") as f:
+                f.write(RULES.format(ifname=tb.server_if))
+        self.sock = os.path.join(tmp, "control.sock")
+        self.log = os.path.join(tmp, "daemon.log")
+        self.t_start = time.monotonic()
+        self.proc = tb.popen(tb.server_ns, [PY, "-m", "flowpacer.cli", "run", "--rules", self.rules,
+                                            "--socket", self.sock, "--rescan", "0.5", "--no-metrics",
+                                            *extra], stderr=open(self.log, "a"))
+
+    def status(self, timeout=30):
+        try:
+            return call(self.sock, {"cmd": "status"}, timeout=timeout)
+        except FlowpacerError:
+            return None
+
+    def wait_ready(self, timeout=90):
+        def ready():
+            if self.proc.poll() is not None:
+                raise RuntimeError(open(self.log).read()[-3000:])
+            return self.status(timeout=5)
+        return wait_for(ready, timeout, 0.05, "the daemon")
+
+    def pid(self):
+        out = subprocess.run(["pgrep", "-f", f"flowpacer.cli run --rules {self.rules}"],
+                             capture_output=True, text=True).stdout.split()
+        return int(out[0]) if out else None
+
+    def rss_fds(self):
+        pid = self.pid()
+        rss = 0
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    rss = int(line.split()[1]) * 1024
+        return rss, len(os.listdir(f"/proc/{pid}/fd"))
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=60)
+
+
+def kernel_objects(tb):
+    """(flow classes, flow filters) of flowpacer's qdisc on the server interface."""
+    cls = tb.run(tb.server_ns, ["tc", "class", "show", "dev", tb.server_if]).stdout.splitlines()
+    flt = tb.run(tb.server_ns, ["tc", "filter", "show", "dev", tb.server_if]).stdout.splitlines()
+    flow_classes = [c for c in cls if c.startswith("class ") and c.split()[2] not in ("f1f0:1", "f1f0:2")]
+    return len(flow_classes), sum("flowid" in line for line in flt)
+
+
+def live_target_flows(tb):
+    """Remote ports of the established target connections, as the kernel lists them."""
+    out = tb.run(tb.server_ns, ["ss", "-Htn", "state", "established", "( sport = :7000 or sport = :7100 )"]).stdout
+    return {line.split()[-1].rsplit(":", 1)[1] for line in out.splitlines() if line.strip()}
+
+
+def crash_restart(tb, held=500, churn_rate=100) -> dict:
+    tmp = tempfile.mkdtemp(prefix="fp-crash-")
+    blaster = [PY, "-m", "flowpacer.tools.blaster"]
+    tb.popen(tb.server_ns, blaster + ["hold-serve", "--port", "7000"])
+    tb.popen(tb.server_ns, blaster + ["burst-serve", "--port", "7100", "--bytes", "2000"])
+    tb.popen(tb.server_ns, blaster + ["serve", "--ports", "7200", "--name", "fp-other-srv"])
+    for p in (7000, 7100, 7200):
+        tb.wait_listening(p)
+    d = Run(tb, tmp)
+    d.wait_ready()
+    unmatched = tb.popen(tb.client_ns, client_argv(str(tb.server_v4), 7200, 20, warmup=0.5),
+                         stdout=subprocess.PIPE, text=True)
+    holder = tb.popen(tb.client_ns, blaster + ["hold-connect", "--host", str(tb.server_v4), "--port",
+                                               "7000", "--count", str(held), "--seconds", "120"],
+                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    holder.stdout.readline()
+    doomed = tb.popen(tb.client_ns, blaster + ["hold-connect", "--host", str(tb.server_v4), "--port",
+                                               "7000", "--count", "50", "--seconds", "120"],
+                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    doomed.stdout.readline()
+    churner = tb.popen(tb.client_ns, blaster + ["churn", "--host", str(tb.server_v4), "--port",
+                                                "7100", "--rate", str(churn_rate), "--seconds", "15"],
+                       stdout=subprocess.PIPE, text=True)
+    wait_for(lambda: (d.status() or {}).get("shaped_flows", 0) >= held + 50, 30, 0.1,
+             "held flows shaped")
+    os.kill(d.pid(), signal.SIGKILL)
+    d.proc.wait(timeout=10)
+    # while no daemon runs, 50 held flows end (their classes are now stale) and churn goes on
+    doomed.stdin.close()
+    doomed.wait(timeout=30)
+    wait_for(lambda: len(live_target_flows(tb)) <= held + 3, 10, 0.05, "50 flows closed")
+    stale = kernel_objects(tb)[0] - len(live_target_flows(tb))
+    last = {}
+    d2 = Run(tb, tmp)
+    t0 = d2.t_start
+
+    def converged():
+        # judged from the kernel alone: the daemon's control socket only opens after the
+        # tracer's compile, while adoption and the first reconcile pass come before it
+        live = live_target_flows(tb)
+        ncls, nflt = kernel_objects(tb)
+        last["v"] = (len(live), ncls, nflt)
+        return (ncls == nflt and abs(ncls - len(live)) <= 3 and ncls >= held
+                and (time.monotonic() - t0, ncls))
+
+    try:
+        recovery_s, ncls = wait_for(converged, 60, 0.02, "live flows shaped, stale gone")
+    except TimeoutError as e:
+        raise TimeoutError(f"{e}: live, classes, filters = {last.get('v')}")
+    d2.wait_ready()
+    live = live_target_flows(tb)
+    shaped = {f["remote"].rsplit(":", 1)[1] for f in d2.status()["flows"]}
+    shaped_n = len(shaped)
+    mismatch = len(shaped ^ live)
+    holder.stdin.close()
+    churn_res = json.loads(churner.communicate(timeout=60)[0].splitlines()[-1])
+    unm = json.loads(unmatched.communicate(timeout=60)[0].splitlines()[-1])
+    wait_for(lambda: kernel_objects(tb) == (0, 0), 30, 0.1, "all flow classes gone")
+    d2.stop()
+    leaked = kernel_objects(tb)
+    return {"held_flows": held, "churn_flows_per_s": churn_rate, "churn_client": churn_res,
+            "stale_classes_at_restart": stale, "status_vs_kernel_mismatch": mismatch,
+            "recovery_s_from_restart": recovery_s, "shaped_after_restart": shaped_n,
+            "unmatched_goodput_bit_s": unm["goodput_bps"] * 8, "leaked_after_stop": leaked}
+
+
+def churn_soak(tb, cycles=100_000, rate=2500) -> dict:
+    tmp = tempfile.mkdtemp(prefix="fp-soak-")
+    blaster = [PY, "-m", "flowpacer.tools.blaster"]
+    tb.popen(tb.server_ns, blaster + ["burst-serve", "--port", "7100"])
+    tb.wait_listening(7100)
+    d = Run(tb, tmp)
+    d.wait_ready()
+    base_objects = kernel_objects(tb)
+    seconds = cycles / rate
+    procs = 2
+    churners = [tb.popen(tb.client_ns, blaster + ["churn", "--host", str(tb.server_v4), "--port",
+                                                  "7100", "--rate", str(rate / procs), "--seconds",
+                                                  str(seconds)], stdout=subprocess.PIPE, text=True)
+                for _ in range(procs)]
+    curve = []
+    t0 = time.monotonic()
+    while any(c.poll() is None for c in churners) and time.monotonic() - t0 < seconds + 120:
+        rss, fds = d.rss_fds()
+        st = d.status() or {}
+        curve.append({"t_s": round(time.monotonic() - t0, 1), "rss_bytes": rss, "fds": fds,
+                      "live_flows": st.get("live_flows"), "shaped_flows": st.get("shaped_flows")})
+        wait_for(lambda: all(c.poll() is not None for c in churners)
+                 or time.monotonic() - t0 >= curve[-1]["t_s"] + 5, seconds + 120, 0.2, "a sample")
+    done = [json.loads(c.communicate(timeout=60)[0].splitlines()[-1]) for c in churners]
+    wait_for(lambda: (d.status() or {}).get("live_flows") == 0 and kernel_objects(tb) == base_objects,
+             60, 0.2, "everything back to baseline")
+    rss, fds = d.rss_fds()
+    st = d.status()
+    curve.append({"t_s": round(time.monotonic() - t0, 1), "rss_bytes": rss, "fds": fds,
+                  "live_flows": st["live_flows"], "shaped_flows": st["shaped_flows"]})
+    d.stop()
+    warm = curve[min(2, len(curve) - 1)]
+    return {"cycles": sum(x["flows"] for x in done), "errors": sum(x["errors"] for x in done),
+            "seconds": time.monotonic() - t0, "kernel_objects_end": kernel_objects(tb),
+            "kernel_objects_base": base_objects, "rss_warm_bytes": warm["rss_bytes"],
+            "rss_end_bytes": rss, "fds_warm": warm["fds"], "fds_end": fds,
+            "tracer": {k: st["tracer"][k] for k in ("lost", "unattributed")} if st["tracer"] else None,
+            "reconcile_fixes": st["counters"]["events"], "curve": curve}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cycles", type=int, default=100_000)
+    args = ap.parse_args(argv)
+    figures = {}
+    with Testbed(tag="rel1") as tb:
+        figures["crash_restart"] = crash_restart(tb)
+    print(json.dumps(figures["crash_restart"], indent=2), flush=True)
+    with Testbed(tag="rel2") as tb:
+        figures["churn_soak"] = churn_soak(tb, args.cycles)
+    print(json.dumps({k: v for k, v in figures["churn_soak"].items() if k != "curve"}, indent=2))
+    goals = {"recovery<=2s": figures["crash_restart"]["recovery_s_from_restart"] <= 2,
+             "no_leak_after_crash": figures["crash_restart"]["leaked_after_stop"] == (0, 0),
+             "soak_objects_back_to_base": figures["churn_soak"]["kernel_objects_end"]
+             == figures["churn_soak"]["kernel_objects_base"]}
+    write("reliability", figures, goals)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""Crash and churn (issue 7): nothing left behind, live flows shaped again, resources flat."""
+import pytest
+
+from bench.reliability import churn_soak, crash_restart
+
+pytestmark = [pytest.mark.kernel, pytest.mark.heavy]
+
+
+def test_kill_9_and_restart_with_live_flows_and_churn(testbed):
+    r = crash_restart(testbed)
+    assert r["stale_classes_at_restart"] >= 45          # the 50 flows that ended meanwhile
+    assert r["recovery_s_from_restart"] <= 2.0, r
+    assert r["shaped_after_restart"] >= 500 and r["status_vs_kernel_mismatch"] <= 3
+    assert r["leaked_after_stop"] == (0, 0)
+    assert r["unmatched_goodput_bit_s"] > 200e6          # never throttled (link rate 1 Gbit)
+    assert r["churn_client"]["errors"] == 0
+
+
+def test_churn_soak_100k_cycles(testbed):
+    r = churn_soak(testbed, cycles=100_000)
+    assert r["cycles"] >= 99_000 and r["errors"] == 0
+    assert r["kernel_objects_end"] == r["kernel_objects_base"]
+    assert r["fds_end"] <= r["fds_warm"] + 2
+    assert r["rss_end_bytes"] <= r["rss_warm_bytes"] + 15 * 2**20, r["curve"]
