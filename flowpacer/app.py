@@ -146,6 +146,7 @@ class Daemon:
         self._tracer_thread: Optional[threading.Thread] = None
         self._next_scan = 0.0
         self._next_audit = 0.0
+        self._retry: set = set()      # keys whose last operation failed
         self.backend_state = "ok"     # ok | gone | lost | foreign | speed (see TcBackend.check)
 
     # ---------------------------------------------------------------- set-up
@@ -277,7 +278,9 @@ class Daemon:
             self._check_backend()
             if snap is not None:
                 self.table.on_snapshot(snap, started)
-                self._apply(self.table.take_dirty())
+            self.table.dirty.update(self._retry)
+            self._retry.clear()
+            self._apply(self.table.take_dirty())
         self._next_scan = time.monotonic() + self.opts.rescan_s
 
     def _check_backend(self) -> None:
@@ -372,6 +375,7 @@ class Daemon:
                 self.counters.shape_latency_ns.append(t1 - f.seen_ns)
         for err in res.errors:
             self.counters.op_errors += 1
+            self._retry.add(err.op.key)     # planned again at the next reconcile pass
             log.warning("%s", err.reason)
         if res.added or res.removed or res.changed:
             log.debug("applied: +%d ~%d -%d", res.added, res.changed, res.removed)

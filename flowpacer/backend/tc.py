@@ -389,6 +389,7 @@ class TcBackend:
             state["ok"] = False
 
         def class_done(err):
+            state["class_err"] = err.errno if err is not None else 0
             if err is not None:
                 fail(err)
 
@@ -400,13 +401,22 @@ class TcBackend:
             if err is not None:
                 fail(err)
             self._layout.release(pl.handle)
-            # undo the half that may have gone in; its outcome does not matter
-            undo = [self._filter_msg(RTM_DELTFILTER, 0, key.family, pl.handle, u32.kind_only(),
-                                     "undo filter"),
-                    self._req(RTM_DELTCLASS, 0, nl.tcmsg(self.ifindex, classid, self._parent_handle()),
-                              "undo class")]
-            self._rtnl.transact(undo)
-            self._free_minor(minor)
+            # undo the half that went in; never a class that was there before us
+            undo = []
+            if err is None:
+                undo.append(self._filter_msg(RTM_DELTFILTER, 0, key.family, pl.handle,
+                                             u32.kind_only(), "undo filter"))
+            if state.get("class_err") == 0:
+                undo.append(self._req(RTM_DELTCLASS, 0,
+                                      nl.tcmsg(self.ifindex, classid, self._parent_handle()),
+                                      "undo class"))
+            if undo:
+                self._rtnl.transact(undo)
+            if state.get("class_err") == errno.EEXIST:
+                log.warning("%s: class %s exists but is not ours; not using that id",
+                            self.interface, nl.fmt_handle(classid))
+            else:
+                self._free_minor(minor)
 
         add(self._class_msg(minor, self._flow_parent, options, True,
                             lambda: f"add class {nl.fmt_handle(classid)} for {key}"), class_done)
