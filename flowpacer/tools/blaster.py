@@ -77,7 +77,7 @@ def serve(ports, v6: bool, name: str) -> None:
 
 
 def fetch(host: str, port: int, seconds: float, warmup: float, name: str, nbytes=None,
-          local_port: int = 0) -> dict:
+          local_port: int = 0, interval: float = 0.0) -> dict:
     set_comm(name)
     fam = socket.AF_INET6 if ":" in host else socket.AF_INET
     s = socket.socket(fam, socket.SOCK_STREAM)
@@ -93,6 +93,8 @@ def fetch(host: str, port: int, seconds: float, warmup: float, name: str, nbytes
     total = measured = 0
     t_start = None
     end = t0 + seconds
+    samples = []
+    next_sample = t0
     while True:
         now = time.monotonic()
         if now >= end:
@@ -106,6 +108,9 @@ def fetch(host: str, port: int, seconds: float, warmup: float, name: str, nbytes
             break
         total += n
         now = time.monotonic()
+        if interval and now >= next_sample:
+            samples.append((round(now - t0, 4), total))
+            next_sample = now + interval
         if now - t0 >= warmup:
             if t_start is None:
                 t_start = now
@@ -114,9 +119,10 @@ def fetch(host: str, port: int, seconds: float, warmup: float, name: str, nbytes
     t_end = time.monotonic()
     s.close()
     span = (t_end - t_start) if t_start else 0.0
-    return {"host": host, "port": port, "local_port": local[1], "bytes": total,
+    return {"host": host, "port": port, "local_port": local[1], "bytes": total, "t0_monotonic": t0,
             "measured_bytes": measured, "measured_s": span,
-            "goodput_bps": measured / span if span > 0 else 0.0}
+            "goodput_bps": measured / span if span > 0 else 0.0,
+            **({"samples": samples} if interval else {})}
 
 
 def _raise_nofile() -> None:
@@ -229,6 +235,8 @@ def main(argv=None) -> int:
     b.add_argument("--name", default="fp-client")
     b.add_argument("--bytes", type=int, default=None)
     b.add_argument("--local-port", type=int, default=0)
+    b.add_argument("--interval", type=float, default=0.0,
+                   help="also record (seconds, bytes so far) every INTERVAL seconds")
     h = sub.add_parser("hold-serve")
     h.add_argument("--port", type=int, required=True)
     h.add_argument("--name", default="fp-hold-srv")
@@ -266,7 +274,7 @@ def main(argv=None) -> int:
         return 0
     try:
         r = fetch(args.host, args.port, args.seconds, args.warmup, args.name, args.bytes,
-                  args.local_port)
+                  args.local_port, args.interval)
     except OSError as e:
         print(json.dumps({"error": str(e)}))
         return 1
