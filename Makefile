@@ -4,7 +4,7 @@ VENV  := .venv
 PY    := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: deps demo test test-vm bench soak kmod sim clean
+.PHONY: deps demo test test-vm bench soak install kmod sim clean
 
 deps: .deps-stamp
 .deps-stamp: tools/setup.sh pyproject.toml
@@ -28,6 +28,9 @@ kmod: deps
 
 sim: deps
 	$(MAKE) -C flowpacer/kmod sim
+
+install: deps
+	bash tools/install.sh
 
 soak: deps
 	$(PY) -m bench.reliability --cycles $${SOAK_CYCLES:-1000000}

@@ -470,7 +470,7 @@ class Daemon:
             "interface": b.interface if b else None,
             "backend_state": self.backend_state,
             "link_rate_bit": b.link_rate_bps * 8 if b else 0,
-            "rules": self.opts.rules_path,
+            "rules": os.path.abspath(self.opts.rules_path),
             "flow_source": self.tracer_status,
             "tracer": self.tracer.stats() if self.tracer else None,
             "live_flows": len(self.table),

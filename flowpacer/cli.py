@@ -150,6 +150,26 @@ def rules_check(file):
         click.echo(safe(line))
 
 
+@rules.command("edit")
+@click.argument("file", required=False, type=click.Path(dir_okay=False))
+@click.option("--socket", "socket_path", default=DEFAULT_SOCKET, show_default=True)
+def rules_edit(file, socket_path):
+    """Edit FILE (default: the running daemon's rules file, else /etc/flowpacer/rules.yaml)
+    in $VISUAL/$EDITOR, validate it, replace it atomically and reload the daemon."""
+    from .edit import edit
+    sys.exit(edit(file, socket_path))
+
+
+@main.command()
+@click.option("--socket", "socket_path", default=DEFAULT_SOCKET, show_default=True)
+@click.option("--interval", default=1.0, show_default=True, type=click.FloatRange(0.1, 60),
+              help="refresh period, seconds")
+def top(socket_path, interval):
+    """Live view of the shaped flows, sorted by actual rate (q quits)."""
+    from .top import run_top
+    sys.exit(run_top(socket_path, interval))
+
+
 @main.command()
 @click.option("--interface", required=True)
 def cleanup(interface):

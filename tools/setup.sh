@@ -8,7 +8,7 @@ PKGS=(
   python3 python3-venv python3-pip python3-bpfcc bpfcc-tools
   linux-headers-amd64 linux-image-amd64 kmod busybox-static qemu-system-x86
   iproute2 iperf3 ethtool tshark tcpdump curl netcat-openbsd tmux
-  build-essential dkms prometheus systemd
+  build-essential dkms prometheus systemd python3-seccomp vim-tiny
 )
 missing=()
 for p in "${PKGS[@]}"; do
