@@ -1,4 +1,4 @@
-"""Command line: ``flowpacer run | status | reload | rules check | cleanup``.
+"""Command line: ``flowpacer run | status | reload | top | rules check | rules edit | cleanup``.
 
 Exit status: 0 success, 1 a one-line failure, 2 invalid rules (every problem printed as
 ``FILE:LINE:COL: ...``). No traceback for any expected failure.
