@@ -249,8 +249,7 @@ class Daemon:
                         except BlockingIOError:
                             pass
                     else:
-                        with self.lock:
-                            self._control.serve_one()
+                        self._control.serve_one()    # handlers take the lock themselves
                 with self.lock:
                     self._drain_signals()
                 if time.monotonic() >= self._next_scan:
@@ -383,6 +382,10 @@ class Daemon:
 
     # --------------------------------------------------------------- reload
     def reload(self) -> dict:
+        with self.lock:
+            return self._reload()
+
+    def _reload(self) -> dict:
         sd_notify("RELOADING=1")
         try:
             try:
@@ -441,50 +444,63 @@ class Daemon:
 
     # ---------------------------------------------------------------- status
     def status(self) -> dict:
-        b = self.backend
-        stats = b.stats() if b else {}
+        """The control socket's status answer. The flows are copied under the lock; the kernel's
+        class counters are read after it is released, so that a status poll (``top`` asks every
+        second) never holds up the tracer's events."""
+        with self.lock:
+            b = self.backend
+            rows = []
+            for key, classid, shape in (b.flows_snapshot() if b else ()):
+                f = self.table.flows.get(key)
+                rows.append((classid, {
+                    "rule": shape.rule,
+                    "pid": f.proc.pid if f else 0,
+                    "process": f.proc.comm if f else "",
+                    "uid": f.proc.uid if f else -1,
+                    "direction": f.direction.value if f else "",
+                    "source": f.source.value if f else "",
+                    "local": _ep(key.local_addr, key.local_port),
+                    "remote": _ep(key.remote_addr, key.remote_port),
+                    "classid": _classid(classid),
+                    "rate_bit": shape.rate_bps * 8,
+                    "ceil_bit": shape.ceil_bps * 8,
+                }))
+            head = {
+                "backend": b.name if b else None,
+                "backend_reason": self.backend_reason,
+                "interface": b.interface if b else None,
+                "backend_state": self.backend_state,
+                "link_rate_bit": b.link_rate_bps * 8 if b else 0,
+                "rules": os.path.abspath(self.opts.rules_path),
+                "flow_source": self.tracer_status,
+                "tracer": self.tracer.stats() if self.tracer else None,
+                "live_flows": len(self.table),
+                "shaped_flows": len(rows),
+                "counters": {"applies": self.counters.applies, "op_errors": self.counters.op_errors,
+                             "reloads_ok": self.counters.reloads_ok,
+                             "reloads_failed": self.counters.reloads_failed,
+                             "events": {f"{s}_{k}": n for (s, k), n in self.table.events.items()},
+                             "shape_latency_us": _pcts(self.counters.shape_latency_ns),
+                             "apply_latency_us": _pcts(self.counters.apply_latency_ns),
+                             "reconcile_added": self.table.reconcile_added,
+                             "reconcile_removed": self.table.reconcile_removed},
+            }
+        stats = {}
+        if b is not None and self.backend_state == "ok":
+            try:
+                with RtnlSocket() as rt:
+                    stats = b.stats_by_class(rt)
+            except (OSError, FlowpacerError) as e:
+                log.debug("status: class statistics: %s", e)
         flows = []
-        for key, shape in (b.installed().items() if b else ()):
-            f = self.table.flows.get(key)
-            st = stats.get(key)
-            flows.append({
-                "rule": shape.rule,
-                "pid": f.proc.pid if f else 0,
-                "process": f.proc.comm if f else "",
-                "uid": f.proc.uid if f else -1,
-                "direction": f.direction.value if f else "",
-                "source": f.source.value if f else "",
-                "local": _ep(key.local_addr, key.local_port),
-                "remote": _ep(key.remote_addr, key.remote_port),
-                "classid": _classid(b.classid_of(key)),
-                "rate_bit": shape.rate_bps * 8,
-                "ceil_bit": shape.ceil_bps * 8,
-                "bytes": st.bytes if st else 0,
-                "packets": st.packets if st else 0,
-                "drops": st.drops if st else 0,
-            })
+        for classid, row in rows:
+            st = stats.get(classid)
+            row.update(bytes=st.bytes if st else 0, packets=st.packets if st else 0,
+                       drops=st.drops if st else 0)
+            flows.append(row)
         flows.sort(key=lambda x: (x["rule"], x["local"], x["remote"]))
-        return {
-            "backend": b.name if b else None,
-            "backend_reason": self.backend_reason,
-            "interface": b.interface if b else None,
-            "backend_state": self.backend_state,
-            "link_rate_bit": b.link_rate_bps * 8 if b else 0,
-            "rules": os.path.abspath(self.opts.rules_path),
-            "flow_source": self.tracer_status,
-            "tracer": self.tracer.stats() if self.tracer else None,
-            "live_flows": len(self.table),
-            "shaped_flows": len(flows),
-            "flows": flows,
-            "counters": {"applies": self.counters.applies, "op_errors": self.counters.op_errors,
-                         "reloads_ok": self.counters.reloads_ok,
-                         "reloads_failed": self.counters.reloads_failed,
-                         "events": {f"{s}_{k}": n for (s, k), n in self.table.events.items()},
-                         "shape_latency_us": _pcts(self.counters.shape_latency_ns),
-                         "apply_latency_us": _pcts(self.counters.apply_latency_ns),
-                         "reconcile_added": self.table.reconcile_added,
-                         "reconcile_removed": self.table.reconcile_removed},
-        }
+        head["flows"] = flows
+        return head
 
     def metrics_view(self) -> dict:
         """A consistent copy of what a scrape needs (taken under the loop's lock)."""
