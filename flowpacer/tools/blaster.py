@@ -131,8 +131,8 @@ def _raise_nofile() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def hold_serve(port: int, name: str) -> None:
-    """Accept connections and keep them open (many idle flows for scale tests)."""
+def _dual_stack_listener(port: int, name: str) -> socket.socket:
+    """A listener for IPv4 and IPv6 on ``port``, in a process named ``name`` with all its fds."""
     _raise_nofile()
     set_comm(name)
     s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
@@ -140,6 +140,12 @@ def hold_serve(port: int, name: str) -> None:
     s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
     s.bind(("::", port))
     s.listen(4096)
+    return s
+
+
+def hold_serve(port: int, name: str) -> None:
+    """Accept connections and keep them open (many idle flows for scale tests)."""
+    s = _dual_stack_listener(port, name)
     held = []
     while True:
         conn, _ = s.accept()
@@ -168,13 +174,7 @@ def hold_connect(host: str, port: int, count: int, seconds: float, name: str) ->
 
 def burst_serve(port: int, nbytes: int, name: str) -> None:
     """Accept, send ``nbytes`` at once, close: one short flow per connection, no threads."""
-    _raise_nofile()
-    set_comm(name)
-    s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-    s.bind(("::", port))
-    s.listen(4096)
+    s = _dual_stack_listener(port, name)
     payload = (CHUNK * (nbytes // len(CHUNK) + 1))[:nbytes]
     while True:
         conn, _ = s.accept()
