@@ -60,6 +60,9 @@ TCA_STATS_RATE_EST64 = 5
 TCA_STATS_PKT64 = 8
 
 NLA_F_NESTED = 0x8000
+SO_RCVBUFFORCE = 33
+RCVBUF_WANT = 4 << 20
+ACK_TRUESIZE = 1024
 NLA_TYPE_MASK = 0x3FFF
 
 _NLMSGHDR = struct.Struct("=IHHII")       # len, type, flags, seq, pid
@@ -165,8 +168,18 @@ class RtnlSocket:
     def __init__(self, protocol: int = socket.NETLINK_ROUTE) -> None:
         self._sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC,
                                    protocol)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        # SO_RCVBUF is capped by net.core.rmem_max (208 KiB on a stock Debian); as root,
+        # SO_RCVBUFFORCE is not. Whatever we get decides how many acks may be in flight.
+        for opt in (SO_RCVBUFFORCE, socket.SO_RCVBUF):
+            try:
+                self._sock.setsockopt(socket.SOL_SOCKET, opt, RCVBUF_WANT)
+                break
+            except OSError:
+                continue
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        rcvbuf = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+        # each ack is charged at its skb's truesize (well under 1 KiB); keep half the buffer free
+        self.max_in_flight = max(16, rcvbuf // 2 // ACK_TRUESIZE)
         for opt in (NETLINK_EXT_ACK, NETLINK_CAP_ACK):
             try:
                 self._sock.setsockopt(SOL_NETLINK, opt, 1)
@@ -195,7 +208,8 @@ class RtnlSocket:
         while i < len(requests):
             pending = {}
             chunk = bytearray()
-            while i < len(requests) and (not chunk or len(chunk) < self.BATCH_BYTES):
+            while i < len(requests) and (not chunk or (len(chunk) < self.BATCH_BYTES
+                                                       and len(pending) < self.max_in_flight)):
                 r = requests[i]
                 seq = self._next_seq()
                 pending[seq] = i
