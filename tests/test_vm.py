@@ -5,6 +5,11 @@ each guest test is one host test here (``test_guest[<guest test id>]``), collect
 host with ``FLOWPACER_COLLECT_GUEST=1 pytest --collect-only -q tests/guest``. A VM that
 cannot boot fails every test, with the console log; it never skips.
 
+Before the boot the psp module is built on the host against the guest's kernel, from a copy of
+``flowpacer/kmod`` in the session's tmp dir (so a build here never races one in the repo); the
+guest tests load it from there (``FLOWPACER_PSP_KO``). ``test_psp_module_builds`` reports a
+failed build with its log; the guest tests that need the module then fail too, never skip.
+
 Only the selected guest tests are run in the VM (``-k`` works as on the host).
 ``FLOWPACER_VM_TIMEOUT`` (seconds, default 900) bounds the guest run. The guest's result
 files (guest.xml, guest-report.json, pacing-figures.txt, console.log, dmesg.txt) stay in the
@@ -25,6 +30,7 @@ GUEST_REL = "tests/guest"
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from vm import kmod as vmkmod  # noqa: E402
 from vm import run as vmrun  # noqa: E402
 
 pytestmark = pytest.mark.vm
@@ -64,6 +70,8 @@ class GuestRun:
         self.report = None       # {"exitstatus": int, "tests": {nodeid: {...}}}
         self.selected = []
         self.error_shown = False
+        self.psp_ko = None       # the module built for the guest
+        self.psp_build_error = None
 
     def output_tail(self, n: int = 60) -> str:
         out = self.result.output if self.result else (self.error.output if self.error else "")
@@ -92,6 +100,11 @@ def guest_run(request, tmp_path_factory):
     env = {k: v for k, v in os.environ.items()
            if k.startswith("FLOWPACER_") and k not in ("FLOWPACER_COLLECT_GUEST", "FLOWPACER_IN_VM")}
     env["FLOWPACER_GUEST_REPORT"] = str(report)
+    try:
+        gr.psp_ko = vmkmod.build_psp(out / "kmod")
+    except vmkmod.KmodError as e:
+        gr.psp_build_error = str(e)
+    env["FLOWPACER_PSP_KO"] = str(gr.psp_ko or out / "kmod" / "sch_psp.ko")
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfE",
            f"--junitxml={out / 'guest.xml'}", *targets]
     try:
@@ -129,6 +142,12 @@ def test_guest(guest_run, guest_id):
     if ent["outcome"] == "xfailed":
         pytest.xfail(f"xfailed in the VM: {ent['text']}")
     assert ent["outcome"] == "passed"
+
+
+def test_psp_module_builds(guest_run):
+    """The psp module builds against the guest's kernel headers (the guest tests load it)."""
+    assert guest_run.psp_build_error is None, guest_run.psp_build_error
+    assert guest_run.psp_ko is not None and guest_run.psp_ko.is_file()
 
 
 def test_guest_run_clean(guest_run, record_property):

@@ -1,10 +1,10 @@
 """Pacing measurement tools for the test VM (and any root shell with veth and iperf3).
 
 A ``Testbed`` is two network namespaces joined by a veth pair: the sender's end gets the root
-qdisc under test (any callable ``setup(testbed)``: ``Htb``, ``Tbf``, ``Fq`` here, psp later via
-pyroute2), iperf3 sends one bounded TCP stream, and an AF_PACKET socket in the receiver's
-namespace records every data packet with its kernel timestamp. ``analyze`` turns that into
-goodput, rate error and the inter-packet gap figures (``PacingStats``).
+qdisc under test (any callable ``setup(testbed)``: ``Htb``, ``Tbf``, ``Fq``, ``Psp`` here), iperf3
+sends one bounded TCP stream, and an AF_PACKET socket in the receiver's namespace records every
+data packet with its kernel timestamp. ``analyze`` turns that into goodput, rate error and the
+inter-packet gap figures (``PacingStats``).
 
 GSO super-packets are seen whole on a veth; the capture asks for the virtio-net header
 (PACKET_VNET_HDR) so each one is counted as the ``gso_size`` segments a NIC would put on the
@@ -15,10 +15,7 @@ Rates are bytes per second (``*_bps``) as everywhere in flowpacer; ``mbit(10)`` 
     with Testbed() as tb:                       # namespaces fps<sfx>/fpr<sfx>, veth fpvs/fpvr
         st = measure(tb, Htb(mbit(10)), mbit(10), gso=False, duration=4)
         print(st.within25, st.longest_run, st.goodput_bps)
-
-    def psp(tb):                                # any callable is a qdisc set-up, e.g.
-        with pyroute2.NetNS(tb.sender_ns) as ns:  # pyroute2 in the sender's namespace
-            ...
+        st = measure(tb, Psp(mbit(10)), mbit(10), gso=True, duration=4)   # needs sch_psp
 
 Command line (inside the VM, as root)::
 
@@ -242,6 +239,30 @@ class Fq:
              "maxrate", f"{self.rate_bps * 8}bit")
 
 
+@dataclasses.dataclass(frozen=True)
+class Psp:
+    """flowpacer's psp root (handle f1f0:, link rate ``link_bps``) with one paced class
+    f1f0:10 at ``rate_bps`` (ceil ``ceil_bps``) that a u32 filter on the iperf3 port feeds;
+    the rest goes to psp's own unpaced default class. The module must be loadable
+    (``psplib.ensure_loaded``); iproute2's tc cannot encode psp options, so the qdisc and the
+    class are made over rtnetlink."""
+    rate_bps: int
+    link_bps: int = 125_000_000          # 1 Gbit/s: the veth is not the bottleneck
+    ceil_bps: Optional[int] = None
+    port: int = IPERF_PORT
+    name: str = "psp"
+
+    def __call__(self, tb: Testbed) -> None:
+        import psplib
+        psplib.ensure_loaded()
+        with psplib.PspNl(tb.sender_ns) as nl:
+            nl.add_qdisc(tb.sender_dev, link_rate_bps=self.link_bps)
+            nl.add_class(tb.sender_dev, 0x10, self.rate_bps, self.ceil_bps)
+        tb.s("tc", "filter", "add", "dev", tb.sender_dev, "parent", "f1f0:", "protocol", "ip",
+             "prio", "1", "u32", "match", "ip", "dport", str(self.port), "0xffff",
+             "flowid", "f1f0:10")
+
+
 # ------------------------------------------------------------------------ capture
 
 @dataclasses.dataclass(frozen=True)
@@ -252,6 +273,7 @@ class Packet:
     l2_bytes: int        # frame length as the qdisc counts it (no FCS)
     payload_bytes: int   # TCP payload
     gso_size: int        # MSS of a GSO skb, 0 for a plain packet
+    dport: int = 0       # TCP destination port (0: not recorded)
 
     @property
     def segs(self) -> int:
@@ -274,6 +296,13 @@ class Packet:
 def parse_frame(data: bytes, dport: int) -> Optional[Tuple[int, int, int, int]]:
     """(sport, l2_bytes, payload_bytes, gso_size) for a TCP data packet to ``dport`` in a
     frame read with PACKET_VNET_HDR, else None."""
+    got = parse_frame_ports(data, (dport,))
+    return got[1:] if got else None
+
+
+def parse_frame_ports(data: bytes, dports) -> Optional[Tuple[int, int, int, int, int]]:
+    """(dport, sport, l2_bytes, payload_bytes, gso_size) for a TCP data packet to one of
+    ``dports`` in a frame read with PACKET_VNET_HDR, else None."""
     if len(data) < VNET_HDR_LEN + 14 + 40:
         return None
     _flags, gso_type, _hdr_len, gso_size = struct.unpack_from("<BBHH", data, 0)
@@ -298,25 +327,29 @@ def parse_frame(data: bytes, dport: int) -> Optional[Tuple[int, int, int, int]]:
     if len(data) < th + 20:
         return None
     sport, dp = struct.unpack_from("!HH", data, th)
-    if dp != dport:
+    if dp not in dports:
         return None
     doff = (data[th + 12] >> 4) * 4
     payload = l4_len - doff
     if payload <= 0:
         return None
-    return sport, 14 + l3_len, payload, gso_size if gso_type else 0
+    return dp, sport, 14 + l3_len, payload, gso_size if gso_type else 0
 
 
 class Capture:
-    """Records TCP data packets to ``port`` arriving on ``dev`` in network namespace ``ns``.
+    """Records TCP data packets to ``port`` arriving on ``dev`` in network namespace ``ns``
+    (``outgoing=True``: leaving through ``dev`` instead, timestamped as the device takes them,
+    i.e. right after the qdisc let them go).
 
     A thread enters the namespace (setns) and reads an AF_PACKET socket with kernel receive
     timestamps (SO_TIMESTAMPNS) and the virtio-net header (PACKET_VNET_HDR, for gso_size).
     ``with Capture(...) as cap: ...; packets = cap.stop()``.
     """
 
-    def __init__(self, ns: str, dev: str, port: int):
+    def __init__(self, ns: str, dev: str, port, outgoing: bool = False):
         self.ns, self.dev, self.port = ns, dev, port
+        self.ports = frozenset([port] if isinstance(port, int) else port)
+        self.outgoing = outgoing
         self.packets: List[Packet] = []
         self.drops = 0
         self.error: Optional[BaseException] = None
@@ -382,15 +415,17 @@ class Capture:
                         data, ancdata, _flags, addr = s.recvmsg(256, anc)
                     except BlockingIOError:
                         break
-                    if addr[2] == PACKET_OUTGOING:
+                    if (addr[2] == PACKET_OUTGOING) != self.outgoing:
                         continue
-                    parsed = parse_frame(data, self.port)
+                    parsed = parse_frame_ports(data, self.ports)
                     if parsed is None:
                         continue
                     for level, typ, cdata in ancdata:
-                        if level == socket.SOL_SOCKET and typ == SO_TIMESTAMPNS and len(cdata) >= 16:
+                        if level == socket.SOL_SOCKET and typ == SO_TIMESTAMPNS \
+                                and len(cdata) >= 16:
                             sec, nsec = struct.unpack_from("qq", cdata)
-                            self.packets.append(Packet(sec * 1_000_000_000 + nsec, *parsed))
+                            self.packets.append(Packet(sec * 1_000_000_000 + nsec, *parsed[1:],
+                                                       dport=parsed[0]))
                 if stopping:  # one last drain after the stop request
                     break
             st = s.getsockopt(SOL_PACKET, PACKET_STATISTICS, 8)  # tp_packets, tp_drops
@@ -423,6 +458,7 @@ class PacingStats:
     mean_segs: float         # wire packets per skb
     capture_drops: int = 0
     iperf_bps: float = 0.0   # iperf3's own receiver goodput over the whole run
+    gap_pct_us: Dict[str, float] = dataclasses.field(default_factory=dict)  # p1..p99, max
 
     def row(self) -> str:
         return (f"{to_mbit(self.goodput_bps):7.3f} {100 * self.rate_error:+6.1f}% "
@@ -492,10 +528,112 @@ def analyze(packets: Iterable[Packet], target_bps: int, warmup_s: float = 1.0,
         median_gap_us=_pct(sg, 0.5) / 1e3, p99_gap_us=_pct(sg, 0.99) / 1e3,
         within25=within / len(gaps), b2b_share=sum(b2b) / len(gaps),
         longest_run=longest + 1 if longest else 1, max_per_ms=max(bins.values()),
-        empty_ms=1 - len(bins) / nbins, mean_segs=len(wire) / len(win))
+        empty_ms=1 - len(bins) / nbins, mean_segs=len(wire) / len(win),
+        gap_pct_us={**{f"p{q}": _pct(sg, q / 100) / 1e3
+                       for q in (1, 5, 10, 25, 50, 75, 90, 95, 99)},
+                    "min": sg[0] / 1e3, "max": sg[-1] / 1e3})
+
+
+def window_rate(packets: Iterable[Packet], t0_ns: int, t1_ns: int) -> float:
+    """Frame bytes per second of the wire packets timestamped in [t0_ns, t1_ns) (the
+    capture's clock is CLOCK_REALTIME, as ``time.time_ns()``)."""
+    if t1_ns <= t0_ns:
+        raise ValueError("empty window")
+    sent = sum(w[1] for p in packets if t0_ns <= p.ts_ns < t1_ns for w in p.wire())
+    return sent * 1e9 / (t1_ns - t0_ns)
 
 
 # ------------------------------------------------------------------------ traffic
+
+class Iperf:
+    """iperf3 TCP streams from the sender's namespace to one-shot servers in the receiver's,
+    one per port, all started together and bounded in time (``duration`` + 60 s at most).
+
+        with Iperf(tb, [5201, 5202], duration=6) as ip:
+            ...                                  # change the qdisc while they run
+        ip.reports[5201]["end"]["sum_received"]["bits_per_second"]
+    """
+
+    def __init__(self, tb: Testbed, ports: Sequence[int] = (IPERF_PORT,), duration: float = 5.0,
+                 extra: Sequence[str] = ()):
+        self.tb, self.ports, self.duration, self.extra = tb, list(ports), duration, list(extra)
+        self.servers: Dict[int, subprocess.Popen] = {}
+        self.clients: Dict[int, subprocess.Popen] = {}
+        self.reports: Dict[int, dict] = {}
+        self.started = 0.0
+
+    def __enter__(self) -> "Iperf":
+        tb = self.tb
+        try:
+            for p in self.ports:
+                self.servers[p] = tb.popen(tb.receiver_ns, ["iperf3", "-s", "-1", "-B",
+                                                            tb.receiver_addr, "-p", str(p)],
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+            def listening() -> bool:
+                dead = [p for p, s in self.servers.items() if s.poll() is not None]
+                if dead:
+                    raise TestbedError(f"the iperf3 server on port {dead[0]} exited")
+                out = tb.r("ss", "-Hltn").stdout
+                return all(f":{p} " in out for p in self.ports)
+            wait_for(listening, 20, "iperf3 to listen")
+            self.started = time.monotonic()
+            for p in self.ports:
+                self.clients[p] = tb.popen(
+                    tb.sender_ns, ["iperf3", "-c", tb.receiver_addr, "-p", str(p), "-B",
+                                   tb.sender_addr, "-t", str(self.duration), "-J", *self.extra],
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        except BaseException:
+            self._kill()
+            raise
+        return self
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def wait(self) -> Dict[int, dict]:
+        """Wait for every client; their JSON reports by port (raises when one failed)."""
+        try:
+            deadline = self.started + self.duration + 60
+            for p, c in self.clients.items():
+                try:
+                    out, err = c.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    raise TestbedError(f"iperf3 to port {p} did not finish in "
+                                       f"{self.duration + 60:.0f} s") from None
+                try:
+                    rep = json.loads(out)
+                except ValueError:
+                    rep = {"error": err.strip() or out.strip()[:200]}
+                if c.returncode != 0 or "error" in rep:
+                    raise TestbedError(f"iperf3 to port {p} failed: "
+                                       f"{rep.get('error', c.returncode)}")
+                self.reports[p] = rep
+            for p, s in self.servers.items():
+                wait_for(lambda: s.poll() is not None, 20, f"the iperf3 server on {p} to exit")
+        finally:
+            self._kill()
+        return self.reports
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None and not self.reports:
+            self.wait()
+        self._kill()
+
+    def _kill(self) -> None:
+        for p in list(self.clients.values()) + list(self.servers.values()):
+            if p.poll() is None:
+                p.kill()
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+
+
+def received_bps(report: dict) -> float:
+    """iperf3's receiver goodput (bytes/s) over the whole run."""
+    return report["end"]["sum_received"]["bits_per_second"] / 8
+
 
 def measure(tb: Testbed, setup: Optional[QdiscSetup], target_bps: int, *, gso: bool = True,
             duration: float = 5.0, warmup_s: float = 1.0) -> PacingStats:
@@ -505,32 +643,12 @@ def measure(tb: Testbed, setup: Optional[QdiscSetup], target_bps: int, *, gso: b
     tb.set_gso(gso)
     if setup is not None:
         setup(tb)
-    server = tb.popen(tb.receiver_ns, ["iperf3", "-s", "-1", "-B", tb.receiver_addr,
-                                       "-p", str(IPERF_PORT)],
-                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for(lambda: f":{IPERF_PORT}" in tb.r("ss", "-Hltn").stdout
-                 or server.poll() is not None, 20, "iperf3 to listen")
-        if server.poll() is not None:
-            raise TestbedError(f"the iperf3 server exited ({server.returncode})")
-        with Capture(tb.receiver_ns, tb.receiver_dev, IPERF_PORT) as cap:
-            client = tb.s("iperf3", "-c", tb.receiver_addr, "-p", str(IPERF_PORT), "-B",
-                          tb.sender_addr, "-t", str(duration), "-J", timeout=duration + 60,
-                          check=False)
-        try:
-            rep = json.loads(client.stdout)
-        except ValueError:
-            rep = {"error": client.stderr.strip() or client.stdout.strip()[:200]}
-        if client.returncode != 0 or "error" in rep:
-            raise TestbedError(f"iperf3 failed: {rep.get('error', client.returncode)}")
-        wait_for(lambda: server.poll() is not None, 20, "the iperf3 server to exit")
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait(timeout=10)
+    with Capture(tb.receiver_ns, tb.receiver_dev, IPERF_PORT) as cap:
+        with Iperf(tb, [IPERF_PORT], duration) as ip:
+            rep = ip.wait()[IPERF_PORT]
     stats = analyze(cap.packets, target_bps, warmup_s=warmup_s)
     stats.capture_drops = cap.drops
-    stats.iperf_bps = rep["end"]["sum_received"]["bits_per_second"] / 8
+    stats.iperf_bps = received_bps(rep)
     return stats
 
 
@@ -538,7 +656,7 @@ def measure(tb: Testbed, setup: Optional[QdiscSetup], target_bps: int, *, gso: b
 
 def _matrix(args: argparse.Namespace) -> int:
     rates = [float(x) for x in args.rates.split(",")]
-    kinds = {"htb": Htb, "tbf": Tbf, "fq": Fq}
+    kinds = {"htb": Htb, "tbf": Tbf, "fq": Fq, "psp": Psp}
     print(f"{'qdisc':5} {'rate':>5} {'gso':3} {PacingStats.HEADER}")
     with Testbed() as tb:
         for r in rates:
@@ -554,9 +672,10 @@ def _matrix(args: argparse.Namespace) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description="pacing measurement tools (run as root)")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    m = sub.add_parser("matrix", help="measure htb, tbf and fq at some rates, GSO on and off")
+    m = sub.add_parser("matrix",
+                       help="measure htb, tbf, fq (and psp) at some rates, GSO on and off")
     m.add_argument("--rates", default="2,10", help="Mbit/s, comma separated")
-    m.add_argument("--qdiscs", default="htb,tbf,fq")
+    m.add_argument("--qdiscs", default="htb,tbf,fq", help="of htb,tbf,fq,psp")
     m.add_argument("--duration", type=float, default=6.0)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
