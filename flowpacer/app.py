@@ -66,6 +66,7 @@ def sd_notify(state: str) -> None:
 
 MADV_PAGEOUT = 21
 AUDIT_S = 5.0          # how often the flow classes are checked against the kernel
+TRIM_S = 10.0          # how often freed heap is handed back (a few ms each time)
 
 
 def check_rules_access(path: str) -> None:
@@ -89,6 +90,15 @@ def check_rules_access(path: str) -> None:
 def load_rules(path: str) -> RuleSet:
     check_rules_access(path)
     return rules_loader.load(path)
+
+
+def trim_heap() -> None:
+    """Hand freed heap back to the kernel (glibc keeps it after big transient batches)."""
+    import ctypes
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def release_compiler_memory() -> None:
@@ -146,6 +156,7 @@ class Daemon:
         self._tracer_thread: Optional[threading.Thread] = None
         self._next_scan = 0.0
         self._next_audit = 0.0
+        self._next_trim = 0.0
         self._retry: set = set()      # keys whose last operation failed
         self.backend_state = "ok"     # ok | gone | lost | foreign | speed (see TcBackend.check)
 
@@ -280,7 +291,11 @@ class Daemon:
             self.table.dirty.update(self._retry)
             self._retry.clear()
             self._apply(self.table.take_dirty())
-        self._next_scan = time.monotonic() + self.opts.rescan_s
+        now = time.monotonic()
+        if now >= self._next_trim:
+            self._next_trim = now + TRIM_S
+            trim_heap()
+        self._next_scan = now + self.opts.rescan_s
 
     def _check_backend(self) -> None:
         """Notice an interface that went away or came back, a root qdisc someone deleted or
