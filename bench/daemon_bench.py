@@ -7,10 +7,12 @@
 3. bytes that leave unshaped before the filter is in place, per flow (the default class's byte
    counter around each of 100 sequential flows whose server writes 256 KB at once).
 
-Writes bench/results/daemon.json. Run: ``.venv/bin/python -m bench.daemon_bench [part ...]``.
+Writes bench/results/daemon.json (parts not run keep their previous figures unless ``--fresh``).
+Run: ``.venv/bin/python -m bench.daemon_bench [--quick] [--fresh] [part ...]``.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -86,13 +88,13 @@ def churn(tb, rate, seconds, procs=1):
             "rate": sum(o["rate"] for o in outs)}
 
 
-def time_to_shape(tb) -> dict:
+def time_to_shape(tb, seconds=5) -> dict:
     tb.popen(tb.server_ns, [PY, "-m", "flowpacer.tools.blaster", "burst-serve", "--port", "7100",
                             "--bytes", "65536"])
     tb.wait_listening(7100)
     d = BenchDaemon(tb)
     try:
-        c = churn(tb, 200, 5)
+        c = churn(tb, 200, seconds)
         wait_for(lambda: d.status()["shaped_flows"] == 0, 30, 0.2, "all classes gone")
         st = d.status()
     finally:
@@ -103,16 +105,16 @@ def time_to_shape(tb) -> dict:
             "tracer": {k: st["tracer"][k] for k in ("lost", "unattributed", "missed")}}
 
 
-def churn_ceiling(tb) -> dict:
+def churn_ceiling(tb, rates=(500, 1000, 2000, 3000, 4000), seconds=5) -> dict:
     tb.popen(tb.server_ns, [PY, "-m", "flowpacer.tools.blaster", "burst-serve", "--port", "7100"])
     tb.wait_listening(7100)
     d = BenchDaemon(tb)
     steps = []
     try:
-        for rate in (500, 1000, 2000, 3000, 4000):
+        for rate in rates:
             st0 = d.status()
             cpu0, t0 = d.cpu_s(), time.monotonic()
-            c = churn(tb, rate, 5, procs=2)
+            c = churn(tb, rate, seconds, procs=2)
             t_end = time.monotonic()
             wait_for(lambda: d.status()["shaped_flows"] == 0, 60, 0.1, "the daemon to drain")
             lag = time.monotonic() - t_end
@@ -184,18 +186,30 @@ def unshaped_bytes(tb, n=100) -> dict:
             "flows_with_any_unshaped_payload": sum(1 for x in per_flow if x > 0)}
 
 
-PARTS = {"time_to_shape": ("dbn1", time_to_shape), "churn": ("dbn2", churn_ceiling),
-         "unshaped": ("dbn3", unshaped_bytes)}
+PARTS = {"time_to_shape": "dbn1", "churn": "dbn2", "unshaped": "dbn3"}
 
 
 def main(argv=None) -> int:
-    names = (argv if argv is not None else sys.argv[1:]) or list(PARTS)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("parts", nargs="*", help=f"of {', '.join(PARTS)} (default: all)")
+    ap.add_argument("--quick", action="store_true", help="shorter runs (a smoke run)")
+    ap.add_argument("--fresh", action="store_true", help="do not keep figures of parts not run")
+    args = ap.parse_args(argv)
+    names = args.parts or list(PARTS)
+    for n in names:
+        if n not in PARTS:
+            ap.error(f"unknown part {n!r}")
     prev = RESULTS / "daemon.json"
-    figures = json.loads(prev.read_text()).get("figures", {}) if prev.exists() else {}
+    figures = json.loads(prev.read_text()).get("figures", {}) if prev.exists() and not args.fresh else {}
     for name in names:
-        tag, fn = PARTS[name]
-        with Testbed(tag=tag) as tb:
-            figures[name] = fn(tb)
+        with Testbed(tag=PARTS[name]) as tb:
+            if name == "time_to_shape":
+                figures[name] = time_to_shape(tb, 3 if args.quick else 5)
+            elif name == "churn":
+                figures[name] = churn_ceiling(tb, (500, 2000, 4000) if args.quick else
+                                              (500, 1000, 2000, 3000, 4000), 3 if args.quick else 5)
+            else:
+                figures[name] = unshaped_bytes(tb, 30 if args.quick else 100)
         print(json.dumps({name: figures[name]}, indent=2), flush=True)
     goals = {}
     if "time_to_shape" in figures:

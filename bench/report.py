@@ -1,0 +1,961 @@
+"""bench/REPORT.md and bench/plots/*.png from bench/results/*.json (``python -m bench.report``).
+
+Every goal the issues set is listed with the figure that answers it, this run's value and whether
+it is met; a result that did not come from the last ``bench.run`` invocation is marked as such
+(machines here are noisy: only figures of one run compare), and a benchmark that could not run
+here says why instead of showing a number.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+BENCH = Path(__file__).resolve().parent
+RESULTS = BENCH / "results"
+PLOTS = BENCH / "plots"
+REPORT = BENCH / "REPORT.md"
+
+MET, MISSED, NA = "met", "NOT met", "n/a"
+COLORS = {"psp": "#1f77b4", "htb": "#d62728", "tbf": "#2ca02c", "fq": "#9467bd", "none": "#7f7f7f",
+          "hashed": "#1f77b4", "linear": "#d62728"}
+
+
+# ============================================================== loading
+
+def _date(s: Optional[str]) -> Optional[datetime.datetime]:
+    if not s:
+        return None
+    try:
+        return datetime.datetime.fromisoformat(s)
+    except ValueError:
+        return None
+
+
+class Results:
+    def __init__(self, root: Path = RESULTS):
+        self.root = root
+        self.docs: Dict[str, Optional[dict]] = {}
+        try:
+            self.run = json.loads((root / "run.json").read_text())
+        except (OSError, ValueError):
+            self.run = {}
+        self.inv = self.run.get("invocation", {})
+        self.inv_start = _date(self.inv.get("started"))
+
+    def get(self, name: str) -> Optional[dict]:
+        if name not in self.docs:
+            try:
+                self.docs[name] = json.loads((self.root / f"{name}.json").read_text())
+            except (OSError, ValueError):
+                self.docs[name] = None
+        return self.docs[name]
+
+    def fig(self, name: str) -> dict:
+        d = self.get(name)
+        if d is None:
+            return {}
+        return d.get("figures", d)
+
+    def fresh(self, name: str) -> Optional[bool]:
+        """True: from the last invocation; False: older; None: no result or no invocation."""
+        d = self.get(name)
+        if d is None or self.inv_start is None:
+            return None
+        dt = _date(d.get("date"))
+        return bool(dt and dt >= self.inv_start.replace(microsecond=0))
+
+    def status(self, bench: str) -> dict:
+        return self.run.get("benchmarks", {}).get(bench, {})
+
+    def provenance(self, bench: str, result: str) -> str:
+        """One line: where this section's numbers come from."""
+        d = self.get(result)
+        st = self.status(bench)
+        if d is None:
+            if st.get("status") in ("unavailable", "skipped"):
+                return f"**Not run here:** {st.get('reason') or _tail_reason(st)}."
+            if st.get("status") == "failed":
+                return f"**The benchmark failed** in this run (exit {st.get('rc')}): `{_tail_reason(st)}`."
+            return f"**No result**: `python -m bench.run {bench}` has not been run."
+        when = d.get("date", "?")
+        m = d.get("machine", {})
+        where = f"kernel {m.get('kernel', '?')}, {m.get('cpus', '?')} CPUs"
+        fresh = self.fresh(result)
+        if fresh is False:
+            note = (f" **Not from the last invocation** ({self.inv.get('started', '?')}): these figures "
+                    f"are from an earlier run, compare them with care.")
+        else:
+            note = ""
+        bad = ""
+        if st.get("status") == "failed" and fresh is not True:
+            bad = f" The benchmark **failed** in the last invocation (exit {st.get('rc')}): `{_tail_reason(st)}`."
+        return f"Measured {when} ({where}).{note}{bad}"
+
+
+def _tail_reason(st: dict) -> str:
+    for ln in reversed(st.get("tail") or []):
+        ln = ln.strip()
+        if ln and not ln.startswith("==="):
+            return ln[:300]
+    return st.get("reason", "see the log")
+
+
+# ============================================================== small helpers
+
+def g(d, *path, default=None):
+    for p in path:
+        if isinstance(d, dict):
+            d = d.get(p)
+        elif isinstance(d, list) and isinstance(p, int) and -len(d) <= p < len(d):
+            d = d[p]
+        else:
+            return default
+        if d is None:
+            return default
+    return d
+
+
+def num(x, unit="", nd=None) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "—"
+    if nd is None:
+        a = abs(x)
+        nd = 0 if a >= 100 else 1 if a >= 10 else 2 if a >= 1 else 3
+    s = f"{x:,.{nd}f}".replace(",", " ")
+    return f"{s} {unit}".strip()
+
+
+def pct(x, nd=1) -> str:
+    return "—" if x is None else f"{100 * x:+.{nd}f} %" if x < 0 or x > 0 else f"{0:.{nd}f} %"
+
+
+def share(x, nd=1) -> str:
+    return "—" if x is None else f"{100 * x:.{nd}f} %"
+
+
+def mbit(bps) -> str:
+    return num(None if bps is None else bps / 1e6, "Mbit/s")
+
+
+def table(header: List[str], rows: List[List[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out) + "\n"
+
+
+def savefig(fig, name: str) -> str:
+    PLOTS.mkdir(parents=True, exist_ok=True)
+    fig.savefig(PLOTS / name, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return f"![{name}](plots/{name})\n"
+
+
+# ============================================================== goals
+
+class Goal:
+    def __init__(self, issue: int, text: str, bench: str, result: str,
+                 value: Callable[["Results"], object], judge: Optional[Callable[[object], bool]],
+                 show: Callable[[object], str], section: str):
+        self.issue, self.text, self.bench, self.result = issue, text, bench, result
+        self.value, self.judge, self.show, self.section = value, judge, show, section
+
+    def evaluate(self, R: Results):
+        """(measured text, verdict text)."""
+        tag = ""
+        if self.result in ("vm_pacing*", "vm_pacing", "vm_gaps") and self.issue == 4:
+            # issue 4: vm_pacing's figures, else vm_gaps'
+            self.result = self.bench = _vp_source(R)
+            tag = f" [{self.result}]"
+        d = R.get(self.result)
+        st = R.status(self.bench)
+        if d is None:
+            if st.get("status") in ("unavailable", "skipped"):
+                return "cannot run here", NA
+            return "not measured", NA
+        try:
+            v = self.value(R)
+        except Unavailable as e:
+            return f"cannot run here: {e}", NA
+        except (KeyError, TypeError, IndexError, ValueError, ZeroDivisionError):
+            v = None
+        if v is None:
+            return "not measured in this run", NA
+        shown = self.show(v) + tag
+        j = self.judge(v) if self.judge is not None else None
+        if self.judge is None:
+            verdict = "reported"
+        elif j is None:
+            verdict = NA
+        else:
+            verdict = MET if j else MISSED
+        if R.fresh(self.result) is False:
+            verdict += " (earlier run)"
+        return shown, verdict
+
+
+class Unavailable(Exception):
+    pass
+
+
+def _daemon_step(R, flows):
+    for s in g(R.fig("backend"), "daemon", "steps", default=[]) or []:
+        if s.get("flows") == flows:
+            return s
+    return None
+
+
+def _sim_ratio(R, start):
+    f = R.fig("psp_sim")
+    return g(f, start, "ratio_100000_to_10", "median")
+
+
+def _soak_flat(R):
+    s = g(R.fig("reliability"), "churn_soak")
+    if not s:
+        return None
+    growth = s["rss_end_bytes"] - s["rss_warm_bytes"]
+    flat = growth <= 0.05 * s["rss_warm_bytes"] and s["fds_end"] == s["fds_warm"] \
+        and s["kernel_objects_end"] == s["kernel_objects_base"]
+    return {"cycles": s["cycles"], "growth": growth, "fds": (s["fds_warm"], s["fds_end"]), "flat": flat,
+            "objects": s["kernel_objects_end"] == s["kernel_objects_base"]}
+
+
+# pacing figures (from vm_gaps): a dict per (qdisc, rate_mbit, gso) with rate_error, within25,
+# longest_run; see pacing_rows()
+def pacing_rows(R) -> List[dict]:
+    f = R.fig("vm_gaps")
+    if not f:
+        return []
+    if f.get("unavailable") or f.get("failed"):
+        raise Unavailable(f.get("unavailable") or "the VM run failed")
+    rows = []
+    for r in f.get("runs", []) or []:
+        rows.append(r)
+    return rows
+
+
+def _pace(R, qdisc, rate, gso, key):
+    for r in pacing_rows(R):
+        if r.get("qdisc") == qdisc and float(r.get("rate_mbit")) == float(rate) and r.get("gso") == gso \
+                and not r.get("error"):
+            return r.get(key)
+    return None
+
+
+# Issue 4's VM goals: from bench/vm_pacing.py (the other pacing benchmark: 2 repetitions, goodput
+# and frame rate) when its result exists, else from this suite's vm_gaps runs.
+
+def _vp_summary(R):
+    f = R.fig("vm_pacing")
+    return f.get("summary") if f else None
+
+
+def _vp(summary, qdisc, rate, gso, key):
+    v = g(summary, qdisc, f"{rate:g}mbit_gso_{'on' if gso else 'off'}", key)
+    return v
+
+
+def _psp_rate_error(R):
+    sm = _vp_summary(R)
+    out = {}
+    for rate in (1, 10, 100):
+        if sm:
+            ps = g(sm, "psp", f"{rate}mbit_gso_on") or {}
+            f = "frame_rate_error_pct" if "frame_rate_error_pct" in ps else "goodput_error_pct"
+            p, h = _vp(sm, "psp", rate, True, f), _vp(sm, "htb", rate, True, f)
+            p, h = (None if p is None else p / 100), (None if h is None else h / 100)
+        else:
+            p, h = _pace(R, "psp", rate, True, "rate_error"), _pace(R, "htb", rate, True, "rate_error")
+        if p is None:
+            return None
+        out[rate] = (p, h)
+    return out
+
+
+def _psp_gaps(R):
+    sm = _vp_summary(R)
+    out = {}
+    for rate in (2, 10):
+        if sm:
+            p, h = _vp(sm, "psp", rate, True, "within25_pct"), _vp(sm, "htb", rate, True, "within25_pct")
+            p, h = (None if p is None else p / 100), (None if h is None else h / 100)
+        else:
+            p, h = _pace(R, "psp", rate, True, "within25"), _pace(R, "htb", rate, True, "within25")
+        if p is None:
+            return None
+        out[rate] = (p, h)
+    return out
+
+
+def _psp_runs(R):
+    sm = _vp_summary(R)
+    if sm:
+        runs = [v.get("longest_run_pkts_max") for v in (sm.get("psp") or {}).values()
+                if v.get("longest_run_pkts_max") is not None]
+    else:
+        runs = [r.get("longest_run") for r in pacing_rows(R) if r.get("qdisc") == "psp" and not r.get("error")]
+    return max(runs) if runs else None
+
+
+def _vp_source(R) -> str:
+    return "vm_pacing" if R.get("vm_pacing") is not None else "vm_gaps"
+
+
+def goals() -> List[Goal]:
+    ms = lambda v: num(v, "ms/flow", 3)
+    return [
+        Goal(2, "install 1 000 flows (class + filter, one plan) <= 0.3 ms per flow", "backend", "backend",
+             lambda R: g(R.fig("backend"), "install", "batched_add_ms_per_flow"), lambda v: v <= 0.3, ms, "4"),
+        Goal(2, "remove 1 000 flows <= 0.3 ms per flow", "backend", "backend",
+             lambda R: g(R.fig("backend"), "install", "batched_remove_ms_per_flow"), lambda v: v <= 0.3, ms, "4"),
+        Goal(2, "with 10 000 flows installed, one flow's throughput >= 90 % of the 1-flow case (hashed)",
+             "classify", "classify", lambda R: g(R.fig("classify"), "ratio_to_1_filter", "hashed", "10000"),
+             lambda v: v >= 0.9, lambda v: share(v), "5"),
+        Goal(2, "daemon RSS with 10 000 flows <= 150 MB", "backend", "backend",
+             lambda R: g(_daemon_step(R, 10_000), "rss_bytes"), lambda v: v <= 150e6,
+             lambda v: num(v / 1e6, "MB"), "4"),
+        Goal(3, "time-to-shape p50 <= 1 ms at 200 new flows/s", "daemon", "daemon",
+             lambda R: g(R.fig("daemon"), "time_to_shape", "time_to_shape_us", "p50"), lambda v: v <= 1000,
+             lambda v: num(v / 1000, "ms", 2), "4"),
+        Goal(3, "time-to-shape p99 <= 2 ms at 200 new flows/s", "daemon", "daemon",
+             lambda R: g(R.fig("daemon"), "time_to_shape", "time_to_shape_us", "p99"), lambda v: v <= 2000,
+             lambda v: num(v / 1000, "ms", 2), "4"),
+        Goal(3, "churn >= 2000 open+close/s sustained", "daemon", "daemon",
+             lambda R: g(R.fig("daemon"), "churn", "sustained_flows_per_s"), lambda v: v >= 2000,
+             lambda v: num(v, "flows/s", 0) + (" (highest step offered)" if v >= 3900 else ""), "4"),
+        Goal(3, "unshaped bytes per flow (report)", "daemon", "daemon",
+             lambda R: g(R.fig("daemon"), "unshaped", "unshaped_bytes"), None,
+             lambda v: f"p50 {num(v['p50'] / 1024, 'KiB')}, p90 {num(v['p90'] / 1024, 'KiB')} (frame bytes) of a 256 KiB reply", "4"),
+        Goal(3, "connect+accept latency with / without the tracer (report)", "tracer", "tracer",
+             lambda R: (g(R.get("tracer"), "round_trip", "no_tracer", "p50_median_of_rounds"),
+                        g(R.get("tracer"), "round_trip", "tracer_watching_target", "p50_median_of_rounds")),
+             None, lambda v: f"p50 {num(v[0], 'us')} without, {num(v[1], 'us')} with (watched)", "7"),
+        Goal(4, "psp sim: per-packet cost at 100 000 classes <= 3x of 10 (staggered starts)", "psp_sim",
+             "psp_sim", lambda R: _sim_ratio(R, "staggered"), lambda v: v <= 3, lambda v: f"{v:.2f}x", "6"),
+        Goal(4, "psp sim: per-packet cost at 100 000 classes <= 3x of 10 (aligned starts, worst case)",
+             "psp_sim", "psp_sim", lambda R: _sim_ratio(R, "aligned"), lambda v: v <= 3,
+             lambda v: f"{v:.2f}x", "6"),
+        Goal(4, "VM: psp rate error <= 0.5 % and below htb's at 1, 10, 100 Mbit (GSO on)", "vm_pacing*",
+             "vm_pacing*", _psp_rate_error,
+             lambda v: all(abs(p) <= 0.005 and (h is None or abs(p) < abs(h)) for p, h in v.values()),
+             lambda v: ", ".join(f"{r} Mbit: psp {pct(p, 2)} / htb {pct(h, 2)}" for r, (p, h) in v.items()), "1"),
+        Goal(4, "VM: gaps within ±25 % of ideal >= 80 % for psp and >= 3x htb's at 2 and 10 Mbit, GSO on",
+             "vm_pacing*", "vm_pacing*", _psp_gaps,
+             lambda v: all(p >= 0.8 and (h is None or p >= 3 * h) for p, h in v.values()),
+             lambda v: ", ".join(f"{r} Mbit: psp {share(p)} / htb {share(h)}" for r, (p, h) in v.items()), "1"),
+        Goal(4, "VM: psp never sends more than 2 packets back to back", "vm_pacing*", "vm_pacing*", _psp_runs,
+             lambda v: v <= 2, lambda v: f"longest run {v}", "1"),
+        Goal(5, "scrape of 10 000 flows < 1 s", "backend", "backend",
+             lambda R: g(_daemon_step(R, 10_000), "scrape_s", "p50"), lambda v: v < 1,
+             lambda v: num(v, "s", 3) + " (median)", "4"),
+        Goal(7, "crash recovery <= 2 s", "reliability", "reliability",
+             lambda R: g(R.fig("reliability"), "crash_restart", "recovery_s_from_restart"), lambda v: v <= 2,
+             lambda v: num(v, "s", 2), "8"),
+        Goal(7, "nothing leaked after crash + stop", "reliability", "reliability",
+             lambda R: g(R.fig("reliability"), "crash_restart", "leaked_after_stop"),
+             lambda v: list(v) == [0, 0], lambda v: f"{v[0]} classes, {v[1]} filters left", "8"),
+        Goal(7, "RSS and fds flat over 100 000 open/close cycles", "reliability", "reliability", _soak_flat,
+             lambda v: v["flat"] if v["cycles"] >= 100_000 else None,
+             lambda v: (f"{v['cycles']:,} cycles".replace(",", " ")
+                        + f": RSS {v['growth'] / 1e6:+.2f} MB, fds {v['fds'][0]}→{v['fds'][1]}"
+                        + ("" if v["objects"] else ", kernel objects NOT back to base")
+                        + (" — fewer cycles than the goal's 100 000: not judged" if v["cycles"] < 100_000 else "")),
+             "8"),
+    ]
+
+
+# ============================================================== sections
+
+def section_vm_pacing(R: Results) -> str:
+    """Issue 4's figures from bench/vm_pacing.py (the other pacing benchmark), when it ran."""
+    f = R.fig("vm_pacing")
+    sm = f.get("summary") if f else None
+    if not sm:
+        return ""
+    out = ["### Issue 4's figures (`bench/vm_pacing.py`)\n", R.provenance("vm_pacing", "vm_pacing") + "\n",
+           "Mean of the repetitions (goodput error: receiver goodput against rate × 1448/1514; frame error: "
+           "captured frame bytes against the rate, where captured):\n"]
+    keys = sorted({k for q in sm.values() for k in q},
+                  key=lambda k: (float(k.split("mbit")[0]), "off" in k))
+    rows = []
+    for k in keys:
+        for q in ("psp", "htb", "tbf", "fq"):
+            v = g(sm, q, k)
+            if not v:
+                continue
+            rows.append([k.replace("mbit_gso_", " Mbit, GSO "), q, v.get("reps"),
+                         num(v.get("goodput_error_pct"), "%", 2), num(v.get("frame_rate_error_pct"), "%", 2),
+                         num(v.get("within25_pct"), "%", 1), v.get("longest_run_pkts_max", "—")])
+    out.append(table(["config", "qdisc", "reps", "goodput error", "frame error", "within ±25 %",
+                      "longest run"], rows))
+    return "\n".join(out)
+
+
+def section_pacing(R: Results) -> str:
+    out = ["## 1. Pacing precision in the VM (psp, htb, tbf, fq)\n",
+           "The whole matrix (`bench/vm_gaps.py`, one VM boot, the four qdiscs back to back with the same "
+           "traffic at every rate and GSO setting):\n",
+           R.provenance("vm_gaps", "vm_gaps") + "\n"]
+    vp = section_vm_pacing(R)
+    f = R.fig("vm_gaps")
+    if not f:
+        return "\n".join(out + [vp])
+    if f.get("unavailable") or f.get("failed"):
+        out.append(f"**Could not run here:** {f.get('unavailable') or f.get('failed')[-500:]}\n")
+        return "\n".join(out + [vp])
+    rows = [r for r in f.get("runs", [])]
+    setup = f.get("setup", {})
+    out.append(setup.get("description", "") + "\n")
+    hdr = ["qdisc", "rate", "GSO", "rate error", "within ±25 %", "median gap / ideal", "p99 gap",
+           "longest b2b run", "max pkts per ms", "empty ms", "capture drops"]
+    trs = []
+    for r in rows:
+        if r.get("error"):
+            trs.append([r["qdisc"], f"{r['rate_mbit']:g} Mbit", "on" if r["gso"] else "off",
+                        f"failed: {r['error'][:80]}", "", "", "", "", "", "", ""])
+            continue
+        trs.append([r["qdisc"], f"{r['rate_mbit']:g} Mbit", "on" if r["gso"] else "off", pct(r["rate_error"], 2),
+                    share(r["within25"]), f"{num(r['median_gap_us'], 'us')} / {num(r['ideal_gap_us'], 'us')}",
+                    num(r["p99_gap_us"], "us"), r["longest_run"], r["max_per_ms"], share(r["empty_ms"]),
+                    f"{r['capture_drops']}" + (" ⚠" if r["capture_drops"] > 0.01 * r["packets"] else "")])
+    out.append(table(hdr, trs))
+    if any(not r.get("error") and r["capture_drops"] > 0.01 * r["packets"] for r in rows):
+        out.append("⚠: the capture at the receiver lost over 1 % of the packets (the Python capture in "
+                   "the emulated guest cannot keep up): that run's gap figures are not reliable.\n")
+    out.append("Rate error: frame bytes per second over the target (a full-size frame is 1514 bytes, so "
+               "TCP goodput is 1448/1514 of it). Within ±25 %: share of gaps within a quarter of the ideal "
+               "gap for that packet. Back-to-back: a gap under a quarter of the ideal.\n")
+    out.append(pacing_plots(rows))
+    out.append(vp)
+    return "\n".join(out)
+
+
+def pacing_plots(rows: List[dict]) -> str:
+    ok = [r for r in rows if not r.get("error") and r.get("gaps_sample_us")]
+    if not ok:
+        return ""
+    md = []
+    rates = sorted({r["rate_mbit"] for r in ok})
+    for gso in (True, False):
+        sel = [r for r in ok if r["gso"] == gso]
+        if not sel:
+            continue
+        fig, axes = plt.subplots(1, len(rates), figsize=(4.2 * len(rates), 3.4), squeeze=False)
+        for ax, rate in zip(axes[0], rates):
+            for r in sel:
+                if r["rate_mbit"] != rate:
+                    continue
+                xs = sorted(x / r["ideal_gap_us"] for x in r["gaps_sample_us"])
+                ys = [(i + 1) / len(xs) for i in range(len(xs))]
+                ax.step(xs, ys, where="post", label=r["qdisc"], color=COLORS.get(r["qdisc"]))
+            ax.axvline(1.0, color="k", lw=0.8, ls="--")
+            ax.axvspan(0.75, 1.25, color="0.9")
+            ax.set_xscale("symlog", linthresh=0.1)
+            ax.set_xlim(0, 20)
+            ax.set_title(f"{rate:g} Mbit/s, GSO {'on' if gso else 'off'}")
+            ax.set_xlabel("gap / ideal gap")
+        axes[0][0].set_ylabel("CDF of inter-packet gaps")
+        axes[0][0].legend(fontsize=8)
+        md.append(savefig(fig, f"pacing_gap_cdf_gso_{'on' if gso else 'off'}.png"))
+    # packets per 1 ms bin, a window of each run (GSO on): rates down, qdiscs across
+    for gso in (True, False):
+        sel = [r for r in ok if r["gso"] == gso and r.get("per_ms_sample")]
+        if not sel:
+            continue
+        qd = list(dict.fromkeys(r["qdisc"] for r in sel))
+        fig, axes = plt.subplots(len(rates), len(qd), figsize=(3.2 * len(qd), 1.7 * len(rates)),
+                                 squeeze=False, sharey="row", sharex=True)
+        for i, rate in enumerate(rates):
+            ideal = rate * 1e6 / 8 / 1514 / 1000
+            for j, q in enumerate(qd):
+                ax = axes[i][j]
+                r = next((x for x in sel if x["qdisc"] == q and x["rate_mbit"] == rate), None)
+                if r is not None:
+                    ys = r["per_ms_sample"]
+                    ax.bar(range(len(ys)), ys, width=1.0, color=COLORS.get(q), linewidth=0)
+                ax.axhline(ideal, color="k", ls="--", lw=0.7)
+                if i == 0:
+                    ax.set_title(q)
+                if j == 0:
+                    ax.set_ylabel(f"{rate:g} Mbit\npkts/ms", fontsize=8)
+        for ax in axes[-1]:
+            ax.set_xlabel("ms")
+        fig.suptitle(f"packets per 1 ms bin, a window of each run (GSO {'on' if gso else 'off'}); "
+                     "dashed: the ideal", fontsize=10)
+        md.append(savefig(fig, f"pacing_per_ms_gso_{'on' if gso else 'off'}.png"))
+    return "\n".join(md)
+
+
+def section_sharing(R: Results) -> str:
+    out = ["## 2. Sharing an oversubscribed link: 4, 4, 4, 2, 2 on 10\n",
+           R.provenance("vm_sharing", "vm_sharing") + "\n"]
+    f = R.fig("vm_sharing")
+    if not f:
+        return "\n".join(out)
+    s = f.get("setup", {})
+    out.append(f"Five TCP flows with class rates 4, 4, 4, 2, 2 units on a link of 10 units "
+               f"(1 unit = {s.get('unit_mbit', '?')} Mbit/s), started {s.get('spacing_s', '?')} s apart "
+               f"(the seed: 10 s), all running for {s.get('hold_s', '?')} s after the last start; rate per "
+               f"{s.get('bin_s', '?')} s from a capture at the receiver. Ideal with all five running: 2:2:2:1:1 "
+               f"of the link. The error is measured/ideal − 1 per running flow, after {num(s.get('settle_s'), '', 1)} s "
+               f"of settling.\n")
+    runs = []
+    for where in ("vm", "host"):
+        part = f.get(where) or {}
+        if part.get("unavailable") or part.get("failed"):
+            out.append(f"**{where.upper()} part could not run:** {(part.get('unavailable') or part.get('failed'))[-400:]}\n")
+        for q, r in (part.get("runs") or {}).items():
+            runs.append((f"{q} ({'VM, 6.1' if where == 'vm' else 'host'})", r))
+    if not runs:
+        return "\n".join(out)
+    rows = []
+    for label, r in runs:
+        for ph in r["phases"]:
+            rows.append([label, ph["flows_running"],
+                         " / ".join(f"{x['measured_bit_s'] / 1e6:.2f}" for x in ph["flows"]),
+                         " / ".join(f"{x['ideal_bit_s'] / 1e6:.2f}" for x in ph["flows"]),
+                         f"{ph['total_bit_s'] / 1e6:.2f} of {ph['link_bit_s'] / 1e6:.0f}",
+                         share(ph["max_abs_error"]), share(ph.get("max_abs_share_error"))])
+    out.append(table(["qdisc", "flows running", "measured Mbit/s", "ideal Mbit/s", "total Mbit/s",
+                      "max rate error", "max share error"], rows))
+    over = [(label, r["all_running"]["total_bit_s"] / r["all_running"]["link_bit_s"]) for label, r in runs
+            if r.get("all_running") and r["all_running"]["total_bit_s"] > 1.05 * r["all_running"]["link_bit_s"]]
+    if over:
+        who = "; ".join(f"{label}: {x:.2f}x the link" for label, x in over)
+        out.append(f"The flows together send more than the link ({who}). htb's link class does not cap its "
+                   "children's guaranteed rates: every flow class keeps its own rate whatever the sum, so the "
+                   "rates stay 2:2:2:1:1 among themselves (the share error) but the link is oversubscribed by "
+                   "the sum; on a real link of 10 units the device queue, not htb, would decide who gets what. "
+                   "psp scales every backlogged class by link / sum.\n")
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 3.0 * len(runs)), squeeze=False, sharex=True)
+    for ax, (label, r) in zip(axes[:, 0], runs):
+        t = r["t_s"]
+        for i, (k, ys) in enumerate(sorted(r["rate_bit_s"].items())):
+            ax.plot(t, [y / 1e6 for y in ys], lw=1.2, label=f"flow {k} ({r['class_rates_bit_s'][i] / 1e6:g})")
+        tot = [sum(v[j] for v in r["rate_bit_s"].values()) / 1e6 for j in range(len(t))]
+        ax.plot(t, tot, color="k", lw=0.8, alpha=0.5, label="total")
+        ax.axhline(r["link_bit_s"] / 1e6, color="k", ls=":", lw=0.8)
+        for ph in r["phases"]:
+            a, b = ph["window_s"]
+            for x in ph["flows"]:
+                ax.hlines(x["ideal_bit_s"] / 1e6, a, b, colors="k", linestyles="--", lw=0.7)
+        ax.set_title(label, fontsize=10)
+        ax.set_ylabel("Mbit/s")
+    axes[0][0].legend(fontsize=7, ncol=7, loc="upper left")
+    axes[-1][0].set_xlabel("time (s); dashed: ideal share, dotted: the link")
+    out.append(savefig(fig, "sharing_rates.png"))
+    return "\n".join(out)
+
+
+def section_lfp(R: Results) -> str:
+    out = ["## 3. TCP over a long fat pipe with a small bottleneck buffer\n",
+           R.provenance("vm_lfp", "vm_lfp") + "\n"]
+    f = R.fig("vm_lfp")
+    if not f:
+        return "\n".join(out)
+    s = f.get("setup", {})
+    out.append(f"In the VM: a {num(s.get('bottleneck_bit_s', 0) / 1e6, 'Mbit/s')} bottleneck with a "
+               f"{num(s.get('buffer_bytes', 0) / 1024, 'KiB')} queue ({s.get('bottleneck', '')}), RTT made by "
+               f"{s.get('delay', '')}; pacers at {share(s.get('margin'), 0)} of the bottleneck (split over the TCP "
+               f"flows; the UDP stream's {num(s.get('udp_bit_s', 0) / 1e6, 'Mbit/s')} left out), "
+               f"{s.get('seconds_per_case', '?')} s per case, GSO on. `none` is CUBIC without a qdisc.\n")
+    if f.get("unavailable") or f.get("failed"):
+        out.append(f"**Could not run here:** {(f.get('unavailable') or f.get('failed'))[-500:]}\n")
+        return "\n".join(out)
+    cal = f.get("calibration") or {}
+    out.append(f"Calibration: one unpaced flow without added delay carries {mbit(cal.get('goodput_bit_s'))} "
+               f"through the bottleneck.\n")
+    cases = f.get("cases", [])
+    rows = []
+    for c in cases:
+        u = c.get("udp") or {}
+        rows.append([f"{c['rtt_ms']:g} ms", c["mix"], c["pacer"], mbit(c["tcp_goodput_bit_s"]),
+                     mbit(c["tcp_goodput_second_half_bit_s"]), share(c["bottleneck"]["loss"], 2),
+                     c["tcp_retransmits"],
+                     "" if not u else f"{num(u.get('lost_percent'), '%', 2)} / {num(u.get('jitter_ms'), 'ms', 3)}"])
+    out.append(table(["RTT", "traffic", "pacer", "TCP goodput", "2nd half", "bottleneck loss", "TCP retrans",
+                      "UDP loss / jitter"], rows))
+    rtts = sorted({c["rtt_ms"] for c in cases})
+    mixes = list(dict.fromkeys(c["mix"] for c in cases))
+    pacers = list(dict.fromkeys(c["pacer"] for c in cases))
+    if cases:
+        fig, axes = plt.subplots(1, len(mixes), figsize=(4.5 * len(mixes), 3.4), squeeze=False, sharey=True)
+        w = 0.8 / max(1, len(pacers))
+        for ax, mix in zip(axes[0], mixes):
+            for j, p in enumerate(pacers):
+                ys = [next((c["tcp_goodput_bit_s"] / 1e6 for c in cases if c["mix"] == mix and c["pacer"] == p
+                            and c["rtt_ms"] == r), 0) for r in rtts]
+                ax.bar([i + j * w for i in range(len(rtts))], ys, w, label=p, color=COLORS.get(p))
+            ax.set_xticks([i + w * (len(pacers) - 1) / 2 for i in range(len(rtts))])
+            ax.set_xticklabels([f"{r:g} ms" for r in rtts])
+            ax.axhline(s.get("bottleneck_bit_s", 0) / 1e6, color="k", ls=":", lw=0.8)
+            ax.set_title(f"TCP goodput, {mix}")
+        axes[0][0].set_ylabel("Mbit/s (dotted: bottleneck)")
+        axes[0][0].legend(fontsize=8)
+        out.append(savefig(fig, "lfp_goodput.png"))
+        udp = [c for c in cases if c.get("udp")]
+        if udp:
+            fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+            w = 0.8 / max(1, len(pacers))
+            for j, p in enumerate(pacers):
+                loss = [next((c["udp"].get("lost_percent") or 0 for c in udp if c["pacer"] == p and c["rtt_ms"] == r), 0)
+                        for r in rtts]
+                jit = [next((c["udp"].get("jitter_ms") or 0 for c in udp if c["pacer"] == p and c["rtt_ms"] == r), 0)
+                       for r in rtts]
+                xs = [i + j * w for i in range(len(rtts))]
+                axes[0].bar(xs, loss, w, label=p, color=COLORS.get(p))
+                axes[1].bar(xs, jit, w, label=p, color=COLORS.get(p))
+            for ax, t in zip(axes, ("UDP loss (%)", "UDP jitter (ms)")):
+                ax.set_xticks([i + w * (len(pacers) - 1) / 2 for i in range(len(rtts))])
+                ax.set_xticklabels([f"{r:g} ms" for r in rtts])
+                ax.set_title(t + ", next to one TCP flow")
+            axes[0].legend(fontsize=8)
+            out.append(savefig(fig, "lfp_udp.png"))
+        # goodput over time at the largest RTT, one TCP flow
+        big = [c for c in cases if c["rtt_ms"] == rtts[-1] and c["mix"] == mixes[0]]
+        if big and any(c["tcp_flows"] and c["tcp_flows"][0].get("receiver_series_bit_s") for c in big):
+            fig, ax = plt.subplots(figsize=(8, 3))
+            for c in big:
+                ys = c["tcp_flows"][0].get("receiver_series_bit_s") or []
+                ax.plot(range(1, len(ys) + 1), [y / 1e6 for y in ys], marker="o", ms=3, label=c["pacer"],
+                        color=COLORS.get(c["pacer"]))
+            ax.set_xlabel("s")
+            ax.set_ylabel("Mbit/s at the receiver")
+            ax.set_title(f"one TCP flow, RTT {rtts[-1]:g} ms")
+            ax.legend(fontsize=8)
+            out.append(savefig(fig, "lfp_timeseries.png"))
+    return "\n".join(out)
+
+
+def section_daemon(R: Results) -> str:
+    out = ["## 4. The daemon: time-to-shape, churn, install cost, scale\n"]
+    d = R.fig("daemon")
+    b = R.fig("backend")
+    out.append("Time-to-shape, churn and unshaped bytes: " + R.provenance("daemon", "daemon") + "\n")
+    tts = g(d, "time_to_shape", "time_to_shape_us")
+    if tts:
+        ap = g(d, "time_to_shape", "apply_us") or {}
+        out.append(f"**Time-to-shape** (accept() return in the target, as the tracer stamps it, to the netlink "
+                   f"ack of the flow's filter) at {g(d, 'time_to_shape', 'offered_flows_per_s')} new flows/s, "
+                   f"{tts.get('n')} flows (the daemon keeps percentiles of its last 4 096 samples):\n")
+        out.append(table(["", "p50", "p90", "p99", "max"],
+                         [["time-to-shape", *(num(tts.get(k, 0) / 1000, "ms", 2) for k in ("p50", "p90", "p99", "max"))],
+                          ["of which the netlink apply", *(num(ap.get(k, 0) / 1000, "ms", 2) for k in ("p50", "p90", "p99", "max"))]]))
+        ks = ("p50", "p90", "p99", "max")
+        fig, ax = plt.subplots(figsize=(6, 3))
+        xs = range(len(ks))
+        ax.bar([x - 0.2 for x in xs], [tts.get(k, 0) / 1000 for k in ks], 0.4, label="time-to-shape")
+        ax.bar([x + 0.2 for x in xs], [ap.get(k, 0) / 1000 for k in ks], 0.4, label="netlink apply")
+        ax.hlines([1, 2], [-0.5, 1.5], [0.5, 2.5], colors="g", linestyles="--", lw=1, label="goals (p50 1 ms, p99 2 ms)")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(ks)
+        ax.set_ylabel("ms")
+        ax.legend(fontsize=8)
+        out.append(savefig(fig, "time_to_shape.png"))
+    steps = g(d, "churn", "steps")
+    if steps:
+        out.append("**Churn** (open + read + close, 2 client processes; a step counts as kept up when the "
+                   "classes drain within 2 s of its end and no tracer event is lost):\n")
+        out.append(table(["offered /s", "achieved /s", "daemon CPU", "drain after", "lost events", "op errors"],
+                         [[s["offered_per_s"], num(s["achieved_per_s"], "", 0), share(s["daemon_cpu_share"], 0),
+                           num(s["drain_after_s"], "s", 2), s["lost_events"], s["op_errors"]] for s in steps]))
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        ax.plot([s["offered_per_s"] for s in steps], [s["achieved_per_s"] for s in steps], "o-", label="achieved")
+        ax.plot([s["offered_per_s"] for s in steps], [s["offered_per_s"] for s in steps], "k:", lw=0.8)
+        ax.axhline(2000, color="g", ls="--", lw=0.8, label="goal 2000/s")
+        ax2 = ax.twinx()
+        ax2.bar([s["offered_per_s"] for s in steps], [100 * s["daemon_cpu_share"] for s in steps], width=150,
+                alpha=0.25, color="C1", label="daemon CPU %")
+        ax2.set_ylabel("daemon CPU (% of one core)")
+        ax.set_xlabel("offered open+close per s")
+        ax.set_ylabel("achieved per s")
+        ax.legend(loc="upper left", fontsize=8)
+        out.append(savefig(fig, "daemon_churn.png"))
+    un = g(d, "unshaped")
+    if un:
+        u = un["unshaped_bytes"]
+        out.append(f"**Unshaped bytes per flow** (a server that writes {un['payload_bytes'] // 1024} KiB at once "
+                   f"right after accept(); bytes through the default class before the flow's filter was in, "
+                   f"{un['flows']} flows): p50 {num(u['p50'] / 1024, 'KiB')}, p90 {num(u['p90'] / 1024, 'KiB')}, "
+                   f"max {num(u['max'] / 1024, 'KiB')}; {un['flows_with_any_unshaped_payload']} of {un['flows']} flows "
+                   f"sent some payload unshaped.\n")
+    out.append("Install cost and scale: " + R.provenance("backend", "backend") + "\n")
+    sc = g(b, "install_scale") or ({"1000": b["install"]} if g(b, "install") else {})
+    if sc:
+        rows = []
+        for n, r in sorted(sc.items(), key=lambda kv: int(kv[0])):
+            rows.append([f"{int(n):,}".replace(",", " "), num(r["batched_add_ms_per_flow"], "", 3),
+                         num(r["batched_remove_ms_per_flow"], "", 3), num(r["single_add_ms"]["p50"], "", 3),
+                         num(r["single_add_ms"]["p99"], "", 2), num(r["single_remove_ms"]["p50"], "", 3)])
+        out.append("**Class + filter install cost** (htb backend, flowpacer's own netlink requests; ms per flow):\n")
+        out.append(table(["flows", "add, one plan", "remove, one plan", "add one by one p50", "p99",
+                          "remove one by one p50"], rows))
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        ns = sorted(int(n) for n in sc)
+        for key, lab in (("batched_add_ms_per_flow", "add (one plan)"), ("batched_remove_ms_per_flow", "remove (one plan)")):
+            ax.plot(ns, [sc[str(n)][key] for n in ns], "o-", label=lab)
+        ax.plot(ns, [sc[str(n)]["single_add_ms"]["p50"] for n in ns], "s--", label="add one by one, p50")
+        ax.axhline(0.3, color="g", ls="--", lw=0.8, label="goal 0.3 ms")
+        ax.set_xscale("log")
+        ax.set_xlabel("flows")
+        ax.set_ylabel("ms per flow")
+        ax.legend(fontsize=8)
+        out.append(savefig(fig, "install_cost.png"))
+    steps = g(b, "daemon", "steps")
+    if steps:
+        idle = g(b, "daemon", "idle") or {}
+        rows = [["0 (idle)", "", num(idle.get("rss_bytes", 0) / 1e6, "MB"), num(idle.get("peak_rss_bytes", 0) / 1e6, "MB"),
+                 "", num(g(idle, "scrape_s", "p50"), "s", 3), ""]]
+        for s in steps:
+            rows.append([f"{s['flows']:,}".replace(",", " "), num(s["open_to_all_shaped_s"], "s", 2),
+                         num(s["rss_bytes"] / 1e6, "MB"), num(s["peak_rss_bytes"] / 1e6, "MB"),
+                         num(s["status_call_s"], "s", 3), num(s["scrape_s"]["p50"], "s", 3),
+                         f"{s['scrape_flow_series']:,}".replace(",", " ") + f" flows, {s['scrape_bytes'] / 1e6:.1f} MB"])
+        out.append("**Daemon at scale** (one daemon, live shaped flows raised step by step; the scrape is "
+                   "`GET http://127.0.0.1:9717/metrics` inside the server's namespace, median of "
+                   f"{g(steps[-1], 'scrape_s', 'n')}):\n")
+        out.append(table(["flows", "new flows shaped in", "RSS", "peak RSS", "status call", "scrape", "scrape size"], rows))
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        xs = [s["flows"] for s in steps]
+        ax.plot(xs, [s["rss_bytes"] / 1e6 for s in steps], "o-", label="RSS (MB)")
+        ax.axhline(150, color="g", ls="--", lw=0.8, label="goal 150 MB")
+        ax.set_ylim(bottom=0)
+        ax.set_xscale("log")
+        ax.set_xlabel("live shaped flows")
+        ax.set_ylabel("MB")
+        ax2 = ax.twinx()
+        ax2.plot(xs, [s["scrape_s"]["p50"] for s in steps], "s--", color="C3", label="scrape (s)")
+        ax2.plot(xs, [s["status_call_s"] for s in steps], "^:", color="C2", label="status call (s)")
+        ax2.set_ylabel("s")
+        ax2.set_ylim(bottom=0)
+        h1, l1 = ax.get_legend_handles_labels()
+        h2, l2 = ax2.get_legend_handles_labels()
+        ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper left")
+        out.append(savefig(fig, "daemon_scale.png"))
+    return "\n".join(out)
+
+
+def section_classify(R: Results) -> str:
+    out = ["## 5. Classification: one flow's throughput with N filters installed\n",
+           R.provenance("classify", "classify") + "\n"]
+    f = R.fig("classify")
+    tp = g(f, "throughput_bit_s")
+    if not tp:
+        return "\n".join(out)
+    s = f.get("setup", {})
+    out.append(f"iperf3 -R, fixed client port, {s.get('seconds_per_run')} s per run, {s.get('rounds')} rounds "
+               f"alternating layouts and counts, GSO on; median of the rounds. `hashed` is flowpacer's layout "
+               f"(two levels of 256-bucket u32 tables), `linear` plain u32 filters at one prio in one bucket "
+               f"(chained on past 4 094 per table), the target installed last. `none`: no qdisc at all.\n")
+    counts = [str(c) for c in s.get("counts", [])]
+    rows = []
+    base_none = g(tp, "none", "0", "median")
+    for c in counts:
+        h = g(tp, "hashed", c, "median")
+        li = g(tp, "linear", c, "median")
+        rows.append([c, num(h and h / 1e9, "Gbit/s", 2), share(g(f, "ratio_to_1_filter", "hashed", c)),
+                     num(li and li / 1e9, "Gbit/s", 2), share(g(f, "ratio_to_1_filter", "linear", c)),
+                     num(g(f, "install_s", "linear", c, "p50"), "s", 2)])
+    out.append(table(["filters", "hashed", "of 1 filter", "linear", "of 1 filter", "linear install"], rows))
+    if base_none:
+        out.append(f"No qdisc: {num(base_none / 1e9, 'Gbit/s', 2)} (median). Target filter matched in every run: "
+                   f"{all(all(v.values()) for v in (g(f, 'target_filter_matched') or {}).values())}.\n")
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    xs = [int(c) for c in counts]
+    for lay in ("hashed", "linear"):
+        ax.plot(xs, [g(tp, lay, c, "median", default=float("nan")) / 1e9 for c in counts], "o-", label=lay,
+                color=COLORS[lay])
+        for c in counts:
+            ys = g(tp, lay, c, "samples") or []
+            ax.scatter([int(c)] * len(ys), [y / 1e9 for y in ys], s=8, color=COLORS[lay], alpha=0.4)
+    if base_none:
+        ax.axhline(base_none / 1e9, color="k", ls=":", lw=0.8, label="no qdisc")
+    h1 = g(tp, "hashed", counts[0], "median") if counts else None
+    if h1:
+        ax.axhline(0.9 * h1 / 1e9, color="g", ls="--", lw=0.8, label="90 % of hashed, 1 filter")
+    ax.set_xscale("log")
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("filters installed")
+    ax.set_ylabel("Gbit/s (dots: single runs)")
+    ax.legend(fontsize=8)
+    out.append(savefig(fig, "classification.png"))
+    return "\n".join(out)
+
+
+def section_sim(R: Results) -> str:
+    out = ["## 6. psp scheduling core: cost per packet vs number of classes\n",
+           R.provenance("psp_sim", "psp_sim") + "\n"]
+    f = R.fig("psp_sim")
+    if not g(f, "staggered"):
+        return "\n".join(out)
+    s = f.get("setup", {})
+    out.append(f"The module's scheduling code in the userspace simulator (virtual clock; every class always "
+               f"backlogged, rates adding up to {share(s.get('load'), 0)} of {num(s.get('link_bit_s', 0) / 1e9, 'Gbit/s')}); "
+               f"thread CPU time per packet (select + charge + requeue), median of the repetitions. "
+               f"`staggered`: classes start at spread-out times as real flows do; `aligned`: all fall due at "
+               f"once every period (the worst case).\n")
+    counts = sorted(int(c) for c in f["staggered"]["classes"])
+    rows = []
+    for c in counts:
+        rows.append([f"{c:,}".replace(",", " "),
+                     *(num(g(f, sc, "classes", str(c), "ns_per_packet", "p50"), "ns", 1) for sc in ("staggered", "aligned")),
+                     *((f"{g(f, sc, f'ratio_{c}_to_10', 'median'):.2f}x" if c != 10 and g(f, sc, f'ratio_{c}_to_10') else "1x")
+                       for sc in ("staggered", "aligned"))])
+    out.append(table(["classes", "staggered", "aligned", "staggered vs 10", "aligned vs 10"], rows))
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    for sc in ("staggered", "aligned"):
+        ys = [g(f, sc, "classes", str(c), "ns_per_packet", "p50") for c in counts]
+        ax.plot(counts, ys, "o-", label=sc)
+        for c in counts:
+            smp = g(f, sc, "classes", str(c), "ns_per_packet_samples") or []
+            ax.scatter([c] * len(smp), smp, s=6, alpha=0.3)
+    base = g(f, "staggered", "classes", "10", "ns_per_packet", "p50")
+    if base:
+        ax.axhline(3 * base, color="g", ls="--", lw=0.8, label="3x of 10 classes (staggered)")
+    ax.set_xscale("log")
+    ax.set_xlabel("classes")
+    ax.set_ylabel("ns per packet")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    out.append(savefig(fig, "psp_sim.png"))
+    return "\n".join(out)
+
+
+def section_tracer(R: Results) -> str:
+    out = ["## 7. Tracer overhead\n", R.provenance("tracer", "tracer") + "\n"]
+    t = R.get("tracer")
+    if not t or "round_trip" not in t:
+        return "\n".join(out)
+    rt = t["round_trip"]
+    labels = {"no_tracer": "no tracer", "tracer_filtering_non_target": "tracer, another process watched",
+              "tracer_watching_target": "tracer watching the looping process"}
+    rows = [[labels.get(k, k), num(v["p50_median_of_rounds"], "us"), num(v["p99_median_of_rounds"], "us"),
+             num(v["iterations_per_s_median"], "/s", 0), pct((v.get("p50_vs_no_tracer_pct") or 0) / 100)]
+            for k, v in rt.items()]
+    out.append("connect() + accept() + close() of both ends over loopback (median of rounds):\n")
+    out.append(table(["", "p50", "p99", "iterations/s", "p50 vs no tracer"], rows))
+    el = t.get("event_latency", {})
+    if el:
+        out.append(table(["event latency (return of the call to the event out of poll())", "p50", "p90", "p99", "max"],
+                         [[k, *(num(g(v, "return_to_poll", p), "us") for p in ("p50", "p90", "p99", "max"))]
+                          for k, v in el.items()]))
+    sp = t.get("sustained_paced") or []
+    if sp:
+        out.append(table(["offered flows/s", "achieved", "events lost"],
+                         [[x["offered_flows_per_s"], x["achieved_flows_per_s"], x["lost"]] for x in sp]))
+    fig, ax = plt.subplots(figsize=(6, 2.8))
+    ks = list(rt)
+    ax.barh([labels.get(k, k) for k in ks], [rt[k]["p50_median_of_rounds"] for k in ks], color="C0", label="p50")
+    ax.set_xlabel("us per connect+accept+close round trip (p50)")
+    out.append(savefig(fig, "tracer_roundtrip.png"))
+    return "\n".join(out)
+
+
+def section_reliability(R: Results) -> str:
+    out = ["## 8. Reliability\n", R.provenance("reliability", "reliability") + "\n"]
+    f = R.fig("reliability")
+    cr = g(f, "crash_restart")
+    if cr:
+        out.append(f"**Crash and restart** (kill -9 with {cr['held_flows']} held flows and "
+                   f"{cr['churn_flows_per_s']} flows/s churning): recovered in {num(cr['recovery_s_from_restart'], 's', 2)} "
+                   f"from the restart, {cr['stale_classes_at_restart']} stale classes removed, after stop "
+                   f"{cr['leaked_after_stop'][0]} classes / {cr['leaked_after_stop'][1]} filters left; an "
+                   f"unmatched download meanwhile: {mbit(cr.get('unmatched_goodput_bit_s'))}.\n")
+    cs = g(f, "churn_soak")
+    if cs:
+        cyc = f"{cs['cycles']:,}".replace(",", " ")
+        out.append(f"**Churn soak**: {cyc} open/close cycles in {num(cs['seconds'], 's', 0)}, "
+                   f"{cs['errors']} client errors; RSS {num(cs['rss_warm_bytes'] / 1e6, 'MB')} warm → "
+                   f"{num(cs['rss_end_bytes'] / 1e6, 'MB')} at the end, fds {cs['fds_warm']} → {cs['fds_end']}, "
+                   f"kernel objects (classes, filters) {tuple(cs['kernel_objects_base'])} → {tuple(cs['kernel_objects_end'])}.\n")
+        curve = cs.get("curve") or []
+        if curve:
+            fig, ax = plt.subplots(figsize=(6, 3))
+            ax.plot([c["t_s"] for c in curve], [c["rss_bytes"] / 1e6 for c in curve], "o-", label="RSS (MB)")
+            ax.set_ylim(0, 1.3 * max(c["rss_bytes"] / 1e6 for c in curve))
+            ax.set_xlabel("s into the soak")
+            ax.set_ylabel("MB")
+            ax2 = ax.twinx()
+            ax2.plot([c["t_s"] for c in curve], [c["fds"] for c in curve], "s--", color="C1", label="open fds")
+            ax2.set_ylim(0, 1.3 * max(c["fds"] for c in curve))
+            ax2.set_ylabel("fds")
+            h1, l1 = ax.get_legend_handles_labels()
+            h2, l2 = ax2.get_legend_handles_labels()
+            ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="lower right")
+            out.append(savefig(fig, "reliability_soak.png"))
+    return "\n".join(out)
+
+
+# ============================================================== the report
+
+def summary(R: Results, gl: List[Goal]) -> str:
+    rows = []
+    for gg in gl:
+        shown, verdict = gg.evaluate(R)
+        mark = {MET: "✅ met", MISSED: "❌ NOT met", NA: "— " + NA, "reported": "ℹ reported"}.get(
+            verdict, ("✅ " if verdict.startswith(MET) else "❌ " if verdict.startswith(MISSED) else "") + verdict)
+        rows.append([f"#{gg.issue}", gg.text, shown, mark, f"§{gg.section}"])
+    return table(["issue", "goal", "this run", "verdict", "section"], rows)
+
+
+def runs_table(R: Results) -> str:
+    from .run import BENCHES
+    rows = []
+    for b in BENCHES:
+        st = R.status(b.name)
+        d = R.get(b.result)
+        fresh = R.fresh(b.result)
+        rows.append([b.name, b.what, st.get("status", "not run"), num(st.get("seconds"), "s", 0) if st.get("seconds") else "",
+                     (d or {}).get("date", "—") + (" (earlier run)" if fresh is False else ""),
+                     f"`python -m {b.module}`"])
+    return table(["benchmark", "what", "last invocation", "took", "result's date", "alone"], rows)
+
+
+def build(R: Results) -> str:
+    gl = goals()
+    inv = R.inv
+    m = inv.get("machine", {})
+    head = [
+        "# flowpacer benchmark report\n",
+        f"Generated {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')} by "
+        f"`python -m bench.report` from `bench/results/*.json`. Last suite invocation: "
+        f"{inv.get('started', 'none recorded')}"
+        + (f" (`python -m bench.run {' '.join(inv.get('argv', []))}`, {num(inv.get('seconds'), 's', 0)}"
+           f"{', quick sizes' if inv.get('quick') else ''})" if inv else "")
+        + f"; host kernel {m.get('kernel', '?')}, {m.get('cpus', '?')} CPUs, "
+          f"{num((m.get('memory_bytes') or 0) / 2 ** 30, 'GiB', 0)} memory; the VM runs Debian's 6.1 kernel "
+          f"under qemu TCG (software emulation: coarse timers, slow CPU).\n",
+        "The machines are shared and noisy (±5 % run to run, more under load): only figures measured in "
+        "one run compare with each other, and every ratio below is taken within one run. A section whose "
+        "result did not come from the last invocation says so.\n",
+        "## Goals\n", summary(R, gl),
+    ]
+    body = [section_pacing(R), section_sharing(R), section_lfp(R), section_daemon(R), section_classify(R),
+            section_sim(R), section_tracer(R), section_reliability(R)]
+    tail = ["## The runs\n", runs_table(R),
+            "Run everything with `make bench` (`python -m bench.run`), one benchmark with "
+            "`python -m bench.run NAME` or `python -m bench.MODULE`, small sizes with `--quick`, without the "
+            "VM with `--no-vm`; `python -m bench.run report` rewrites this file from the results.\n"]
+    return "\n".join(head + body + tail)
+
+
+def main(argv=None) -> Path:
+    R = Results()
+    PLOTS.mkdir(parents=True, exist_ok=True)
+    for p in PLOTS.glob("*.png"):
+        p.unlink()
+    REPORT.write_text(build(R))
+    return REPORT
+
+
+if __name__ == "__main__":
+    print(f"wrote {main(sys.argv[1:])}")

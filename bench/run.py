@@ -1,0 +1,211 @@
+"""The benchmark suite: run every benchmark (or the named ones), then write bench/REPORT.md.
+
+    .venv/bin/python -m bench.run                  # everything (make bench), ~35-40 min
+    .venv/bin/python -m bench.run --quick          # the same with small sizes, ~10 min
+    .venv/bin/python -m bench.run classify daemon  # some of them (names: --list)
+    .venv/bin/python -m bench.run --no-vm          # leave out the benchmarks that boot the VM
+    .venv/bin/python -m bench.run report           # only rewrite the report from the results
+
+Each benchmark runs as its own process (``python -m bench.MODULE``), bounded in time, and writes
+bench/results/NAME.json; a failure is recorded and the suite goes on. bench/results/run.json
+records this invocation (when, which, how each ended, the log's tail); the report marks results
+that did not come from it. Exit status: 0 when every selected benchmark ran (or said that it
+cannot run here), 1 when one failed.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+from .common import RESULTS, machine
+
+REPO = Path(__file__).resolve().parents[1]
+RUN_FILE = RESULTS / "run.json"
+UNAVAILABLE_RC = 3          # a benchmark's way of saying: cannot run here (it wrote why)
+
+
+@dataclasses.dataclass
+class Bench:
+    name: str
+    module: str
+    result: str                   # bench/results/<result>.json
+    full: List[str]
+    quick: List[str]
+    est_s: int                    # a full run's duration here, seconds (for the time limit)
+    vm: bool = False
+    what: str = ""
+
+
+BENCHES = [
+    Bench("psp_sim", "bench.psp_sim", "psp_sim", [], ["--quick"], 60,
+          what="psp scheduling core: ns per packet vs number of classes (userspace build)"),
+    Bench("classify", "bench.classify_bench", "classify", [], ["--quick"], 240,
+          what="one flow's throughput with 1 ... 10 000 u32 filters, hashed vs linear"),
+    Bench("backend", "bench.backend_bench", "backend", ["--fresh", "install", "daemon"],
+          ["--fresh", "--quick", "install", "daemon"], 240,
+          what="install cost per flow; daemon RSS, status and scrape at 100 / 1 000 / 10 000 flows"),
+    Bench("daemon", "bench.daemon_bench", "daemon", ["--fresh"], ["--fresh", "--quick"], 200,
+          what="time-to-shape, churn ceiling, unshaped bytes per flow"),
+    Bench("tracer", "bench.tracer_overhead", "tracer", [], ["--quick"], 150,
+          what="eBPF tracer: event latency, connect+accept with and without it"),
+    Bench("reliability", "bench.reliability", "reliability", [], ["--cycles", "10000"], 200,
+          what="crash recovery, churn soak (RSS, fds, kernel objects)"),
+    Bench("vm_pacing", "bench.vm_pacing", "vm_pacing", [], ["--quick", "--reps", "1"], 600, vm=True,
+          what="issue 4's pacing figures in the VM (bench/vm_pacing.py): rate error, gaps at 2 and 10 Mbit"),
+    Bench("vm_gaps", "bench.vm_gaps", "vm_gaps", [], ["--quick"], 900, vm=True,
+          what="pacing precision in the VM: psp vs htb vs tbf vs fq, rate error and inter-packet gaps"),
+    Bench("vm_sharing", "bench.vm_sharing", "vm_sharing", [], ["--quick"], 400, vm=True,
+          what="5 flows at 4,4,4,2,2 on a link of 10: psp and htb in the VM, htb on the host"),
+    Bench("vm_lfp", "bench.vm_lfp", "vm_lfp", [], ["--quick"], 750, vm=True,
+          what="TCP over a long fat pipe with a small buffer: psp vs htb vs unpaced"),
+]
+BY_NAME = {b.name: b for b in BENCHES}
+ALIASES = {b.module.split(".", 1)[1]: b.name for b in BENCHES}   # classify_bench -> classify
+
+
+def now_iso() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def load_run() -> dict:
+    try:
+        return json.loads(RUN_FILE.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def run_one(b: Bench, quick: bool, logdir: Path, extra: Optional[List[str]] = None) -> dict:
+    args = list(b.quick if quick else b.full) + list(extra or [])
+    argv = [sys.executable, "-m", b.module, *args]
+    limit = max(300, 2 * b.est_s + 300)
+    logpath = logdir / f"{b.name}.log"
+    print(f"\n=== {b.name}: {' '.join(argv[1:])}  (limit {limit} s)", flush=True)
+    started, t0 = now_iso(), time.monotonic()
+    tail: List[str] = []
+    rc: Optional[int] = None
+    timed_out = False
+    with open(logpath, "w") as log:
+        p = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, text=True, bufsize=1, start_new_session=True)
+        try:
+            deadline = t0 + limit
+            os.set_blocking(p.stdout.fileno(), False)
+            while True:
+                line = p.stdout.readline()
+                if line:
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
+                    log.write(line)
+                    tail.append(line.rstrip("\n"))
+                    del tail[:-40]
+                    continue
+                if p.poll() is not None:
+                    rest = p.stdout.read() or ""
+                    for ln in rest.splitlines():
+                        print(ln)
+                        log.write(ln + "\n")
+                        tail.append(ln)
+                    del tail[:-40]
+                    break
+                if time.monotonic() > deadline:
+                    timed_out = True
+                    break
+                time.sleep(0.05)
+        finally:
+            if p.poll() is None:         # ours: the process group we started
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                    p.wait(timeout=30)
+                except (OSError, subprocess.TimeoutExpired):
+                    try:
+                        os.killpg(p.pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+                    p.wait(timeout=30)
+            rc = p.returncode
+    secs = round(time.monotonic() - t0, 1)
+    if timed_out:
+        status = "failed"
+        tail.append(f"(stopped after the time limit of {limit} s)")
+    elif rc == 0:
+        status = "ok"
+    elif rc == UNAVAILABLE_RC:
+        status = "unavailable"
+    else:
+        status = "failed"
+    print(f"=== {b.name}: {status} (exit {rc}) in {secs} s", flush=True)
+    return {"status": status, "rc": rc, "seconds": secs, "started": started, "finished": now_iso(),
+            "argv": argv[1:], "log": str(logpath), "tail": tail[-25:], "result": f"{b.result}.json"}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("names", nargs="*", help="benchmarks to run (default: all), or 'report'")
+    ap.add_argument("--quick", action="store_true", help="small sizes everywhere (a smoke run)")
+    ap.add_argument("--no-vm", action="store_true", help="skip the benchmarks that boot the VM")
+    ap.add_argument("--no-report", action="store_true", help="do not write bench/REPORT.md")
+    ap.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    args = ap.parse_args(argv)
+    if args.list:
+        for b in BENCHES:
+            print(f"{b.name:12} {'(VM) ' if b.vm else ''}{b.what}  [python -m {b.module}]")
+        return 0
+    from . import report
+    if args.names == ["report"]:
+        print(f"wrote {report.main([])}")
+        return 0
+    sel = []
+    for n in args.names or [b.name for b in BENCHES]:
+        n = ALIASES.get(n, n)
+        if n not in BY_NAME:
+            ap.error(f"unknown benchmark {n!r} (see --list)")
+        sel.append(BY_NAME[n])
+    if os.geteuid() != 0:
+        print("bench.run: the benchmarks need root (namespaces, tc, eBPF)", file=sys.stderr)
+        return 2
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    logdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"flowpacer-bench-{stamp}"
+    logdir.mkdir(parents=True, exist_ok=True)
+    doc = load_run()
+    benches = doc.get("benchmarks", {})
+    inv = {"id": stamp, "started": now_iso(), "quick": args.quick, "no_vm": args.no_vm,
+           "selected": [b.name for b in sel], "argv": sys.argv[1:] if argv is None else list(argv),
+           "machine": machine(), "logs": str(logdir)}
+    t0 = time.monotonic()
+    failed = False
+    for b in sel:
+        if b.vm and args.no_vm:
+            benches[b.name] = {"status": "skipped", "reason": "--no-vm", "started": now_iso(),
+                               "result": f"{b.result}.json"}
+            continue
+        if b.vm and not (REPO / f"{b.module.replace('.', '/')}.py").exists():
+            benches[b.name] = {"status": "unavailable", "reason": f"{b.module} does not exist",
+                               "started": now_iso(), "result": f"{b.result}.json"}
+            continue
+        r = run_one(b, args.quick, logdir)
+        benches[b.name] = r
+        failed |= r["status"] == "failed"
+        inv["finished"] = now_iso()
+        inv["seconds"] = round(time.monotonic() - t0, 1)
+        RUN_FILE.write_text(json.dumps({"invocation": inv, "benchmarks": benches}, indent=2) + "\n")
+    inv["finished"] = now_iso()
+    inv["seconds"] = round(time.monotonic() - t0, 1)
+    RUN_FILE.write_text(json.dumps({"invocation": inv, "benchmarks": benches}, indent=2) + "\n")
+    print(f"\nsuite: {inv['seconds']:.0f} s; logs in {logdir}")
+    if not args.no_report:
+        print(f"wrote {report.main([])}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Pacing precision in the VM: psp vs htb vs tbf vs fq (maxrate), inter-packet gaps (issues 4, 6).
+
+One VM boot; for each rate (1, 2, 10, 100, 500 Mbit/s) and GSO/TSO on and off, the four qdiscs
+carry the same traffic one after the other: one iperf3 TCP stream for ``--seconds`` through the
+sender's veth, every data packet captured at the receiver with its kernel timestamp
+(``tests/guest/pacing.py``: GSO skbs counted as the wire packets a NIC would send back to back).
+Figures per run (after a 1 s warm-up): rate error (frame bytes/s over the target), share of gaps
+within ±25 % of the ideal gap, median and p99 gap, the longest run of back-to-back packets (gaps
+under 1/4 of the ideal), most packets in one 1 ms bin, share of empty 1 ms bins, capture drops.
+Bounded raw data for the plots: ``--gap-sample`` consecutive gaps from the middle of the run (for
+the CDF against the ideal gap) and the packets per 1 ms bin over a ``--window-ms`` window (the
+time series the seed's GtrcNET captures show).
+
+The qdiscs: ``psp`` (one class at the rate, link 1 Gbit/s; segments GSO at enqueue), ``htb`` (one
+class, tc's default burst), ``tbf`` (bucket of two frames), ``fq`` with ``maxrate``.
+
+Writes bench/results/vm_gaps.json (named apart from the other pacing benchmark, bench/vm_pacing.py).
+Run: ``.venv/bin/python -m bench.vm_gaps [--quick]``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from bench.vm_sharing import Bed, guest_tools, run_guest, vm_unavailable
+
+log = logging.getLogger("bench.vm_gaps")
+
+QDISCS = ("psp", "htb", "tbf", "fq")
+RATES = (1, 2, 10, 100, 500)
+
+
+def one_run(bed: Bed, qdisc: str, rate_mbit: float, gso: bool, seconds: int, gap_sample: int,
+            window_ms: int) -> dict:
+    pacing = guest_tools()
+    target = pacing.mbit(rate_mbit)
+    setup = {"psp": pacing.Psp, "htb": pacing.Htb, "tbf": pacing.Tbf, "fq": pacing.Fq}[qdisc](target)
+    bed.clear_qdisc()
+    bed.set_gso(gso)
+    setup(bed)
+    with pacing.Capture(bed.receiver_ns, bed.receiver_dev, pacing.IPERF_PORT) as cap:
+        with pacing.Iperf(bed, [pacing.IPERF_PORT], seconds) as ip:
+            rep = ip.wait()[pacing.IPERF_PORT]
+    bed.clear_qdisc()
+    st = pacing.analyze(cap.packets, target, warmup_s=1.0)
+    # the raw series again, for the bounded samples (same flow and window as analyze)
+    pk = sorted(cap.packets, key=lambda p: p.ts_ns)
+    by = {}
+    for p in pk:
+        by[p.sport] = by.get(p.sport, 0) + p.payload_bytes
+    flow = max(by, key=by.get)
+    pk = [p for p in pk if p.sport == flow]
+    lo = pk[0].ts_ns + 1_000_000_000
+    wire = [w for p in pk if p.ts_ns >= lo for w in p.wire()]
+    gaps = [(b[0] - a[0]) / 1e3 for a, b in zip(wire, wire[1:])]
+    mid = len(gaps) // 2
+    sample = gaps[max(0, mid - gap_sample // 2): max(0, mid - gap_sample // 2) + gap_sample]
+    t_mid = wire[len(wire) // 2][0] if wire else 0
+    t_a = t_mid - window_ms * 500_000
+    bins = [0] * window_ms
+    for t, _, _ in wire:
+        k = (t - t_a) // 1_000_000
+        if 0 <= k < window_ms:
+            bins[k] += 1
+    return {"qdisc": qdisc, "rate_mbit": rate_mbit, "gso": gso, "seconds": seconds,
+            "rate_error": st.rate_error, "rate_bit_s": st.rate_bps * 8, "goodput_bit_s": st.goodput_bps * 8,
+            "iperf_bit_s": pacing.received_bps(rep) * 8, "within25": st.within25, "b2b_share": st.b2b_share,
+            "ideal_gap_us": st.ideal_gap_us, "median_gap_us": st.median_gap_us, "p99_gap_us": st.p99_gap_us,
+            "longest_run": st.longest_run, "max_per_ms": st.max_per_ms, "empty_ms": st.empty_ms,
+            "mean_segs": st.mean_segs, "packets": st.packets, "capture_drops": cap.drops,
+            "gaps_sample_us": [round(x, 2) for x in sample], "per_ms_sample": bins}
+
+
+def run_all(rates, qdiscs, gsos, seconds, gap_sample, window_ms) -> list:
+    from flowpacer.testbed import Testbed
+    out = []
+    with Testbed(tag="vgap") as tb:
+        bed = Bed(tb)
+        for rate in rates:
+            for gso in gsos:
+                for q in qdiscs:
+                    t0 = time.monotonic()
+                    try:
+                        r = one_run(bed, q, rate, gso, seconds, gap_sample, window_ms)
+                    except Exception as e:       # one failed run must not lose the others
+                        r = {"qdisc": q, "rate_mbit": rate, "gso": gso, "error": f"{type(e).__name__}: {e}"}
+                        bed.clear_qdisc()
+                    r["wall_s"] = round(time.monotonic() - t0, 1)
+                    out.append(r)
+                    if "error" in r:
+                        log.info("%-4s %5g Mbit GSO %-3s: %s", q, rate, "on" if gso else "off", r["error"])
+                    else:
+                        log.info("%-4s %5g Mbit GSO %-3s: rate %+6.2f %%, within25 %5.1f %%, run %3d, "
+                                 "max/ms %3d, drops %d", q, rate, "on" if gso else "off",
+                                 100 * r["rate_error"], 100 * r["within25"], r["longest_run"],
+                                 r["max_per_ms"], r["capture_drops"])
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="2, 10, 100 Mbit, 3 s per run")
+    ap.add_argument("--rates", default=None, help="Mbit/s, comma separated (1,2,10,100,500)")
+    ap.add_argument("--qdiscs", default=",".join(QDISCS))
+    ap.add_argument("--gso", default="on,off")
+    ap.add_argument("--seconds", type=int, default=None, help="per run (4; quick 3)")
+    ap.add_argument("--gap-sample", type=int, default=3000)
+    ap.add_argument("--window-ms", type=int, default=200)
+    ap.add_argument("--guest", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    rates = [float(x) for x in (args.rates or ("2,10,100" if args.quick else ",".join(map(str, RATES)))).split(",")]
+    seconds = args.seconds or (3 if args.quick else 4)
+    qdiscs = args.qdiscs.split(",")
+    gsos = [x == "on" for x in args.gso.split(",")]
+    if args.guest:
+        runs = run_all(rates, qdiscs, gsos, seconds, args.gap_sample, args.window_ms)
+        Path(args.out).write_text(json.dumps({"guest_kernel": os.uname().release, "runs": runs}))
+        return 0
+    if os.geteuid() != 0:
+        print("vm_gaps: needs root", file=sys.stderr)
+        return 2
+    from .common import write
+    t0 = time.monotonic()
+    fig = {"setup": {"rates_mbit": rates, "qdiscs": qdiscs, "gso": [("on" if x else "off") for x in gsos],
+                     "seconds_per_run": seconds, "warmup_s": 1.0, "gap_sample": args.gap_sample,
+                     "window_ms": args.window_ms,
+                     "description": "One iperf3 TCP stream per run through the sender's veth in the VM "
+                                    "(qemu TCG, Debian 6.1), captured at the receiver; GSO skbs count as "
+                                    "back-to-back wire packets. psp: one class, link 1 Gbit/s; htb: one "
+                                    "class, tc's default burst; tbf: bucket of 2 frames; fq: maxrate."}}
+    rc = 0
+    why = vm_unavailable()
+    if why:
+        fig["unavailable"] = why
+        rc = 3
+    else:
+        budget = len(rates) * len(gsos) * len(qdiscs) * (seconds + 20) + 300
+        ga = ["--rates", ",".join(map(str, rates)), "--qdiscs", args.qdiscs, "--gso", args.gso,
+              "--seconds", str(seconds), "--gap-sample", str(args.gap_sample), "--window-ms", str(args.window_ms)]
+        try:
+            doc = run_guest("bench.vm_gaps", ga, budget)
+            fig.update({"vm": doc["vm"], "runs": doc["runs"]})
+        except RuntimeError as e:
+            fig["failed"] = str(e)[-4000:]
+            rc = 1
+    fig["duration_s"] = round(time.monotonic() - t0, 1)
+    path = write("vm_gaps", fig, {})
+    print(f"wrote {path}", file=sys.stderr)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
