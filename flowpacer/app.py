@@ -27,6 +27,7 @@ from .backend.tc import TcBackend
 from .control import DEFAULT_SOCKET, ControlServer
 from .errors import BackendError, FlowpacerError, RulesError, TracerUnavailable
 from .flows import FlowTable
+from .memory import release_compiler_memory, trim_heap
 from .metrics import (DEFAULT_LISTEN, DEFAULT_MAX_FLOW_SERIES, FlowpacerCollector,
                       LatencyHistogram, MetricsServer)
 from .tc.nl import RtnlSocket
@@ -64,7 +65,6 @@ def sd_notify(state: str) -> None:
         log.debug("sd_notify: %s", e)
 
 
-MADV_PAGEOUT = 21
 AUDIT_S = 5.0          # how often the flow classes are checked against the kernel
 TRIM_S = 10.0          # how often freed heap is handed back (a few ms each time)
 
@@ -90,37 +90,6 @@ def check_rules_access(path: str) -> None:
 def load_rules(path: str) -> RuleSet:
     check_rules_access(path)
     return rules_loader.load(path)
-
-
-def trim_heap() -> None:
-    """Hand freed heap back to the kernel (glibc keeps it after big transient batches)."""
-    import ctypes
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def release_compiler_memory() -> None:
-    """Give back what bcc's one-off compile left behind (~170 MB of RSS otherwise).
-
-    The LLVM/clang heap is returned with malloc_trim, and the pages of the LLVM and clang
-    libraries (clean, file-backed, needed again only for another compile) are paged out.
-    """
-    import ctypes
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.malloc_trim(0)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        with open("/proc/self/maps") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) < 6 or not any(n in parts[5] for n in ("libLLVM", "libclang")):
-                    continue
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                libc.madvise(lo, hi - lo, MADV_PAGEOUT)
-    except (OSError, AttributeError) as e:
-        log.debug("release_compiler_memory: %s", e)
 
 
 @dataclass

@@ -17,6 +17,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Dict, Optional, Tuple
 
 from prometheus_client import CollectorRegistry
+
+from .memory import trim_heap
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
@@ -215,6 +217,8 @@ def _handler(registry):
             self.end_headers()
             if body:
                 self.wfile.write(out)
+            del out
+            trim_heap()        # a 10 000-flow exposition is ~8 MB of short-lived strings
 
         def do_GET(self):
             self._answer(True)
