@@ -167,11 +167,11 @@ def _tc_available() -> bool:
 @pytest.fixture(scope="module")
 def netns():
     if not _tc_available():
-        pytest.skip("needs root and iproute2 (ip, tc)")
+        pytest.fail("needs root and iproute2 (ip, tc): make test runs as root after make deps")
     name = f"fp-units-{secrets.token_hex(4)}"
     r = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
     if r.returncode != 0:
-        pytest.skip(f"cannot create a network namespace: {r.stderr.strip()}")
+        pytest.fail(f"cannot create a network namespace: {r.stderr.strip()}")
     try:
         yield name
     finally:
