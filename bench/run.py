@@ -185,7 +185,8 @@ def main(argv=None) -> int:
     failed = False
     for b in sel:
         if b.vm and args.no_vm:
-            benches[b.name] = {"status": "skipped", "reason": "--no-vm", "started": now_iso(),
+            benches[b.name] = {"status": "skipped", "reason": "left out of this invocation (--no-vm)",
+                               "started": now_iso(),
                                "result": f"{b.result}.json"}
             continue
         if b.vm and not (REPO / f"{b.module.replace('.', '/')}.py").exists():
