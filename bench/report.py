@@ -71,7 +71,9 @@ class Results:
         if d is None or self.inv_start is None:
             return None
         dt = _date(d.get("date"))
-        return bool(dt and dt >= self.inv_start.replace(microsecond=0))
+        end = _date(self.inv.get("finished"))
+        late = end is not None and dt is not None and dt > end + datetime.timedelta(seconds=60)
+        return bool(dt and dt >= self.inv_start.replace(microsecond=0) and not late)
 
     def status(self, bench: str) -> dict:
         return self.run.get("benchmarks", {}).get(bench, {})
@@ -91,8 +93,8 @@ class Results:
         where = f"kernel {m.get('kernel', '?')}, {m.get('cpus', '?')} CPUs"
         fresh = self.fresh(result)
         if fresh is False:
-            note = (f" **Not from the last invocation** ({self.inv.get('started', '?')}): these figures "
-                    f"are from an earlier run, compare them with care.")
+            note = (f" **Not from the last suite invocation** ({self.inv.get('started', '?')}): these "
+                    f"figures come from a separate run, compare them with care.")
         else:
             note = ""
         bad = ""
@@ -198,7 +200,7 @@ class Goal:
         else:
             verdict = MET if j else MISSED
         if R.fresh(self.result) is False:
-            verdict += " (earlier run)"
+            verdict += " (separate run)"
         return shown, verdict
 
 
@@ -509,6 +511,8 @@ def section_sharing(R: Results) -> str:
                f"of the link. The error is measured/ideal − 1 per running flow, after {num(s.get('settle_s'), '', 1)} s "
                f"of settling.\n")
     runs = []
+    if "vm" not in f:
+        out.append("**The VM part (psp and htb in the VM) is not in this result**: it was run with `--no-vm`.\n")
     for where in ("vm", "host"):
         part = f.get(where) or {}
         if part.get("unavailable") or part.get("failed"):
@@ -904,7 +908,7 @@ def summary(R: Results, gl: List[Goal]) -> str:
         mark = {MET: "✅ met", MISSED: "❌ NOT met", NA: "— " + NA, "reported": "ℹ reported"}.get(
             verdict, ("✅ " if verdict.startswith(MET) else "❌ " if verdict.startswith(MISSED) else "") + verdict)
         rows.append([f"#{gg.issue}", gg.text, shown, mark, f"§{gg.section}"])
-    return table(["issue", "goal", "this run", "verdict", "section"], rows)
+    return table(["issue", "goal", "measured", "verdict", "section"], rows)
 
 
 def runs_table(R: Results) -> str:
@@ -915,7 +919,7 @@ def runs_table(R: Results) -> str:
         d = R.get(b.result)
         fresh = R.fresh(b.result)
         rows.append([b.name, b.what, st.get("status", "not run"), num(st.get("seconds"), "s", 0) if st.get("seconds") else "",
-                     (d or {}).get("date", "—") + (" (earlier run)" if fresh is False else ""),
+                     (d or {}).get("date", "—") + (" (separate run)" if fresh is False else ""),
                      f"`python -m {b.module}`"])
     return table(["benchmark", "what", "last invocation", "took", "result's date", "alone"], rows)
 
