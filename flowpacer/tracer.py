@@ -423,7 +423,10 @@ class Tracer:
         # keyed with the comm too, so an exec (new comm) is seen at once
         self._exe_cache: Dict[int, Tuple[str, str, float]] = {}
         self._watch: Tuple[Optional[Set[bytes]], Optional[Set[int]]] = (None, None)
-        # poll() may run in its own thread: close()/set_watch() wait for it to leave libbcc
+        # poll() may run in its own thread and waits in libbcc for up to its timeout: it holds
+        # only _poll_lock there, so stats()/set_watch() (under _lock) never wait for it; close()
+        # takes both (_poll_lock first), so the BPF object is never freed under either
+        self._poll_lock = threading.Lock()
         self._lock = threading.RLock()
 
     # -------------------------------------------------------------- start-up
@@ -552,7 +555,7 @@ class Tracer:
 
     def poll(self, timeout_ms: int) -> List[model.FlowEvent]:
         """Events that arrived (waits up to ``timeout_ms`` for the first one)."""
-        with self._lock:
+        with self._poll_lock:
             b = self._need()
             b.ring_buffer_poll(max(0, int(timeout_ms)))   # consumes all that is there
             raw, self._raw = self._raw, []
@@ -657,7 +660,7 @@ class Tracer:
         return self._bpf
 
     def close(self) -> None:
-        with self._lock:
+        with self._poll_lock, self._lock:
             b, self._bpf = self._bpf, None
         if b is not None:
             try:
