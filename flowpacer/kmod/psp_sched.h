@@ -62,14 +62,18 @@
  *
  * Invariants:
  *   - Late timers are made up for, without bursts: a paced class whose
- *     clock lags "now" (the timer fired late, the link was busy) may send
- *     two packets back to back (closer than half a packet time), and after
- *     such a pair waits one packet time (t_min): it catches up at no more
- *     than twice its rate, never more than two packets back to back.  While
- *     the lateness stays below one packet time no pair forms and pacing is
- *     exact.  The lag kept is bounded by PSP_CATCHUP_NS (or one packet time,
- *     if longer); what lies beyond is dropped and counted (clamps).  So an
- *     occasional late timer costs no rate.
+ *     clock lags "now" (the timer fired late, the link was busy) catches up
+ *     at no more than twice its rate.  While it lags by less than a packet
+ *     time after a departure, the next one waits at least half a packet
+ *     time (t_min): no two packets closer than that, so a wake-up up to two
+ *     packet times late gives no back-to-back packets at all.  Only while
+ *     it is still a packet time or more behind may a second packet follow
+ *     at once, and after such a pair the class waits one packet time: never
+ *     more than two back to back, however late the timer (pairs keep the
+ *     rate where timers are routinely late by more than half a packet
+ *     time, as at high rates).  The lag kept is bounded by PSP_CATCHUP_NS
+ *     (or one packet time, if longer); what lies beyond is dropped and
+ *     counted (clamps).  So an occasional late timer costs no rate.
  *   - The ceil clock keeps a lag like the rate clock (PSP_CATCHUP_NS), and
  *     borrowers pair up against their ceil's packet time; the link clock
  *     may lag by PSP_LINK_CATCHUP_NS (or one link packet), which it makes
@@ -556,11 +560,18 @@ static inline void psp_charge(struct psp_sched *q, struct psp_sclass *c,
 		ref = tx;	/* a borrower may go as fast as its ceil */
 	}
 	if (c->rate) {
-		/* the second of two packets within half a packet time: a pair,
-		 * after which the class waits a packet time (catch-up <= 2x)
-		 */
-		c->t_min = !(c->flags & PSP_SC_FIRST) &&
-			   now - c->t_last < (ref + 1) / 2 ? now + ref : 0;
+		u64 clk = c->flags & PSP_SC_BORROW ?
+			  psp_max(c->t_rate, c->t_ceil) : c->t_rate;
+
+		if (!(c->flags & PSP_SC_FIRST) && now - c->t_last < (ref + 1) / 2)
+			/* the second of a pair: rest a packet time */
+			c->t_min = now + ref;
+		else if (clk + ref <= now)
+			/* still a packet time or more behind: a pair may form */
+			c->t_min = 0;
+		else
+			/* catching up: no closer than half a packet time */
+			c->t_min = now + (ref + 1) / 2;
 		c->t_last = now;
 	}
 	c->flags &= ~PSP_SC_FIRST;
