@@ -385,7 +385,7 @@ def section_vm_pacing(R: Results) -> str:
         return ""
     out = ["### Issue 4's figures (`bench/vm_pacing.py`)\n", R.provenance("vm_pacing", "vm_pacing") + "\n",
            "Mean of the repetitions (goodput error: receiver goodput against rate × 1448/1514; frame error: "
-           "captured frame bytes against the rate, where captured):\n"]
+           "frame bytes captured leaving the sender's veth against the rate, where captured; gaps are measured there too):\n"]
     keys = sorted({k for q in sm.values() for k in q},
                   key=lambda k: (float(k.split("mbit")[0]), "off" in k))
     rows = []
@@ -431,7 +431,7 @@ def section_pacing(R: Results) -> str:
                     f"{r['capture_drops']}" + (" ⚠" if r["capture_drops"] > 0.01 * r["packets"] else "")])
     out.append(table(hdr, trs))
     if any(not r.get("error") and r["capture_drops"] > 0.01 * r["packets"] for r in rows):
-        out.append("⚠: the capture at the receiver lost over 1 % of the packets (the Python capture in "
+        out.append("⚠: the capture lost over 1 % of the packets (the Python capture in "
                    "the emulated guest cannot keep up): that run's gap figures are not reliable.\n")
     out.append("Rate error: frame bytes per second over the target (a full-size frame is 1514 bytes, so "
                "TCP goodput is 1448/1514 of it). Within ±25 %: share of gaps within a quarter of the ideal "

@@ -2,7 +2,8 @@
 
 One VM boot; for each rate (1, 2, 10, 100, 500 Mbit/s) and GSO/TSO on and off, the four qdiscs
 carry the same traffic one after the other: one iperf3 TCP stream for ``--seconds`` through the
-sender's veth, every data packet captured at the receiver with its kernel timestamp
+sender's veth, every data packet captured as it leaves that veth (the qdisc's output, the "wire"
+of a veth; ``pacing.sender_capture`` says why not at the receiver) with its kernel timestamp
 (``tests/guest/pacing.py``: GSO skbs counted as the wire packets a NIC would send back to back).
 Figures per run (after a 1 s warm-up): rate error (frame bytes/s over the target), share of gaps
 within ±25 % of the ideal gap, median and p99 gap, the longest run of back-to-back packets (gaps
@@ -43,7 +44,7 @@ def one_run(bed: Bed, qdisc: str, rate_mbit: float, gso: bool, seconds: int, gap
     bed.clear_qdisc()
     bed.set_gso(gso)
     setup(bed)
-    with pacing.Capture(bed.receiver_ns, bed.receiver_dev, pacing.IPERF_PORT) as cap:
+    with pacing.sender_capture(bed) as cap:
         with pacing.Iperf(bed, [pacing.IPERF_PORT], seconds) as ip:
             rep = ip.wait()[pacing.IPERF_PORT]
     bed.clear_qdisc()
@@ -132,7 +133,7 @@ def main(argv=None) -> int:
                      "seconds_per_run": seconds, "warmup_s": 1.0, "gap_sample": args.gap_sample,
                      "window_ms": args.window_ms,
                      "description": "One iperf3 TCP stream per run through the sender's veth in the VM "
-                                    "(qemu TCG, Debian 6.1), captured at the receiver; GSO skbs count as "
+                                    "(qemu TCG, Debian 6.1), captured leaving the sender's veth; GSO skbs count as "
                                     "back-to-back wire packets. psp: one class, link 1 Gbit/s; htb: one "
                                     "class, tc's default burst; tbf: bucket of 2 frames; fq: maxrate."}}
     rc = 0

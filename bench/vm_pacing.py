@@ -3,13 +3,14 @@
 For each qdisc, one iperf3 TCP stream over a veth between two network namespaces in the guest
 (``tests/guest/pacing.py``: psp = one paced class fed by a u32 filter on a 1 Gbit/s psp link,
 htb = one class at the rate with tc's default burst, tbf = a bucket of two full frames, fq =
-``maxrate``), measured at the receiver:
+``maxrate``), measured at the receiver (goodput) and where the packets leave the sender's veth
+(frames and gaps: the qdisc's output; ``pacing.sender_capture`` says why not at the receiver):
 
 * achieved rate at 1, 10 and 100 Mbit/s (GSO on): the receiver's goodput (iperf3, the first
   second omitted) against rate x 1448/1514 (TCP payload per full frame), and where the packets
   are also captured (up to 10 Mbit/s) the frame rate against the rate;
-* the gap distribution at 2 and 10 Mbit/s with GSO on and off (AF_PACKET capture at the
-  receiver, GSO skbs counted as their wire segments at one instant): share of gaps within
+* the gap distribution at 2 and 10 Mbit/s with GSO on and off (AF_PACKET capture on the
+  sender's veth, GSO skbs counted as their wire segments at one instant): share of gaps within
   +-25 % of the ideal one, percentiles of the gap, share and longest run of back-to-back
   packets, goodput and frame-rate error.
 
@@ -67,7 +68,7 @@ def guest_main(args) -> int:
         setups[kind](P.mbit(rate))(tb)
         t0 = time.time()
         if capture:
-            with P.Capture(tb.receiver_ns, tb.receiver_dev, P.IPERF_PORT) as cap:
+            with P.sender_capture(tb) as cap:
                 with P.Iperf(tb, [P.IPERF_PORT], dur, extra=["--omit", "1"]) as ip:
                     rep_json = ip.wait()[P.IPERF_PORT]
         else:
@@ -162,7 +163,7 @@ def summarize(runs: list) -> dict:
 
 def goals(summary: dict) -> dict:
     """psp's rate error <= 0.5 % and below htb's, at every rate, judged on each figure: the
-    frame rate at the receiver (what the qdisc paces; captured up to 10 Mbit/s) and the
+    frame rate leaving the sender's veth (what the qdisc paces; captured up to 10 Mbit/s) and the
     goodput (iperf3; every rate). Errors are the mean |error| of the repetitions."""
     g = {"psp_rate_error_max_pct": GOAL_RATE_ERROR_PCT, "by_rate": {}}
     met_all = True

@@ -2,9 +2,10 @@
 
 A ``Testbed`` is two network namespaces joined by a veth pair: the sender's end gets the root
 qdisc under test (any callable ``setup(testbed)``: ``Htb``, ``Tbf``, ``Fq``, ``Psp`` here), iperf3
-sends one bounded TCP stream, and an AF_PACKET socket in the receiver's namespace records every
-data packet with its kernel timestamp. ``analyze`` turns that into goodput, rate error and the
-inter-packet gap figures (``PacingStats``).
+sends one bounded TCP stream, and an AF_PACKET socket records every data packet with its kernel
+timestamp, at the receiver or, for gaps (``measure``), where the packets leave the sender's veth
+(``sender_capture``). ``analyze`` turns that into goodput, rate error and the inter-packet gap
+figures (``PacingStats``).
 
 GSO super-packets are seen whole on a veth; the capture asks for the virtio-net header
 (PACKET_VNET_HDR) so each one is counted as the ``gso_size`` segments a NIC would put on the
@@ -635,15 +636,26 @@ def received_bps(report: dict) -> float:
     return report["end"]["sum_received"]["bits_per_second"] / 8
 
 
+def sender_capture(tb: Testbed, port=IPERF_PORT) -> Capture:
+    """The packets as the qdisc lets them go: leaving the sender's veth (the wire of a veth).
+
+    Gaps are measured here, not at the receiver: in the emulator the receiving side is a
+    second softirq pass, on either vCPU, that a busy host can delay by a millisecond, which
+    squeezes gaps that left the qdisc evenly (at 10 Mbit/s a receiver sees runs of 3 back to
+    back from a qdisc whose output has none)."""
+    return Capture(tb.sender_ns, tb.sender_dev, port, outgoing=True)
+
+
 def measure(tb: Testbed, setup: Optional[QdiscSetup], target_bps: int, *, gso: bool = True,
             duration: float = 5.0, warmup_s: float = 1.0) -> PacingStats:
     """Install ``setup`` on the sender's veth, send one iperf3 TCP stream for ``duration``
-    seconds, capture it at the receiver and analyse it against ``target_bps``."""
+    seconds, capture it as it leaves the sender's veth (``sender_capture``) and analyse it
+    against ``target_bps``; ``iperf_bps`` is the receiver's goodput."""
     tb.clear_qdisc()
     tb.set_gso(gso)
     if setup is not None:
         setup(tb)
-    with Capture(tb.receiver_ns, tb.receiver_dev, IPERF_PORT) as cap:
+    with sender_capture(tb) as cap:
         with Iperf(tb, [IPERF_PORT], duration) as ip:
             rep = ip.wait()[IPERF_PORT]
     stats = analyze(cap.packets, target_bps, warmup_s=warmup_s)
