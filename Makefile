@@ -4,7 +4,7 @@ VENV  := .venv
 PY    := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: deps demo test test-vm bench soak install kmod sim clean
+.PHONY: deps demo test test-vm bench bench-quick soak install kmod sim clean
 
 deps: .deps-stamp
 .deps-stamp: tools/setup.sh pyproject.toml
@@ -22,6 +22,9 @@ test-vm: deps
 
 bench: deps
 	$(PY) -m bench.run
+
+bench-quick: deps
+	$(PY) -m bench.run --quick
 
 kmod: deps
 	$(MAKE) -C flowpacer/kmod

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import fcntl
 import json
 import os
 import signal
@@ -31,6 +32,9 @@ from .common import RESULTS, machine
 REPO = Path(__file__).resolve().parents[1]
 RUN_FILE = RESULTS / "run.json"
 UNAVAILABLE_RC = 3          # a benchmark's way of saying: cannot run here (it wrote why)
+# one benchmark at a time on this machine: each takes this lock (flock) while it runs, and so
+# can anything else that should not share the host with one (e.g. `flock FILE pytest ...`)
+LOCK_FILE = os.environ.get("FLOWPACER_BENCH_LOCK", "/tmp/flowpacer-vm.lock")
 
 
 @dataclasses.dataclass
@@ -89,6 +93,20 @@ def run_one(b: Bench, quick: bool, logdir: Path, extra: Optional[List[str]] = No
     limit = max(300, 2 * b.est_s + 300)
     logpath = logdir / f"{b.name}.log"
     print(f"\n=== {b.name}: {' '.join(argv[1:])}  (limit {limit} s)", flush=True)
+    lock = open(LOCK_FILE, "a")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print(f"=== {b.name}: waiting for {LOCK_FILE} (another benchmark or VM run holds it)",
+              flush=True)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        return _run_locked(b, argv, limit, logpath)
+    finally:
+        lock.close()
+
+
+def _run_locked(b: Bench, argv: List[str], limit: int, logpath: Path) -> dict:
     started, t0 = now_iso(), time.monotonic()
     tail: List[str] = []
     rc: Optional[int] = None
