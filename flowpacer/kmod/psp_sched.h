@@ -8,13 +8,17 @@
  * tests.  The includer provides, before including this file:
  *
  *   u32, u64, s64, bool, likely(), unlikely(), container_of()
- *   struct psp_tnode   a tree node with members u64 key and u64 seq
+ *   struct psp_tnode   a tree node with members u64 key and seq (a counter;
+ *                      a tree that compares it with wrap-around may keep
+ *                      only its low 32 bits)
  *   struct psp_tree    a container ordered by (key, seq), smallest first
  *   psp_tree_init(tree)
  *   psp_tree_insert(tree, node), psp_tree_erase(tree, node),
  *   psp_tree_requeue(tree, node)  node's (key, seq) grew: move it back
  *   psp_tree_first(tree) -> node or NULL                (O(log N) or better)
- *   psp_tree_second(tree) -> the node that is first once first is gone
+ *   psp_tree_second(tree, &key) -> the node that is first once first is
+ *                          gone, or NULL; its key in *key (a tree may keep
+ *                          keys in its own index: the node is not touched)
  *   psp_prefetch(addr)      a cache hint, may do nothing
  *   psp_div_rem(a, b, &rem) -> a / b, rem = a % b       (64-bit)
  *   psp_mul_div(a, b, c)    -> a * b / c, 128-bit product, result fits
@@ -115,25 +119,27 @@ enum psp_send {
 #define PSP_SC_FIRST	0x8	/* next packet is the first after idle */
 
 struct psp_sclass {
-	/* hot: read and written for every packet of the class */
+	/* hot: what one packet of a paced class reads and writes; with a
+	 * 40-byte rnode (the kernel's) exactly two cache lines
+	 */
 	struct psp_tnode	rnode;		/* wtree/etree (paced), utree */
 	u64			t_rate;		/* rate clock, ns */
-	u64			t_ceil;		/* ceil clock, ns */
-	u64			t_min;		/* no departure before (after a pair) */
+	u64			t_min;		/* no departure before (catch-up spacing) */
 	u64			t_last;		/* last departure */
+	u64			due;		/* departure time of the head */
 	u64			rate;		/* bytes/s, 0 = unpaced */
-	u64			ceil;		/* bytes/s, >= rate */
-	u64			rate_rem;	/* division remainders, carried */
-	u64			ceil_rem;
-	u64			scale_rem;
+	u64			rate_rem;	/* division remainder, carried */
+	u64			dl_inv;		/* ns per byte << PSP_DL_SHIFT */
 	u64			est_start;	/* rate estimator window */
 	u64			est_bytes;
-	u64			due;		/* departure time of the head */
-	u64			dl_inv;		/* ns per byte << PSP_DL_SHIFT */
 	u64			late_ns_max;
 	u32			head;		/* wire bytes of the head packet */
 	u32			flags;		/* PSP_SC_* */
-	/* borrowers only */
+	/* borrowers, oversubscription */
+	u64			t_ceil;		/* ceil clock, ns */
+	u64			ceil;		/* bytes/s, >= rate */
+	u64			ceil_rem;
+	u64			scale_rem;
 	struct psp_tnode	bnode;		/* btree */
 	/* statistics */
 	u64			rate_est;	/* bytes/s */
@@ -467,9 +473,10 @@ static inline struct psp_sclass *psp_select(struct psp_sched *q, u64 now,
 	e = psp_tree_first(&q->etree);
 	w = psp_tree_first(&q->wtree);
 	if (w && w->key <= now) {
-		struct psp_tnode *w2 = e ? NULL : psp_tree_second(&q->wtree);
+		u64 k2 = 0;
+		struct psp_tnode *w2 = e ? NULL : psp_tree_second(&q->wtree, &k2);
 
-		if (!e && (!w2 || w2->key > now)) {
+		if (!e && (!w2 || k2 > now)) {
 			/* the only due class: no deadline to compare; the
 			 * second is likely the next to go, warm it up
 			 */

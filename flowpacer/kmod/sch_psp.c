@@ -115,17 +115,24 @@ static inline struct psp_tnode *psp_tree_first(struct psp_tree *t)
 	return n ? rb_entry(n, struct psp_tnode, rb) : NULL;
 }
 
-static inline struct psp_tnode *psp_tree_second(struct psp_tree *t)
+static inline struct psp_tnode *psp_tree_second(struct psp_tree *t, u64 *key)
 {
 	struct rb_node *n = rb_first_cached(&t->root);
+	struct psp_tnode *tn;
 
 	n = n ? rb_next(n) : NULL;
-	return n ? rb_entry(n, struct psp_tnode, rb) : NULL;
+	if (!n)
+		return NULL;
+	tn = rb_entry(n, struct psp_tnode, rb);
+	*key = tn->key;
+	return tn;
 }
 
+/* The hot head of struct psp_sclass is two cache lines. */
 static inline void psp_prefetch(const void *p)
 {
 	prefetch(p);
+	prefetch((const char *)p + L1_CACHE_BYTES);
 }
 
 static inline u64 psp_div_rem(u64 a, u64 b, u64 *rem)

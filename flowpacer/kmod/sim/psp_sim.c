@@ -8,9 +8,10 @@
  * tests/test_psp_sim.py and bench/psp_sim.py.  Time only moves when the
  * caller says so, so every run is exactly reproducible.
  *
- * The kernel keeps backlogged classes in rbtrees; here a binary min-heap
+ * The kernel keeps backlogged classes in rbtrees; here a 4-ary min-heap
  * ordered by the same (key, seq) pair stands in.  Both return the same
  * smallest element, so the simulator makes the same choices as the module.
+ * The classes live in one array, hot fields first, cache-line aligned.
  *
  * A class is either fed packet by packet (psp_sim_enqueue) or "greedy": an
  * endless source of packets of one size that keeps it backlogged.
@@ -39,14 +40,16 @@ typedef int64_t s64;
  * one 64-byte cache line (the array is offset by HEAP_PAD entries to align
  * the groups).  The slot of each node lives in a dense array indexed by the
  * node's id, not in the node, so moving entries does not touch the classes.
+ * A node is found from its id by arithmetic (the classes are one array), as
+ * the kernel's rbtree hands out node pointers without a lookup table.
  * Entries keep the low 32 bits of the insertion sequence number, compared
  * with wrap-around: ties are broken exactly like the kernel's u64 as long as
  * a node waits fewer than 2^31 insertions.
  */
 struct psp_tnode {
 	u64	key;
-	u64	seq;
-	u32	id;		/* index in the tree's node/slot tables */
+	u32	seq;		/* the heap compares 32 bits with wrap-around */
+	u32	id;		/* index in the tree's slot table and node array */
 };
 
 struct psp_hent {
@@ -57,8 +60,9 @@ struct psp_hent {
 
 struct psp_tree {
 	struct psp_hent		*a;	/* HEAP_PAD + n entries */
-	struct psp_tnode	**node;	/* id -> node */
 	u32			*slot;	/* id -> heap index */
+	char			*base;	/* node of id i: base + i * stride */
+	size_t			stride;
 	u32			n;
 	u32			cap;
 };
@@ -66,6 +70,11 @@ struct psp_tree {
 #define HEAP_ARITY	4
 #define HEAP_PAD	3		/* a[HEAP_PAD + 4i + 1 ..] is 64-byte aligned */
 #define HENT(t, i)	((t)->a[HEAP_PAD + (i)])
+
+static inline struct psp_tnode *psp_tnode_of(const struct psp_tree *t, u32 id)
+{
+	return (struct psp_tnode *)(t->base + (size_t)id * t->stride);
+}
 
 /* Branch-free: which child is smallest is a coin toss the CPU cannot predict. */
 static inline bool psp_hless(const struct psp_hent *x, const struct psp_hent *y)
@@ -75,11 +84,12 @@ static inline bool psp_hless(const struct psp_hent *x, const struct psp_hent *y)
 }
 
 /* Index of the smallest of the children c .. c + HEAP_ARITY - 1 (< n). */
-static inline u32 psp_min_child(const struct psp_tree *t, u32 c, u32 n)
+static inline __attribute__((always_inline))
+u32 psp_min_child(const struct psp_tree *t, u32 c, u32 n)
 {
 	u32 a, b, j, best;
 
-	if (c + HEAP_ARITY <= n) {
+	if (likely(c + HEAP_ARITY <= n)) {
 		a = psp_hless(&HENT(t, c + 1), &HENT(t, c)) ? c + 1 : c;
 		b = psp_hless(&HENT(t, c + 3), &HENT(t, c + 2)) ? c + 3 : c + 2;
 		return psp_hless(&HENT(t, b), &HENT(t, a)) ? b : a;
@@ -94,6 +104,16 @@ static inline void psp_hset(struct psp_tree *t, u32 i, struct psp_hent e)
 {
 	HENT(t, i) = e;
 	t->slot[e.id] = i;
+}
+
+/* The grandchildren of a node whose children start at @c: one line each. */
+static inline void psp_prefetch_below(const struct psp_tree *t, u32 c, u32 n)
+{
+	u32 j;
+
+	if (HEAP_ARITY * c + 1 < n)
+		for (j = 0; j < HEAP_ARITY; j++)
+			__builtin_prefetch(&HENT(t, HEAP_ARITY * (c + j) + 1));
 }
 
 static void psp_sift_up(struct psp_tree *t, u32 i, struct psp_hent e)
@@ -111,16 +131,15 @@ static void psp_sift_up(struct psp_tree *t, u32 i, struct psp_hent e)
 
 static void psp_sift_down(struct psp_tree *t, u32 i, struct psp_hent e)
 {
-	for (;;) {
-		u32 c = HEAP_ARITY * i + 1, best, j;
+	u32 n = t->n;
 
-		if (c >= t->n)
+	for (;;) {
+		u32 c = HEAP_ARITY * i + 1, best;
+
+		if (c >= n)
 			break;
-		/* the grandchildren: one cache line per child, fetched together */
-		if (HEAP_ARITY * c + 1 < t->n)
-			for (j = 0; j < HEAP_ARITY; j++)
-				__builtin_prefetch(&HENT(t, HEAP_ARITY * (c + j) + 1));
-		best = psp_min_child(t, c, t->n);
+		psp_prefetch_below(t, c, n);
+		best = psp_min_child(t, c, n);
 		if (!psp_hless(&HENT(t, best), &e))
 			break;
 		psp_hset(t, i, HENT(t, best));
@@ -137,7 +156,6 @@ static inline void psp_tree_init(struct psp_tree *t)
 /* Room for @cap nodes with ids < @cap: insert never allocates. */
 static int psp_tree_reserve(struct psp_tree *t, u32 cap)
 {
-	struct psp_tnode **node;
 	struct psp_hent *a;
 	u32 *slot;
 
@@ -145,12 +163,6 @@ static int psp_tree_reserve(struct psp_tree *t, u32 cap)
 		return 0;
 	if (posix_memalign((void **)&a, 64, (HEAP_PAD + (size_t)cap) * sizeof(*a)))
 		return -1;
-	node = realloc(t->node, (size_t)cap * sizeof(*node));
-	if (!node) {
-		free(a);
-		return -1;
-	}
-	t->node = node;
 	slot = realloc(t->slot, (size_t)cap * sizeof(*slot));
 	if (!slot) {
 		free(a);
@@ -168,20 +180,18 @@ static int psp_tree_reserve(struct psp_tree *t, u32 cap)
 static void psp_tree_free(struct psp_tree *t)
 {
 	free(t->a);
-	free(t->node);
 	free(t->slot);
 }
 
 static inline struct psp_hent psp_hent_of(const struct psp_tnode *n)
 {
-	struct psp_hent e = { n->key, (u32)n->seq, n->id };
+	struct psp_hent e = { n->key, n->seq, n->id };
 
 	return e;
 }
 
 static inline void psp_tree_insert(struct psp_tree *t, struct psp_tnode *n)
 {
-	t->node[n->id] = n;
 	psp_sift_up(t, t->n++, psp_hent_of(n));
 }
 
@@ -196,13 +206,11 @@ static void psp_heap_pop(struct psp_tree *t)
 	if (!n)
 		return;
 	for (;;) {
-		u32 c = HEAP_ARITY * i + 1, best, j;
+		u32 c = HEAP_ARITY * i + 1, best;
 
 		if (c >= n)
 			break;
-		if (HEAP_ARITY * c + 1 < n)
-			for (j = 0; j < HEAP_ARITY; j++)
-				__builtin_prefetch(&HENT(t, HEAP_ARITY * (c + j) + 1));
+		psp_prefetch_below(t, c, n);
 		best = psp_min_child(t, c, n);
 		psp_hset(t, i, HENT(t, best));
 		i = best;
@@ -223,7 +231,7 @@ static inline void psp_tree_erase(struct psp_tree *t, struct psp_tnode *n)
 	if (i == last)
 		return;
 	e = HENT(t, last);
-	if (i && psp_hless(&e, &HENT(t, (i - 1) / HEAP_ARITY)))
+	if (psp_hless(&e, &HENT(t, (i - 1) / HEAP_ARITY)))
 		psp_sift_up(t, i, e);
 	else
 		psp_sift_down(t, i, e);
@@ -237,15 +245,21 @@ static inline void psp_tree_requeue(struct psp_tree *t, struct psp_tnode *n)
 
 static inline struct psp_tnode *psp_tree_first(struct psp_tree *t)
 {
-	return t->n ? t->node[HENT(t, 0).id] : NULL;
+	return t->n ? psp_tnode_of(t, HENT(t, 0).id) : NULL;
 }
 
-/* The smallest child of the root: first once the root is gone. */
-static inline struct psp_tnode *psp_tree_second(struct psp_tree *t)
+/* The smallest child of the root: first once the root is gone.  Its key
+ * comes from the heap entry, so the node itself is not touched.
+ */
+static inline struct psp_tnode *psp_tree_second(struct psp_tree *t, u64 *key)
 {
+	const struct psp_hent *e;
+
 	if (t->n < 2)
 		return NULL;
-	return t->node[HENT(t, psp_min_child(t, 1, t->n)).id];
+	e = &HENT(t, psp_min_child(t, 1, t->n));
+	*key = e->key;
+	return psp_tnode_of(t, e->id);
 }
 
 static inline void psp_prefetch(const void *p)
@@ -270,26 +284,23 @@ static inline u64 psp_mul_div(u64 a, u64 b, u64 c)
 /* ------------------------------------------------------------ the sim */
 
 struct sim_class {
-	/* hot first, as in the kernel */
+	/* hot: with the hot head of sc, the first two cache lines */
 	u32			qlen;
 	u32			greedy;		/* > 0: endless packets of this size */
-	u32			head, cap;
-	u32			*ring;		/* queued packet lengths */
 	u64			pkts, bytes;
 	struct psp_sclass	sc;
+	/* cold */
+	u32			head, cap;
+	u32			*ring;		/* queued packet lengths */
 	u32			limit;
 	u32			used;
-	u32			idx;		/* index in psp_sim.cls */
 	u64			drops;
-};
-
-#define SIM_CHUNK	4096		/* classes allocated together */
+} __attribute__((aligned(64)));
 
 struct psp_sim {
 	struct psp_sched	s;
-	struct sim_class	**cls;
-	struct sim_class	**chunks;	/* SIM_CHUNK classes each */
-	u32			ncls, cap, nchunks;
+	struct sim_class	*cls;		/* one array: cap classes */
+	u32			ncls, cap;
 	u64			armed;		/* last wake time handed out */
 	u64			timer_fires;
 	u64			timer_late_ns_max;
@@ -324,9 +335,9 @@ u32 psp_sim_sizeof(int which);
 
 static struct sim_class *sim_get(struct psp_sim *sim, int cls)
 {
-	if (cls < 0 || (u32)cls >= sim->ncls || !sim->cls[cls]->used)
+	if (cls < 0 || (u32)cls >= sim->ncls || !sim->cls[cls].used)
 		return NULL;
-	return sim->cls[cls];
+	return &sim->cls[cls];
 }
 
 struct psp_sim *psp_sim_new(u64 link_rate, u32 overhead)
@@ -349,10 +360,7 @@ void psp_sim_free(struct psp_sim *sim)
 	if (!sim)
 		return;
 	for (i = 0; i < sim->ncls; i++)
-		free(sim->cls[i]->ring);
-	for (i = 0; i < sim->nchunks; i++)
-		free(sim->chunks[i]);
-	free(sim->chunks);
+		free(sim->cls[i].ring);
 	free(sim->cls);
 	psp_tree_free(&sim->s.wtree);
 	psp_tree_free(&sim->s.etree);
@@ -367,6 +375,21 @@ void psp_sim_set_link(struct psp_sim *sim, u64 link_rate, u32 overhead)
 		psp_sched_set_link(&sim->s, link_rate, overhead);
 }
 
+/* The trees find nodes by id in the class array: point them at it. */
+static void sim_tree_bases(struct psp_sim *sim)
+{
+	char *base = (char *)sim->cls;
+
+	sim->s.wtree.base = base + offsetof(struct sim_class, sc.rnode);
+	sim->s.etree.base = sim->s.wtree.base;
+	sim->s.utree.base = sim->s.wtree.base;
+	sim->s.btree.base = base + offsetof(struct sim_class, sc.bnode);
+	sim->s.wtree.stride = sizeof(struct sim_class);
+	sim->s.etree.stride = sizeof(struct sim_class);
+	sim->s.utree.stride = sizeof(struct sim_class);
+	sim->s.btree.stride = sizeof(struct sim_class);
+}
+
 int psp_sim_add_class(struct psp_sim *sim, u64 rate, u64 ceil, u32 limit)
 {
 	struct sim_class *c;
@@ -374,38 +397,31 @@ int psp_sim_add_class(struct psp_sim *sim, u64 rate, u64 ceil, u32 limit)
 	if (ceil && ceil < rate)
 		return -1;
 	if (sim->ncls == sim->cap) {
+		/* the classes move: nothing but the trees' bases points at them */
 		u32 cap = sim->cap ? 2 * sim->cap : 16;
-		struct sim_class **a = realloc(sim->cls, (size_t)cap * sizeof(*a));
+		struct sim_class *a;
 
-		if (!a)
+		if (posix_memalign((void **)&a, 64, (size_t)cap * sizeof(*a)))
 			return -1;
+		if (sim->ncls)
+			memcpy(a, sim->cls, (size_t)sim->ncls * sizeof(*a));
+		memset(a + sim->ncls, 0, (size_t)(cap - sim->ncls) * sizeof(*a));
+		free(sim->cls);
 		sim->cls = a;
 		sim->cap = cap;
+		sim_tree_bases(sim);
 	}
 	if (psp_tree_reserve(&sim->s.wtree, sim->cap) ||
 	    psp_tree_reserve(&sim->s.etree, sim->cap) ||
 	    psp_tree_reserve(&sim->s.utree, sim->cap) ||
 	    psp_tree_reserve(&sim->s.btree, sim->cap))
 		return -1;
-	if (sim->ncls == sim->nchunks * SIM_CHUNK) {
-		struct sim_class **ch = realloc(sim->chunks, (sim->nchunks + 1) * sizeof(*ch));
-
-		if (!ch)
-			return -1;
-		sim->chunks = ch;
-		ch[sim->nchunks] = calloc(SIM_CHUNK, sizeof(struct sim_class));
-		if (!ch[sim->nchunks])
-			return -1;
-		sim->nchunks++;
-	}
-	c = &sim->chunks[sim->ncls / SIM_CHUNK][sim->ncls % SIM_CHUNK];
+	c = &sim->cls[sim->ncls];
 	c->limit = limit ? limit : PSP_DEFAULT_LIMIT;
 	c->used = 1;
-	c->idx = sim->ncls;
 	c->sc.rnode.id = sim->ncls;
 	c->sc.bnode.id = sim->ncls;
 	psp_class_set(&sim->s, &c->sc, rate, ceil ? ceil : rate, 0);
-	sim->cls[sim->ncls] = c;
 	return (int)sim->ncls++;
 }
 
@@ -517,7 +533,7 @@ int psp_sim_dequeue(struct psp_sim *sim, u64 now, struct psp_sim_pkt *out)
 	c->pkts++;
 	c->bytes += len;
 	out->t = now;
-	out->cls = c->idx;
+	out->cls = (u32)(c - sim->cls);
 	out->len = len;
 	out->kind = (u32)kind;
 	return 1;
@@ -550,7 +566,7 @@ void psp_sim_xstats(struct psp_sim *sim, struct tc_psp_xstats *st)
 	u32 i, n = 0;
 
 	for (i = 0; i < sim->ncls; i++)
-		n += sim->cls[i]->used;
+		n += sim->cls[i].used;
 	memset(st, 0, sizeof(*st));
 	st->link_rate = sim->s.link_rate;
 	st->rate_sum = sim->s.rate_sum;
@@ -596,7 +612,7 @@ int psp_sim_class_counts(struct psp_sim *sim, int cls, u64 out[4])
 
 	if (cls < 0 || (u32)cls >= sim->ncls)
 		return -1;
-	c = sim->cls[cls];
+	c = &sim->cls[cls];
 	out[0] = c->pkts;
 	out[1] = c->bytes;
 	out[2] = c->drops;
