@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -28,7 +29,7 @@ from .common import write
 
 RULES = """\
 interface: {ifname}
-backend: htb
+backend: {backend}
 link_rate: 1gbit
 rules:
   - name: held
@@ -43,17 +44,18 @@ rules:
 class Run:
     """One daemon process in the testbed's server namespace."""
 
-    def __init__(self, tb, tmp, extra=()):
+    def __init__(self, tb, tmp, extra=(), backend="htb"):
         self.tb, self.tmp = tb, tmp
         self.rules = os.path.join(tmp, "rules.yaml")
         if not os.path.exists(self.rules):
             with open(self.rules, "w") as f:
-                f.write(RULES.format(ifname=tb.server_if))
+                f.write(RULES.format(ifname=tb.server_if, backend=backend))
         self.sock = os.path.join(tmp, "control.sock")
         self.log = os.path.join(tmp, "daemon.log")
         self.t_start = time.monotonic()
+        metrics = [] if "--metrics" in extra else ["--no-metrics"]
         self.proc = tb.popen(tb.server_ns, [PY, "-m", "flowpacer.cli", "run", "--rules", self.rules,
-                                            "--socket", self.sock, "--rescan", "0.5", "--no-metrics",
+                                            "--socket", self.sock, "--rescan", "0.5", *metrics,
                                             *extra], stderr=open(self.log, "a"))
 
     def status(self, timeout=30):
@@ -103,70 +105,153 @@ def live_target_flows(tb):
     return {line.split()[-1].rsplit(":", 1)[1] for line in out.splitlines() if line.strip()}
 
 
-def crash_restart(tb, held=500, churn_rate=100) -> dict:
+class NlProbe:
+    """``kernel_objects`` and ``live_target_flows`` read in-process over netlink sockets made in
+    the server namespace: no ``tc``/``ss`` processes, which under TCG cost more CPU than the
+    daemon being measured. The same answers as the two functions."""
+
+    def __init__(self, tb):
+        from flowpacer.sockdiag import NETLINK_SOCK_DIAG
+        from flowpacer.tc.nl import RtnlSocket
+        from flowpacer.testbed import in_netns
+        with in_netns(tb.server_ns):
+            self.ifindex = socket.if_nametoindex(tb.server_if)
+            self.rt = RtnlSocket()
+            self.diag = RtnlSocket(NETLINK_SOCK_DIAG)
+
+    def objects(self):
+        from flowpacer.backend.tc import MAJOR, QDISC_HANDLE
+        from flowpacer.errors import NetlinkError
+        from flowpacer.tc import nl, u32
+        ncls = nflt = 0
+        try:
+            for mtype, body in self.rt.dump(nl.RTM_GETTCLASS, nl.tcmsg(self.ifindex)):
+                o = nl.parse_tcmsg(mtype, body)
+                if o.ifindex == self.ifindex and o.handle >> 16 == MAJOR and o.handle & 0xFFFF > 2:
+                    ncls += 1
+            for mtype, body in self.rt.dump(nl.RTM_GETTFILTER,
+                                            nl.tcmsg(self.ifindex, 0, QDISC_HANDLE)):
+                o = nl.parse_tcmsg(mtype, body)
+                if o.kind == "u32" and u32.TCA_U32_CLASSID in o.options:
+                    nflt += 1
+        except NetlinkError:        # no qdisc of ours: nothing under it
+            pass
+        return ncls, nflt
+
+    def live(self):
+        from flowpacer.sockdiag import PORTS, REQ, SOCK_DIAG_BY_FAMILY, TCP_ESTABLISHED
+        out = set()
+        for fam in (socket.AF_INET, socket.AF_INET6):
+            for _t, body in self.diag.dump(SOCK_DIAG_BY_FAMILY,
+                                           REQ.pack(fam, socket.IPPROTO_TCP, 0,
+                                                    1 << TCP_ESTABLISHED)):
+                sport, dport = PORTS.unpack_from(body, 4)
+                if body[1] == TCP_ESTABLISHED and sport in (7000, 7100):
+                    out.add(str(dport))
+        return out
+
+    def close(self):
+        self.rt.close()
+        self.diag.close()
+
+
+def gap_goodput(client: dict, t_from: float, t_to: float, min_span: float = 1.0):
+    """Goodput (bytes/s) of a ``fetch --interval`` client between two monotonic instants (the
+    window is widened to at least ``min_span`` seconds so that a short gap is still measured)
+    and the window actually used, from the client's (seconds since its start, bytes) samples."""
+    t0 = client["t0_monotonic"]
+    t_to = max(t_to, t_from + min_span)
+    pts = [(t0 + t, b) for t, b in client.get("samples", [])]
+    before = [p for p in pts if p[0] <= t_from]
+    after = [p for p in pts if p[0] >= t_to]
+    if not before or not after:
+        return None, (t_from, t_to)
+    (ta, ba), (tb_, bb) = before[-1], after[0]
+    return (bb - ba) / (tb_ - ta), (ta, tb_)
+
+
+def crash_restart(tb, held=500, churn_rate=100, backend="htb", extra=(), doomed_n=50,
+                  unmatched_s=20.0, churn_s=15.0, slow=1.0, probe=None, poll_s=0.02) -> dict:
+    """``backend`` and ``extra`` (daemon options) choose the daemon's set-up; ``slow`` scales
+    every wait (the VM runs ~10x slower than the host); ``probe`` (an ``NlProbe``) reads the
+    kernel in-process instead of through ``tc``/``ss``, every ``poll_s`` while converging."""
+    objects = probe.objects if probe else (lambda: kernel_objects(tb))
+    live_flows = probe.live if probe else (lambda: live_target_flows(tb))
     tmp = tempfile.mkdtemp(prefix="fp-crash-")
     blaster = [PY, "-m", "flowpacer.tools.blaster"]
     tb.popen(tb.server_ns, blaster + ["hold-serve", "--port", "7000"])
     tb.popen(tb.server_ns, blaster + ["burst-serve", "--port", "7100", "--bytes", "2000"])
     tb.popen(tb.server_ns, blaster + ["serve", "--ports", "7200", "--name", "fp-other-srv"])
     for p in (7000, 7100, 7200):
-        tb.wait_listening(p)
-    d = Run(tb, tmp)
-    d.wait_ready()
-    unmatched = tb.popen(tb.client_ns, client_argv(str(tb.server_v4), 7200, 20, warmup=0.5),
-                         stdout=subprocess.PIPE, text=True)
+        tb.wait_listening(p, timeout=10 * slow)
+    d = Run(tb, tmp, extra, backend)
+    d.wait_ready(timeout=90 * slow)
+    unmatched = tb.popen(tb.client_ns, client_argv(str(tb.server_v4), 7200, unmatched_s, warmup=0.5)
+                         + ["--interval", "0.1"], stdout=subprocess.PIPE, text=True)
+    hold_s = str(120 * slow)
     holder = tb.popen(tb.client_ns, blaster + ["hold-connect", "--host", str(tb.server_v4), "--port",
-                                               "7000", "--count", str(held), "--seconds", "120"],
+                                               "7000", "--count", str(held), "--seconds", hold_s],
                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     holder.stdout.readline()
     doomed = tb.popen(tb.client_ns, blaster + ["hold-connect", "--host", str(tb.server_v4), "--port",
-                                               "7000", "--count", "50", "--seconds", "120"],
+                                               "7000", "--count", str(doomed_n), "--seconds", hold_s],
                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     doomed.stdout.readline()
     churner = tb.popen(tb.client_ns, blaster + ["churn", "--host", str(tb.server_v4), "--port",
-                                                "7100", "--rate", str(churn_rate), "--seconds", "15"],
+                                                "7100", "--rate", str(churn_rate), "--seconds",
+                                                str(churn_s)],
                        stdout=subprocess.PIPE, text=True)
-    wait_for(lambda: (d.status() or {}).get("shaped_flows", 0) >= held + 50, 30, 0.1,
+    wait_for(lambda: (d.status() or {}).get("shaped_flows", 0) >= held + doomed_n, 30 * slow, 0.1,
              "held flows shaped")
+    t_kill = time.monotonic()
     os.kill(d.pid(), signal.SIGKILL)
-    d.proc.wait(timeout=10)
-    # while no daemon runs, 50 held flows end (their classes are now stale) and churn goes on
+    d.proc.wait(timeout=10 * slow)
+    # while no daemon runs, the doomed held flows end (their classes are now stale) and churn
+    # goes on
     doomed.stdin.close()
-    doomed.wait(timeout=30)
-    wait_for(lambda: len(live_target_flows(tb)) <= held + 3, 10, 0.05, "50 flows closed")
-    stale = kernel_objects(tb)[0] - len(live_target_flows(tb))
+    doomed.wait(timeout=30 * slow)
+    wait_for(lambda: len(live_flows()) <= held + 3, 10 * slow, 0.05,
+             f"{doomed_n} flows closed")
+    stale = objects()[0] - len(live_flows())
     last = {}
-    d2 = Run(tb, tmp)
+    d2 = Run(tb, tmp, extra, backend)
     t0 = d2.t_start
 
     def converged():
         # judged from the kernel alone: the daemon's control socket only opens after the
         # tracer's compile, while adoption and the first reconcile pass come before it
-        live = live_target_flows(tb)
-        ncls, nflt = kernel_objects(tb)
+        live = live_flows()
+        ncls, nflt = objects()
         last["v"] = (len(live), ncls, nflt)
         return (ncls == nflt and abs(ncls - len(live)) <= 3 and ncls >= held
                 and (time.monotonic() - t0, ncls))
 
     try:
-        recovery_s, ncls = wait_for(converged, 60, 0.02, "live flows shaped, stale gone")
+        recovery_s, ncls = wait_for(converged, 60 * slow, poll_s, "live flows shaped, stale gone")
     except TimeoutError as e:
         raise TimeoutError(f"{e}: live, classes, filters = {last.get('v')}")
-    d2.wait_ready()
-    live = live_target_flows(tb)
+    t_conv = t0 + recovery_s
+    d2.wait_ready(timeout=90 * slow)
+    live = live_flows()
     shaped = {f["remote"].rsplit(":", 1)[1] for f in d2.status()["flows"]}
     shaped_n = len(shaped)
     mismatch = len(shaped ^ live)
     holder.stdin.close()
-    churn_res = json.loads(churner.communicate(timeout=60)[0].splitlines()[-1])
-    unm = json.loads(unmatched.communicate(timeout=60)[0].splitlines()[-1])
-    wait_for(lambda: kernel_objects(tb) == (0, 0), 30, 0.1, "all flow classes gone")
+    churn_res = json.loads(churner.communicate(timeout=60 * slow)[0].splitlines()[-1])
+    unm = json.loads(unmatched.communicate(timeout=60 * slow)[0].splitlines()[-1])
+    gap_bps, window = gap_goodput(unm, t_kill, t_conv)
+    wait_for(lambda: objects() == (0, 0), 30 * slow, 0.1, "all flow classes gone")
     d2.stop()
-    leaked = kernel_objects(tb)
-    return {"held_flows": held, "churn_flows_per_s": churn_rate, "churn_client": churn_res,
+    leaked = objects()
+    return {"backend": backend, "held_flows": held, "churn_flows_per_s": churn_rate,
+            "churn_client": churn_res,
             "stale_classes_at_restart": stale, "status_vs_kernel_mismatch": mismatch,
             "recovery_s_from_restart": recovery_s, "shaped_after_restart": shaped_n,
-            "unmatched_goodput_bit_s": unm["goodput_bps"] * 8, "leaked_after_stop": leaked}
+            "down_s": t0 - t_kill,
+            "unmatched_goodput_bit_s": unm["goodput_bps"] * 8,
+            "unmatched_gap_goodput_bit_s": gap_bps * 8 if gap_bps is not None else None,
+            "unmatched_gap_window_s": round(window[1] - window[0], 2),
+            "leaked_after_stop": leaked}
 
 
 def churn_soak(tb, cycles=100_000, rate=2500) -> dict:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional
 
 from . import engine, rules as rules_loader
-from .backend import choose
+from .backend import choose, fallback, psp_available
 from .backend.tc import TcBackend
 from .control import DEFAULT_SOCKET, ControlServer
 from .errors import BackendError, FlowpacerError, RulesError, TracerUnavailable
@@ -66,6 +66,7 @@ def sd_notify(state: str) -> None:
 
 
 AUDIT_S = 5.0          # how often the flow classes are checked against the kernel
+REBUILD_LOG_S = 60.0   # a backend that cannot be rebuilt: its warning is repeated this often
 TRIM_S = 10.0          # how often freed heap is handed back (a few ms each time)
 
 
@@ -98,6 +99,7 @@ class Counters:
     op_errors: int = 0
     reloads_ok: int = 0
     reloads_failed: int = 0
+    rebuild_failures: int = 0      # attempts to rebuild a lost root qdisc that failed
     apply_latency_ns: deque = field(default_factory=lambda: deque(maxlen=4096))
     apply_hist: LatencyHistogram = field(default_factory=LatencyHistogram)
     shape_latency_ns: deque = field(default_factory=lambda: deque(maxlen=4096))
@@ -128,6 +130,10 @@ class Daemon:
         self._next_trim = 0.0
         self._retry: set = set()      # keys whose last operation failed
         self.backend_state = "ok"     # ok | gone | lost | foreign | speed (see TcBackend.check)
+        self.backend_problem = ""     # why the backend cannot be rebuilt (empty when it can)
+        self._problem_logged_at = 0.0
+        self._episode_failures = 0    # failed rebuilds since the backend last worked
+        self.fell_back = False        # auto: psp was lost and htb stands in until reload/restart
 
     # ---------------------------------------------------------------- set-up
     def _interface(self, rs: RuleSet) -> str:
@@ -142,6 +148,8 @@ class Daemon:
         b = TcBackend(codec, self._interface(rs), rs.link_rate_bps, self.opts.take_over)
         b.setup()
         self.backend_reason = reason
+        self.fell_back = False
+        self.backend_problem = ""
         log.info("backend %s on %s (%s)", codec.kind, b.interface, reason)
         return b
 
@@ -311,13 +319,68 @@ class Daemon:
         try:
             b.forget()
             b.setup()
-        except FlowpacerError as e:
-            log.error("%s: %s; cannot rebuild: %s", b.interface, why, e)
+        except (OSError, FlowpacerError) as e:
+            self._rebuild_failed(b, why, e)
             return
         self.backend_state = "ok"
+        if self.backend_problem:
+            log.warning("%s: rebuilt after %d failed attempts", b.interface,
+                        self._episode_failures)
+            self.backend_problem = ""
+        self._episode_failures = 0
         log.warning("%s: %s: rebuilt, re-applying %d flows", b.interface, why, len(self.table))
         self.table.mark_all(b.installed().keys())
         self._apply(self.table.take_dirty())
+
+    def _rebuild_failed(self, b: TcBackend, why: str, err: Exception) -> None:
+        """The lost qdisc cannot be made again (e.g. the psp module was unloaded): counted,
+        logged once per reason and then once every REBUILD_LOG_S, retried at every pass; flows
+        stay known (and unshaped) until it works. With ``backend: auto`` a psp that is gone
+        is replaced by htb instead."""
+        self.counters.rebuild_failures += 1
+        self._episode_failures += 1
+        reason = str(err)
+        if self._fall_back(b, why, reason):
+            return
+        now = time.monotonic()
+        if reason != self.backend_problem:
+            log.warning("%s: %s; cannot rebuild: %s; flows stay known and unshaped, retrying at "
+                        "every pass", b.interface, why, reason)
+            self._problem_logged_at = now
+        elif now - self._problem_logged_at >= REBUILD_LOG_S:
+            log.warning("%s: still cannot rebuild (%d attempts failed): %s", b.interface,
+                        self._episode_failures, reason)
+            self._problem_logged_at = now
+        else:
+            log.debug("%s: rebuild failed again: %s", b.interface, reason)
+        self.backend_problem = reason
+
+    def _fall_back(self, b: TcBackend, why: str, reason: str) -> bool:
+        """``backend: auto`` on psp whose module is gone: carry on with htb. True if done."""
+        alt = fallback(self.opts.backend or self.rules.backend, b.name)
+        if alt is None:
+            return False
+        codec, alt_reason = alt
+        nb = TcBackend(codec, b.interface, self.rules.link_rate_bps, self.opts.take_over)
+        try:
+            nb.setup()
+        except (OSError, FlowpacerError) as e:
+            nb.close()
+            if self.backend_problem != reason:
+                log.warning("%s: cannot fall back to %s either: %s", b.interface, codec.kind, e)
+            return False
+        b.close()
+        self.backend = nb
+        self.backend_state = "ok"
+        self.backend_problem = ""
+        self._episode_failures = 0
+        self.fell_back = True
+        self.backend_reason = f"{alt_reason}; psp: {reason}"
+        log.warning("%s: %s and psp cannot be rebuilt (%s): %s; re-applying %d flows",
+                    nb.interface, why, reason, alt_reason, len(self.table))
+        self.table.mark_all()
+        self._apply(self.table.take_dirty())
+        return True
 
     def _apply(self, keys: Iterable[FlowKey]):
         keys = list(keys)
@@ -331,7 +394,7 @@ class Daemon:
             if s is not None:
                 have[k] = s
         ops = engine.plan(want, have)
-        if not ops or self.backend_state in ("gone", "foreign"):
+        if not ops or self.backend_state in ("gone", "foreign", "lost"):
             return None
         t0 = time.monotonic_ns()
         try:
@@ -386,7 +449,9 @@ class Daemon:
             old = self.rules
             switch = (self._interface(new) != self.backend.interface
                       or (self.opts.backend or new.backend) != (self.opts.backend or old.backend)
-                      or new.link_rate_bps != old.link_rate_bps)
+                      or new.link_rate_bps != old.link_rate_bps
+                      # auto fell back to htb after psp was lost: back to psp when it can be had
+                      or (self.fell_back and psp_available()[0]))
             if switch:
                 try:
                     nb = self._switch_backend(new)
@@ -454,6 +519,7 @@ class Daemon:
                 "backend_reason": self.backend_reason,
                 "interface": b.interface if b else None,
                 "backend_state": self.backend_state,
+                "backend_problem": self.backend_problem,
                 "link_rate_bit": b.link_rate_bps * 8 if b else 0,
                 "rules": os.path.abspath(self.opts.rules_path),
                 "flow_source": self.tracer_status,
@@ -463,6 +529,7 @@ class Daemon:
                 "counters": {"applies": self.counters.applies, "op_errors": self.counters.op_errors,
                              "reloads_ok": self.counters.reloads_ok,
                              "reloads_failed": self.counters.reloads_failed,
+                             "backend_rebuild_failures": self.counters.rebuild_failures,
                              "events": {f"{s}_{k}": n for (s, k), n in self.table.events.items()},
                              "shape_latency_us": _pcts(self.counters.shape_latency_ns),
                              "apply_latency_us": _pcts(self.counters.apply_latency_ns),
@@ -505,6 +572,8 @@ class Daemon:
             return {"flows": flows,
                     "rule_names": [r.name for r in self.rules.rules] if self.rules else [],
                     "backend": b.name if b else None, "interface": b.interface if b else None,
+                    "backend_state": self.backend_state,
+                    "backend_rebuild_failures": c.rebuild_failures,
                     "flow_source": self.tracer_status, "events": dict(self.table.events),
                     "tracer_lost": ts.get("lost", 0),
                     "tracer_unattributed": ts.get("unattributed", 0),

@@ -103,6 +103,12 @@ def status(socket_path, as_json):
         return
     click.echo(f"backend:   {st['backend']} ({safe(st['backend_reason'])})")
     click.echo(f"interface: {safe(st['interface'])}, link {_bits(st['link_rate_bit'])}")
+    if st.get("backend_state", "ok") != "ok":
+        problem = st.get("backend_problem") or ""
+        fails = st.get("counters", {}).get("backend_rebuild_failures", 0)
+        click.echo(f"state:     {safe(st['backend_state'])}"
+                   + (f" (cannot rebuild, {fails} attempts failed: {safe(problem)})"
+                      if problem else ""))
     click.echo(f"flows:     {st['shaped_flows']} shaped of {st['live_flows']} live; "
                f"source: {safe(st['flow_source'])}")
     if not st["flows"]:

@@ -16,13 +16,14 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Dict, Optional, Tuple
 
-from prometheus_client import CollectorRegistry
-
 from .memory import trim_heap
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+# prometheus_client is imported where it is used: the daemon's start (and so its recovery after
+# a crash) does not pay for it before the flows are shaped, nor at all with --no-metrics
 
 log = logging.getLogger(__name__)
+
+BACKEND_STATES = ("ok", "gone", "lost", "foreign", "speed")   # TcBackend.check()
 
 DEFAULT_LISTEN = "127.0.0.1:9717"
 DEFAULT_MAX_FLOW_SERIES = 10_000
@@ -80,6 +81,8 @@ class FlowpacerCollector:
             yield from self._collect()
 
     def _collect(self):
+        from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                            HistogramMetricFamily)
         v = self.view()
         try:
             stats = self.class_stats()
@@ -170,6 +173,20 @@ class FlowpacerCollector:
         nle = CounterMetricFamily("flowpacer_netlink_errors", "Requests the kernel refused.")
         nle.add_metric([], v["netlink_errors"])
         yield nle
+        rbf = CounterMetricFamily("flowpacer_backend_rebuild_failures",
+                                  "Failed attempts to rebuild a lost root qdisc (e.g. the psp "
+                                  "module was unloaded).")
+        rbf.add_metric([], v.get("backend_rebuild_failures", 0))
+        yield rbf
+        bst = GaugeMetricFamily("flowpacer_backend_state",
+                                "1 for the backend's current state, 0 for the others: ok, gone (no "
+                                "interface), lost (our root qdisc missing, not rebuilt yet), "
+                                "foreign (someone else's root qdisc), speed (link speed changed).",
+                                labels=["state"])
+        cur = v.get("backend_state", "ok")
+        for st in BACKEND_STATES:
+            bst.add_metric([st], 1 if st == cur else 0)
+        yield bst
         rel = CounterMetricFamily("flowpacer_reloads", "Rules reloads by outcome.",
                                   labels=["outcome"])
         rel.add_metric(["ok"], v["reloads_ok"])
@@ -197,6 +214,8 @@ class FlowpacerCollector:
 
 
 def _handler(registry):
+    from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
     class Handler(BaseHTTPRequestHandler):
         server_version = "flowpacer"
         sys_version = ""
@@ -242,6 +261,7 @@ def parse_listen(text: str) -> Tuple[str, int]:
 class MetricsServer:
     def __init__(self, listen: str, collector: FlowpacerCollector):
         host, port = parse_listen(listen)
+        from prometheus_client import CollectorRegistry
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(collector)
         server_cls = type("MetricsHTTPServer", (ThreadingHTTPServer,), {

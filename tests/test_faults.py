@@ -102,3 +102,71 @@ def test_interface_deleted_and_recreated(testbed, shaped):
     wait_for(lambda: d.flows(), 5, 0.05, "the flow shaped again")
     res = json.loads(c.communicate(timeout=60)[0].splitlines()[-1])
     assert res["bytes"] > 0
+
+
+def _recreate_veth(tb):
+    sh("ip", "-n", tb.server_ns, "link", "add", tb.server_if, "type", "veth", "peer", "name",
+       tb.client_if, "netns", tb.client_ns)
+    for ns, ifn, v4, v6 in ((tb.server_ns, tb.server_if, tb.server_v4, tb.server_v6),
+                            (tb.client_ns, tb.client_if, tb.client_v4, tb.client_v6)):
+        sh("ip", "-n", ns, "addr", "add", f"{v4}/24", "dev", ifn)
+        sh("ip", "-n", ns, "addr", "add", f"{v6}/64", "dev", ifn, "nodad")
+        sh("ip", "-n", ns, "link", "set", ifn, "up")
+
+
+def _scrape(tb):
+    from prometheus_client.parser import text_string_to_metric_families
+    import urllib.request
+    from flowpacer.testbed import in_netns
+    with in_netns(tb.server_ns):
+        text = urllib.request.urlopen("http://127.0.0.1:9717/metrics", timeout=5).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_rebuild_that_keeps_failing_is_counted_logged_once_and_healed(testbed, tmp_path):
+    """The lost qdisc cannot be made again (here: the interface comes back as a bridge, which
+    reports no speed, and the rules give no link_rate): one warning with the reason, then quiet
+    retries at every pass, counted in status and metrics; the flow stays known; once a usable
+    interface is back the next pass rebuilds and the flow is shaped again. No crash, no
+    traceback."""
+    tb = testbed
+    tb.popen(tb.server_ns, server_argv([9101], "fp-test-srv"))
+    tb.wait_listening(9101)
+    rules = "\n".join(line for line in RULES.splitlines() if "link_rate" not in line)
+    d = Daemon(tb, tmp_path, rules, "--rescan", "0.2").start()
+    try:
+        c = tb.popen(tb.client_ns, client_argv(str(tb.server_v4), 9101, 12, warmup=0.5),
+                     stdout=subprocess.PIPE, text=True)
+        wait_for(lambda: d.flows(), 5, 0.05, "the flow to be shaped")
+        sh("ip", "-n", tb.server_ns, "link", "del", tb.server_if)
+        sh("ip", "-n", tb.server_ns, "link", "add", tb.server_if, "type", "bridge")
+        sh("ip", "-n", tb.server_ns, "link", "set", tb.server_if, "up")
+        st = wait_for(lambda: (lambda s: s if s["counters"]["backend_rebuild_failures"] >= 8
+                               else None)(d.status()), 10, 0.05, "eight failed rebuilds")
+        assert st["backend_state"] == "lost" and "reports no speed" in st["backend_problem"], st
+        assert st["live_flows"] == 1 and st["shaped_flows"] == 0, st
+        assert d.proc.poll() is None
+        log = d.log.read_text()
+        assert log.count("cannot rebuild") == 1, log
+        assert "Traceback" not in log
+        m = _scrape(tb)
+        assert m[("flowpacer_backend_rebuild_failures_total", ())] >= 8
+        assert m[("flowpacer_backend_state", (("state", "lost"),))] == 1
+        assert all(m[("flowpacer_backend_state", (("state", st),))] == 0
+                   for st in ("ok", "gone", "foreign", "speed"))
+        out = tb.run(tb.server_ns, [PY, "-m", "flowpacer.cli", "status", "--socket", d.sock]).stdout
+        assert "state:     lost (cannot rebuild" in out and "reports no speed" in out, out
+        # a usable interface again: rebuilt at the next pass, the surviving connection shaped
+        sh("ip", "-n", tb.server_ns, "link", "del", tb.server_if)
+        _recreate_veth(tb)
+        wait_for(lambda: d.status()["backend_state"] == "ok" and d.flows(), 5, 0.05,
+                 "the qdisc rebuilt and the flow shaped again")
+        assert "htb f1f0:" in qdisc(tb)
+        log = d.log.read_text()
+        assert "rebuilt after" in log and log.count("cannot rebuild") == 1
+        assert d.status()["backend_problem"] == ""
+        assert json.loads(c.communicate(timeout=60)[0].splitlines()[-1])["bytes"] > 0
+    finally:
+        assert d.stop() == 0
+    assert "Traceback" not in d.log.read_text()

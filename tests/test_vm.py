@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,18 @@ if os.environ.get("FLOWPACER_IN_VM"):
 
 SELF_TEST_LINE = "flowpacer dmesg self-test"   # written on purpose by a guest test
 TIMEOUT_S = float(os.environ.get("FLOWPACER_VM_TIMEOUT", "900"))
+
+
+def host_import_s(runs: int = 3) -> float:
+    """Seconds a fresh interpreter takes here to import the daemon (best of ``runs``): the guest
+    measures the same and so knows how much slower TCG runs the daemon than this host."""
+    best = float("inf")
+    for _ in range(runs):
+        t = time.monotonic()
+        subprocess.run([sys.executable, "-c", "import flowpacer.app"], cwd=REPO, check=True,
+                       timeout=120)
+        best = min(best, time.monotonic() - t)
+    return best
 BOOT_LIMIT_S = 30.0
 
 
@@ -105,6 +118,8 @@ def guest_run(request, tmp_path_factory):
     except vmkmod.KmodError as e:
         gr.psp_build_error = str(e)
     env["FLOWPACER_PSP_KO"] = str(gr.psp_ko or out / "kmod" / "sch_psp.ko")
+    # the guest scales host time limits by how much slower the emulator runs the daemon's code
+    env.setdefault("FLOWPACER_HOST_IMPORT_S", f"{host_import_s():.4f}")
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfE",
            f"--junitxml={out / 'guest.xml'}", *targets]
     try:

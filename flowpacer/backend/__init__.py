@@ -2,14 +2,15 @@
 
 ``choose(kind)`` answers (codec, reason). ``auto`` prefers psp when the sch_psp module is loaded
 or loadable and falls back to htb otherwise; the reason is logged and shown by
-``flowpacer status``.
+``flowpacer status``. ``fallback(kind, lost)`` answers what replaces a backend whose qdisc was
+lost and cannot be made again: only ``auto`` falls back, from psp to htb, when the module is gone.
 """
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
-from typing import Tuple
+from typing import Optional, Tuple
 
 from ..errors import BackendError
 from ..model import BackendKind
@@ -43,3 +44,16 @@ def choose(kind: BackendKind):
     if kind is BackendKind.PSP:
         raise BackendError(f"backend psp requested but the module is not available: {why}")
     return HtbCodec(), f"auto: psp unavailable ({why}), using htb"
+
+
+def fallback(kind: BackendKind, lost: str) -> Optional[tuple]:
+    """(codec, reason) to use instead of the backend ``lost`` (its kind name) whose qdisc cannot
+    be rebuilt, or None to keep retrying it. Only ``auto`` falls back, and only from psp when
+    the module is no longer available; an explicit ``psp`` waits for the module to return."""
+    if kind is not BackendKind.AUTO or lost != "psp":
+        return None
+    ok, why = psp_available()
+    if ok:
+        return None
+    from .htb import HtbCodec
+    return HtbCodec(), f"auto: psp unavailable since it was lost ({why}), using htb until a reload or restart"
