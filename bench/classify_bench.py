@@ -15,7 +15,9 @@ ports 20000, 20001, ... The target is iperf3 -R's data connection (fixed client 
 server's egress through the veth is classified by the last-installed filter. ``none`` (no qdisc)
 is measured in the same rounds as the baseline. Rounds alternate layouts and filter counts so that
 the machine's noise hits all of them alike; the figure of a point is the median of its rounds, the
-raw samples are kept. The target class's byte counter proves that the filter matched.
+raw samples are kept. The ratio to the 1-filter case is taken within each round (the same layout's
+1-filter run of that round) and its median over the rounds reported: one lucky or unlucky baseline
+run does not move every ratio. The target class's byte counter proves that the filter matched.
 
 Goal (issue 2): with 10 000 flows installed, the hashed layout keeps >= 90 % of the 1-flow case.
 
@@ -224,11 +226,19 @@ def run(counts, reps: int, seconds: float, log=print) -> dict:
            "install_s": {lay: {k: percentiles(v) for k, v in d.items() if v} for lay, d in installs.items()},
            "target_filter_matched": {lay: {k: all(v) for k, v in d.items() if v} for lay, d in matched.items()},
            "duration_s": round(time.monotonic() - t_start, 1)}
-    ratios = {}
+    # each round's throughput over the same round's baseline (the layout with counts[0]
+    # filters), then the median over the rounds: paired within a round, so a slow drift of the
+    # shared machine (or one lucky baseline run) does not move the ratio
+    ratios, per_round = {}, {}
     for lay in ("hashed", "linear"):
-        base = med[lay].get(str(counts[0]))
-        ratios[lay] = {k: v / base for k, v in med[lay].items()} if base else {}
+        base = samples[lay].get(str(counts[0])) or []
+        per_round[lay] = {k: [x / b for x, b in zip(v, base)] for k, v in samples[lay].items()
+                          if v and base}
+        ratios[lay] = {k: statistics.median(v) for k, v in per_round[lay].items() if v}
     out["ratio_to_1_filter"] = ratios
+    out["ratio_to_1_filter_per_round"] = per_round
+    out["ratio_method"] = ("median over the rounds of (throughput / the same round's throughput "
+                           f"with {counts[0]} filter(s), same layout)")
     return out
 
 
@@ -241,7 +251,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     counts = tuple(int(x) for x in args.counts.split(",")) if args.counts else \
         ((1, 100, 10_000) if args.quick else COUNTS)
-    reps = args.rounds or (1 if args.quick else 3)
+    reps = args.rounds or (1 if args.quick else 5)
     seconds = args.seconds or (2.0 if args.quick else 3.0)
     if os.geteuid() != 0:
         print("classify_bench: needs root (network namespaces, tc)", file=sys.stderr)

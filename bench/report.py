@@ -757,7 +757,8 @@ def section_classify(R: Results) -> str:
         return "\n".join(out)
     s = f.get("setup", {})
     out.append(f"iperf3 -R, fixed client port, {s.get('seconds_per_run')} s per run, {s.get('rounds')} rounds "
-               f"alternating layouts and counts, GSO on; median of the rounds. `hashed` is flowpacer's layout "
+               f"alternating layouts and counts, GSO on; median of the rounds (the ratio: median of each round's ratio "
+               f"to that round's 1-filter run). `hashed` is flowpacer's layout "
                f"(two levels of 256-bucket u32 tables), `linear` plain u32 filters at one prio in one bucket "
                f"(chained on past 4 094 per table), the target installed last. `none`: no qdisc at all.\n")
     counts = [str(c) for c in s.get("counts", [])]

@@ -52,7 +52,7 @@ class Bench:
 BENCHES = [
     Bench("psp_sim", "bench.psp_sim", "psp_sim", [], ["--quick"], 60,
           what="psp scheduling core: ns per packet vs number of classes (userspace build)"),
-    Bench("classify", "bench.classify_bench", "classify", [], ["--quick"], 240,
+    Bench("classify", "bench.classify_bench", "classify", [], ["--quick"], 300,
           what="one flow's throughput with 1 ... 10 000 u32 filters, hashed vs linear"),
     Bench("backend", "bench.backend_bench", "backend", ["--fresh", "install", "daemon"],
           ["--fresh", "--quick", "install", "daemon"], 240,
