@@ -8,7 +8,11 @@ requeue of its class among N. Two ways the classes start:
 
 * ``staggered``: at spread-out times, as real flows do; at most one class is due at a time;
 * ``aligned``: all at the same instant, so all fall due together every period and every packet
-  goes through the deadline tree (the worst case for the per-packet cost).
+  goes through the deadline tree (the worst case for the per-packet cost);
+* ``mixed`` (reported, not a goal): staggered starts, but four rates (1, 2, 4, 8 parts, as four
+  rules would give) in round-robin. Equal rates requeue their classes in the order they are
+  served, which the trees' sorted run takes in O(1); with several rates a fast class sorts
+  before the run's tail and goes to the O(log N) tree, so this shows the cost without that help.
 
 Each repetition times ``--packets`` packets with the thread's CPU clock (the machines are shared:
 wall time would count other work); repetitions alternate between the class counts so that noise
@@ -63,19 +67,24 @@ def cpu_facts() -> dict:
     return out
 
 
-def make_sim(n: int, staggered: bool) -> Sim:
+MIX = (1, 2, 4, 8)             # parts of the rate in the mixed scenario, round-robin
+
+
+def make_sim(n: int, staggered: bool, mixed: bool = False) -> Sim:
     s = Sim(LINK)
-    rate = int(LINK * LOAD) // n
-    period = MTU * NSEC // rate
+    parts = [MIX[i % len(MIX)] if mixed else 1 for i in range(n)]
+    unit = int(LINK * LOAD) // sum(parts)
+    period = MTU * NSEC // (unit * min(parts))      # the slowest class's packet time
     for i in range(n):
-        c = s.add_class(rate)
+        c = s.add_class(unit * parts[i])
         s.greedy(c, MTU, now=(i * period // n) if staggered else 0)
     s.run(until=3 * period, log=False)          # warm up: every class has sent
     return s
 
 
-def scenario(name: str, staggered: bool, reps: int, packets: int, counts=COUNTS) -> dict:
-    sims = {n: make_sim(n, staggered) for n in counts}
+def scenario(name: str, staggered: bool, reps: int, packets: int, counts=COUNTS,
+             mixed: bool = False) -> dict:
+    sims = {n: make_sim(n, staggered, mixed) for n in counts}
     link_tx = MTU * NSEC // LINK
     samples = {n: [] for n in counts}
     sent = {n: 0 for n in counts}
@@ -86,7 +95,8 @@ def scenario(name: str, staggered: bool, reps: int, packets: int, counts=COUNTS)
             dt = time.thread_time_ns() - t0
             samples[n].append(dt / k)
             sent[n] += k
-    out = {"start": "staggered" if staggered else "aligned", "classes": {}}
+    out = {"start": "staggered" if staggered else "aligned", "rates": "mixed" if mixed else "equal",
+           "classes": {}}
     for n, s in sims.items():
         x = s.xstats()
         out["classes"][str(n)] = {
@@ -130,6 +140,7 @@ def main(argv=None) -> int:
                   "timer": "thread CPU time", "unit": "ns per packet (select + charge + requeue)"},
         "staggered": scenario("staggered", True, args.reps, args.packets, counts),
         "aligned": scenario("aligned", False, args.reps, args.packets, counts),
+        "mixed": scenario("mixed", True, args.reps, args.packets, counts, mixed=True),
         "cpu": cpu_facts(),
         "loadavg_before": load_before,
         "loadavg_after": os.getloadavg(),

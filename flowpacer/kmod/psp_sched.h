@@ -52,7 +52,9 @@
  *   costs one requeue per packet.  Borrowers also sit in btree keyed by
  *   max(t_ceil, t_min); backlogged unpaced classes sit in utree in
  *   round-robin order.  Every operation is O(log N) in the N backlogged
- *   classes.
+ *   classes, O(1) where the includer's tree makes in-order inserts cheap
+ *   (both do: a sorted run beside the tree; with equal rates, departures
+ *   and deadlines are inserted in the order the classes are served).
  *
  *   Order of service when the link clock allows a packet:
  *     1. the due paced class with the earliest deadline;

@@ -6,9 +6,10 @@
  * derived from the bytes the class has already sent at its rate, not from
  * timer ticks, so a late timer never lowers the long-run rate.  One hrtimer
  * (the qdisc watchdog) is armed for the earliest departure; the next class
- * comes from a time-ordered rbtree in O(log N).  The scheduling logic lives
- * in psp_sched.h, shared with a userspace simulator; this file is the kernel
- * glue: classes, queues, classification, netlink, statistics.
+ * comes from time-ordered rbtrees in O(log N), O(1) for the common in-order
+ * inserts (each tree keeps a sorted run beside it).  The scheduling logic
+ * lives in psp_sched.h, shared with a userspace simulator; this file is the
+ * kernel glue: classes, queues, classification, netlink, statistics.
  *
  * Layout (flowpacer's daemon uses major 0xF1F0):
  *   qdisc  MAJ:     root.  Options: link rate (default: ethtool speed of the
@@ -63,68 +64,171 @@
 
 /* ------------------------------------------------- psp_sched.h shims */
 
+/*
+ * A tree is an rbtree plus a run: a list sorted by the same (key, seq).
+ * In a pacer most inserts come in order: a class's next departure, and the
+ * deadline of a class that falls due, grow in service order among classes
+ * of the same rate (flowpacer gives all flows of a rule one rate).  An
+ * insert that sorts at or after the run's tail is appended to it in O(1);
+ * leaving the run, from anywhere, is O(1) and keeps it sorted.  Other
+ * inserts go to the rbtree, O(log N).  The first node is the smaller of the
+ * run's head and the rbtree's leftmost.  This is exact, the same order as
+ * the rbtree alone; worst case (no insert in order) everything is in the
+ * rbtree, as without the run, plus one compare per operation.  One run per
+ * tree: with several rates in a tree, an insert that sorts before the tail
+ * (a fast class behind a slow one) goes to the rbtree.
+ *
+ * A node is in one of the two: the run's list_head shares the rb_node's
+ * child pointers, and its parent word stays RB_EMPTY_NODE() (the kernel's
+ * "in no rbtree") while in the run, so the node keeps its 40 bytes.
+ * Nothing here allocates.
+ */
 struct psp_tnode {
-	struct rb_node	rb;
+	union {
+		struct rb_node		rb;		/* in the rbtree */
+		struct {
+			unsigned long	rb_pc;		/* = rb.__rb_parent_color */
+			struct list_head run;		/* in the run */
+		};
+	};
 	u64		key;
 	u64		seq;
 };
 
+static_assert(offsetof(struct psp_tnode, run) >=
+	      offsetofend(struct rb_node, __rb_parent_color));
+static_assert(offsetofend(struct psp_tnode, run) <= sizeof(struct rb_node));
+
 struct psp_tree {
 	struct rb_root_cached	root;
+	struct list_head	run;		/* in-order inserts, sorted */
 };
+
+static inline bool psp_tnode_before(const struct psp_tnode *x,
+				    const struct psp_tnode *y)
+{
+	return x->key < y->key || (x->key == y->key && x->seq < y->seq);
+}
 
 static inline bool psp_tnode_less(struct rb_node *a, const struct rb_node *b)
 {
-	const struct psp_tnode *x = rb_entry(a, struct psp_tnode, rb);
-	const struct psp_tnode *y = rb_entry(b, struct psp_tnode, rb);
+	return psp_tnode_before(rb_entry(a, struct psp_tnode, rb),
+				rb_entry(b, struct psp_tnode, rb));
+}
 
-	return x->key < y->key || (x->key == y->key && x->seq < y->seq);
+/* Only for a node in the tree: else it is in no rbtree either. */
+static inline bool psp_tnode_in_run(const struct psp_tnode *n)
+{
+	return RB_EMPTY_NODE(&n->rb);
+}
+
+/* May @n be appended to the run: it is empty or @n sorts after its tail. */
+static inline bool psp_run_fits(const struct psp_tree *t,
+				const struct psp_tnode *n)
+{
+	return list_empty(&t->run) ||
+	       !psp_tnode_before(n, list_last_entry(&t->run, struct psp_tnode,
+						    run));
+}
+
+static inline void psp_run_append(struct psp_tree *t, struct psp_tnode *n)
+{
+	RB_CLEAR_NODE(&n->rb);
+	list_add_tail(&n->run, &t->run);
 }
 
 static inline void psp_tree_init(struct psp_tree *t)
 {
 	t->root = RB_ROOT_CACHED;
+	INIT_LIST_HEAD(&t->run);
 }
 
 static inline void psp_tree_insert(struct psp_tree *t, struct psp_tnode *n)
 {
-	rb_add_cached(&n->rb, &t->root, psp_tnode_less);
+	if (psp_run_fits(t, n))
+		psp_run_append(t, n);
+	else
+		rb_add_cached(&n->rb, &t->root, psp_tnode_less);
 }
 
 static inline void psp_tree_erase(struct psp_tree *t, struct psp_tnode *n)
 {
+	if (psp_tnode_in_run(n)) {
+		/* the parent word stays: still RB_EMPTY_NODE() */
+		list_del(&n->run);
+		return;
+	}
 	rb_erase_cached(&n->rb, &t->root);
 	RB_CLEAR_NODE(&n->rb);
 }
 
-/* The node's (key, seq) grew: reposition it, unless it still sorts first. */
+/* The node's (key, seq) grew: reposition it, unless it still sorts before
+ * its successor.
+ */
 static inline void psp_tree_requeue(struct psp_tree *t, struct psp_tnode *n)
 {
-	struct rb_node *next = rb_next(&n->rb);
+	struct psp_tnode *tail;
+	struct rb_node *next;
 
-	if (!next || psp_tnode_less(&n->rb, next))
+	if (!psp_tnode_in_run(n)) {
+		if (psp_run_fits(t, n)) {
+			rb_erase_cached(&n->rb, &t->root);
+			psp_run_append(t, n);
+			return;
+		}
+		next = rb_next(&n->rb);
+		if (!next || psp_tnode_less(&n->rb, next))
+			return;
+		rb_erase_cached(&n->rb, &t->root);
+		rb_add_cached(&n->rb, &t->root, psp_tnode_less);
 		return;
-	rb_erase_cached(&n->rb, &t->root);
+	}
+	tail = list_last_entry(&t->run, struct psp_tnode, run);
+	if (n == tail)
+		return;
+	if (!psp_tnode_before(n, tail)) {
+		list_move_tail(&n->run, &t->run);
+		return;
+	}
+	if (psp_tnode_before(n, list_next_entry(n, run)))
+		return;
+	list_del(&n->run);
 	rb_add_cached(&n->rb, &t->root, psp_tnode_less);
 }
 
 static inline struct psp_tnode *psp_tree_first(struct psp_tree *t)
 {
-	struct rb_node *n = rb_first_cached(&t->root);
+	struct psp_tnode *r = list_first_entry_or_null(&t->run,
+						       struct psp_tnode, run);
+	struct rb_node *rb = rb_first_cached(&t->root);
+	struct psp_tnode *tn;
 
-	return n ? rb_entry(n, struct psp_tnode, rb) : NULL;
+	if (!rb)
+		return r;
+	tn = rb_entry(rb, struct psp_tnode, rb);
+	return r && psp_tnode_before(r, tn) ? r : tn;
 }
 
 static inline struct psp_tnode *psp_tree_second(struct psp_tree *t, u64 *key)
 {
-	struct rb_node *n = rb_first_cached(&t->root);
-	struct psp_tnode *tn;
+	struct psp_tnode *r = list_first_entry_or_null(&t->run,
+						       struct psp_tnode, run);
+	struct rb_node *rb = rb_first_cached(&t->root);
+	struct psp_tnode *tn = rb ? rb_entry(rb, struct psp_tnode, rb) : NULL;
 
-	n = n ? rb_next(n) : NULL;
-	if (!n)
-		return NULL;
-	tn = rb_entry(n, struct psp_tnode, rb);
-	*key = tn->key;
+	if (r && (!tn || psp_tnode_before(r, tn))) {
+		/* first is the run's head: its successor or the rbtree's */
+		r = list_is_last(&r->run, &t->run) ? NULL :
+						     list_next_entry(r, run);
+	} else if (tn) {
+		/* first is the rbtree's: its successor or the run's head */
+		rb = rb_next(rb);
+		tn = rb ? rb_entry(rb, struct psp_tnode, rb) : NULL;
+	}
+	if (r && (!tn || psp_tnode_before(r, tn)))
+		tn = r;
+	if (tn)
+		*key = tn->key;
 	return tn;
 }
 

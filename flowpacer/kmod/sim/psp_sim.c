@@ -8,9 +8,11 @@
  * tests/test_psp_sim.py and bench/psp_sim.py.  Time only moves when the
  * caller says so, so every run is exactly reproducible.
  *
- * The kernel keeps backlogged classes in rbtrees; here a 4-ary min-heap
- * ordered by the same (key, seq) pair stands in.  Both return the same
- * smallest element, so the simulator makes the same choices as the module.
+ * The kernel keeps backlogged classes in rbtrees, each with a sorted run
+ * for in-order inserts; here a 4-ary min-heap ordered by the same (key, seq)
+ * pair stands in for the rbtree, beside the same kind of run.  Both return
+ * the same smallest element, so the simulator makes the same choices as the
+ * module.
  * The classes live in one array, hot fields first, cache-line aligned.
  *
  * A class is either fed packet by packet (psp_sim_enqueue) or "greedy": an
@@ -36,6 +38,26 @@ typedef int64_t s64;
 /* ------------------------------------------------- psp_sched.h shims */
 
 /*
+ * A tree is two sorted containers with the same order, (key, seq):
+ *
+ * The run, a FIFO.  In a pacer most inserts come in order: a class's next
+ * departure, and the deadline of a class that falls due, grow in service
+ * order among classes of the same rate (flowpacer gives all flows of a rule
+ * one rate).  An insert that sorts at or after the run's tail is appended
+ * to it in O(1); taking a node out of the run, from anywhere, is O(1) and
+ * keeps it sorted.  The run is doubly linked through the nodes by id
+ * (prev/next beside the key: the node's lines are touched anyway).  The
+ * head's prev is left stale (nothing reads it), so taking the head writes
+ * nothing but the tree; prev == PSP_IN_HEAP marks a node in the heap.
+ *
+ * The heap, for inserts out of order: O(log N).  The smallest node is the
+ * smaller of the run's head and the heap's root.  This is exact: the same
+ * order as a heap alone, so the same choices (and the kernel's rbtrees give
+ * the same).  Worst case, no insert comes in order: everything is in the
+ * heap, as before, at the cost of one more compare per operation.  There is
+ * one run per tree: with several rates in a tree, an insert that sorts
+ * before the tail (a fast class behind a slow one) goes to the heap.
+ *
  * The heap: 4-ary, 16-byte entries, so the four children of a node share
  * one 64-byte cache line (the array is offset by HEAP_PAD entries to align
  * the groups).  The slot of each node lives in a dense array indexed by the
@@ -43,13 +65,21 @@ typedef int64_t s64;
  * A node is found from its id by arithmetic (the classes are one array), as
  * the kernel's rbtree hands out node pointers without a lookup table.
  * Entries keep the low 32 bits of the insertion sequence number, compared
- * with wrap-around: ties are broken exactly like the kernel's u64 as long as
- * a node waits fewer than 2^31 insertions.
+ * with wrap-around (the run compares them the same way): ties are broken
+ * exactly like the kernel's u64 as long as a node waits fewer than 2^31
+ * insertions.
  */
+#define PSP_NIL		0xffffffffU	/* no node: end of the run */
+#define PSP_IN_HEAP	0xfffffffeU	/* prev of a node in the heap */
+
 struct psp_tnode {
 	u64	key;
-	u32	seq;		/* the heap compares 32 bits with wrap-around */
-	u32	id;		/* index in the tree's slot table and node array */
+	u32	seq;		/* compared 32 bits with wrap-around */
+	u32	id;		/* index in the slot table and node array */
+	u32	prev;		/* run: previous id (stale at the head);
+				 * PSP_IN_HEAP: in the heap
+				 */
+	u32	next;		/* run: next id, PSP_NIL at the tail */
 };
 
 struct psp_hent {
@@ -63,8 +93,10 @@ struct psp_tree {
 	u32			*slot;	/* id -> heap index */
 	char			*base;	/* node of id i: base + i * stride */
 	size_t			stride;
-	u32			n;
+	u32			n;	/* in the heap */
 	u32			cap;
+	u32			rhead;	/* the run: first id, or PSP_NIL */
+	u32			rtail;	/* last id, or PSP_NIL */
 };
 
 #define HEAP_ARITY	4
@@ -76,11 +108,23 @@ static inline struct psp_tnode *psp_tnode_of(const struct psp_tree *t, u32 id)
 	return (struct psp_tnode *)(t->base + (size_t)id * t->stride);
 }
 
-/* Branch-free: which child is smallest is a coin toss the CPU cannot predict. */
+/* (ka, sa) < (kb, sb).  Branch-free: in the heap, which child is smallest
+ * is a coin toss the CPU cannot predict.
+ */
+static inline bool psp_kless(u64 ka, u32 sa, u64 kb, u32 sb)
+{
+	return (ka < kb) | ((ka == kb) & ((int32_t)(sa - sb) < 0));
+}
+
 static inline bool psp_hless(const struct psp_hent *x, const struct psp_hent *y)
 {
-	return (x->key < y->key) |
-	       ((x->key == y->key) & ((int32_t)(x->seq - y->seq) < 0));
+	return psp_kless(x->key, x->seq, y->key, y->seq);
+}
+
+static inline bool psp_nless(const struct psp_tnode *x,
+			     const struct psp_tnode *y)
+{
+	return psp_kless(x->key, x->seq, y->key, y->seq);
 }
 
 /* Index of the smallest of the children c .. c + HEAP_ARITY - 1 (< n). */
@@ -151,6 +195,8 @@ static void psp_sift_down(struct psp_tree *t, u32 i, struct psp_hent e)
 static inline void psp_tree_init(struct psp_tree *t)
 {
 	t->n = 0;
+	t->rhead = PSP_NIL;
+	t->rtail = PSP_NIL;
 }
 
 /* Room for @cap nodes with ids < @cap: insert never allocates. */
@@ -190,8 +236,59 @@ static inline struct psp_hent psp_hent_of(const struct psp_tnode *n)
 	return e;
 }
 
-static inline void psp_tree_insert(struct psp_tree *t, struct psp_tnode *n)
+/* The hot head of struct psp_sclass: 112 bytes here (a 24-byte rnode),
+ * three lines at most.
+ */
+static inline void psp_prefetch(const void *p)
 {
+	__builtin_prefetch(p);
+	__builtin_prefetch((const char *)p + 64);
+	__builtin_prefetch((const char *)p + 111);
+}
+
+/* ---- the run */
+
+static inline void psp_run_append(struct psp_tree *t, struct psp_tnode *n)
+{
+	n->prev = t->rtail;
+	n->next = PSP_NIL;
+	if (t->rtail == PSP_NIL)
+		t->rhead = n->id;
+	else
+		psp_tnode_of(t, t->rtail)->next = n->id;
+	t->rtail = n->id;
+}
+
+static inline void psp_run_unlink(struct psp_tree *t, struct psp_tnode *n)
+{
+	if (n->id == t->rhead) {
+		/* the new head's prev goes stale: not read at the head */
+		t->rhead = n->next;
+		if (n->next == PSP_NIL)
+			t->rtail = PSP_NIL;
+		else	/* read by the next psp_tree_first() */
+			psp_prefetch(psp_tnode_of(t, n->next));
+		return;
+	}
+	psp_tnode_of(t, n->prev)->next = n->next;
+	if (n->next == PSP_NIL)
+		t->rtail = n->prev;
+	else
+		psp_tnode_of(t, n->next)->prev = n->prev;
+}
+
+/* May @n be appended: the run is empty or it sorts after the tail. */
+static inline bool psp_run_fits(const struct psp_tree *t,
+				const struct psp_tnode *n)
+{
+	return t->rtail == PSP_NIL || !psp_nless(n, psp_tnode_of(t, t->rtail));
+}
+
+/* ---- the heap */
+
+static inline void psp_heap_insert(struct psp_tree *t, struct psp_tnode *n)
+{
+	n->prev = PSP_IN_HEAP;
 	psp_sift_up(t, t->n++, psp_hent_of(n));
 }
 
@@ -218,7 +315,7 @@ static void psp_heap_pop(struct psp_tree *t)
 	psp_sift_up(t, i, HENT(t, n));
 }
 
-static inline void psp_tree_erase(struct psp_tree *t, struct psp_tnode *n)
+static inline void psp_heap_erase(struct psp_tree *t, struct psp_tnode *n)
 {
 	u32 i = t->slot[n->id], last;
 	struct psp_hent e;
@@ -237,35 +334,92 @@ static inline void psp_tree_erase(struct psp_tree *t, struct psp_tnode *n)
 		psp_sift_down(t, i, e);
 }
 
-/* (key, seq) grew: sink the node from where it is. */
+/* ---- the tree */
+
+static inline void psp_tree_insert(struct psp_tree *t, struct psp_tnode *n)
+{
+	if (likely(psp_run_fits(t, n)))
+		psp_run_append(t, n);
+	else
+		psp_heap_insert(t, n);
+}
+
+static inline void psp_tree_erase(struct psp_tree *t, struct psp_tnode *n)
+{
+	if (n->prev == PSP_IN_HEAP)
+		psp_heap_erase(t, n);
+	else
+		psp_run_unlink(t, n);
+}
+
+/* (key, seq) grew: move the node back. */
 static inline void psp_tree_requeue(struct psp_tree *t, struct psp_tnode *n)
 {
-	psp_sift_down(t, t->slot[n->id], psp_hent_of(n));
+	if (n->prev == PSP_IN_HEAP) {
+		if (psp_run_fits(t, n)) {
+			psp_heap_erase(t, n);
+			psp_run_append(t, n);
+		} else {
+			/* sink it from where it is */
+			psp_sift_down(t, t->slot[n->id], psp_hent_of(n));
+		}
+		return;
+	}
+	if (n->id == t->rtail)
+		return;			/* still sorted: it only grew */
+	if (!psp_nless(n, psp_tnode_of(t, t->rtail))) {
+		psp_run_unlink(t, n);
+		psp_run_append(t, n);
+	} else if (psp_nless(psp_tnode_of(t, n->next), n)) {
+		psp_run_unlink(t, n);
+		psp_heap_insert(t, n);
+	}
+	/* else still before its successor: stays */
 }
 
 static inline struct psp_tnode *psp_tree_first(struct psp_tree *t)
 {
-	return t->n ? psp_tnode_of(t, HENT(t, 0).id) : NULL;
+	struct psp_tnode *r;
+
+	if (t->rhead == PSP_NIL)
+		return t->n ? psp_tnode_of(t, HENT(t, 0).id) : NULL;
+	r = psp_tnode_of(t, t->rhead);
+	if (t->n && psp_kless(HENT(t, 0).key, HENT(t, 0).seq, r->key, r->seq))
+		return psp_tnode_of(t, HENT(t, 0).id);
+	return r;
 }
 
-/* The smallest child of the root: first once the root is gone.  Its key
- * comes from the heap entry, so the node itself is not touched.
+/* The node that is first once first is gone.  From the heap its key comes
+ * from the entry, so the node itself is not touched.
  */
 static inline struct psp_tnode *psp_tree_second(struct psp_tree *t, u64 *key)
 {
-	const struct psp_hent *e;
+	const struct psp_hent *h = NULL;
+	struct psp_tnode *r = NULL;
 
-	if (t->n < 2)
+	if (t->rhead != PSP_NIL) {
+		r = psp_tnode_of(t, t->rhead);
+		if (!t->n || !psp_kless(HENT(t, 0).key, HENT(t, 0).seq,
+					r->key, r->seq)) {
+			/* first is the run's head: its successor or the root */
+			r = r->next == PSP_NIL ? NULL :
+						 psp_tnode_of(t, r->next);
+			h = t->n ? &HENT(t, 0) : NULL;
+		} else if (t->n >= 2) {
+			/* first is the root: its smallest child or the run's head */
+			h = &HENT(t, psp_min_child(t, 1, t->n));
+		}
+	} else if (t->n >= 2) {
+		h = &HENT(t, psp_min_child(t, 1, t->n));
+	}
+	if (r && (!h || !psp_kless(h->key, h->seq, r->key, r->seq))) {
+		*key = r->key;
+		return r;
+	}
+	if (!h)
 		return NULL;
-	e = &HENT(t, psp_min_child(t, 1, t->n));
-	*key = e->key;
-	return psp_tnode_of(t, e->id);
-}
-
-static inline void psp_prefetch(const void *p)
-{
-	__builtin_prefetch(p);
-	__builtin_prefetch((const char *)p + 64);
+	*key = h->key;
+	return psp_tnode_of(t, h->id);
 }
 
 static inline u64 psp_div_rem(u64 a, u64 b, u64 *rem)
@@ -284,7 +438,9 @@ static inline u64 psp_mul_div(u64 a, u64 b, u64 c)
 /* ------------------------------------------------------------ the sim */
 
 struct sim_class {
-	/* hot: with the hot head of sc, the first two cache lines */
+	/* hot: with the hot head of sc, the first 136 bytes (two cache
+	 * lines, and 8 bytes of the third since the run links)
+	 */
 	u32			qlen;
 	u32			greedy;		/* > 0: endless packets of this size */
 	u64			pkts, bytes;
