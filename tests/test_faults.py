@@ -89,13 +89,7 @@ def test_interface_deleted_and_recreated(testbed, shaped):
     wait_for(lambda: d.status()["backend_state"] == "gone", 3, 0.05, "gone state")
     assert d.proc.poll() is None and "interface is gone" in d.log.read_text()
     # the same link comes back (as after a driver reload): flows are shaped again
-    sh("ip", "-n", tb.server_ns, "link", "add", tb.server_if, "type", "veth", "peer", "name",
-       tb.client_if, "netns", tb.client_ns)
-    for ns, ifn, v4, v6 in ((tb.server_ns, tb.server_if, tb.server_v4, tb.server_v6),
-                            (tb.client_ns, tb.client_if, tb.client_v4, tb.client_v6)):
-        sh("ip", "-n", ns, "addr", "add", f"{v4}/24", "dev", ifn)
-        sh("ip", "-n", ns, "addr", "add", f"{v6}/64", "dev", ifn, "nodad")
-        sh("ip", "-n", ns, "link", "set", ifn, "up")
+    _recreate_veth(tb)
     wait_for(lambda: "htb f1f0:" in qdisc(tb) and d.status()["backend_state"] == "ok", 5, 0.05,
              "the qdisc on the new interface")
     # the download's TCP connection survived; its class is back

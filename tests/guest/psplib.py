@@ -16,6 +16,7 @@ for another kernel fails the test that needs it, with the command that builds it
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import os
@@ -37,6 +38,26 @@ from flowpacer.testbed import in_netns  # noqa: E402
 MODULE = "sch_psp"
 MAJOR = 0xF1F0
 QDISC = MAJOR << 16
+RMEM_MAX = Path("/proc/sys/net/core/rmem_max")
+STOCK_RMEM_MAX = 212992          # Debian's (and the kernel's) default
+BIG_RMEM_MAX = 4 << 20           # the project's host machines
+
+
+@contextlib.contextmanager
+def rmem_max(value: int):
+    """net.core.rmem_max at ``value`` inside the block, the old value back after it.
+
+    The daemon's netlink socket (flowpacer/tc/nl.py) asks for a 4 MiB receive buffer; with
+    SO_RCVBUFFORCE it gets it whatever rmem_max says, so the stock value must work too
+    (``test_daemon_starts_with_stock_rmem_max``); the daemon tests run with the host's value."""
+    old = RMEM_MAX.read_text().strip()
+    RMEM_MAX.write_text(f"{value}\n")
+    try:
+        yield
+    finally:
+        RMEM_MAX.write_text(old + "\n")
+
+
 KO_ENV = "FLOWPACER_PSP_KO"
 BUILD_HINT = "make -C flowpacer/kmod KVER=$(uname -r) (tests/test_vm.py does it before the boot)"
 

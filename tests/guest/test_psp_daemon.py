@@ -14,7 +14,6 @@ import json
 import signal
 import subprocess
 import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -90,24 +89,11 @@ class Daemon:
         return self.proc.returncode
 
 
-RMEM_MAX = Path("/proc/sys/net/core/rmem_max")
-STOCK_RMEM_MAX = 212992          # Debian's (and the kernel's) default
-
-
 @pytest.fixture
 def big_rmem():
-    """net.core.rmem_max at 4 MiB while the test runs (as on the project's host machines).
-
-    Needed because the daemon's netlink socket (flowpacer/tc/nl.py) asks for a 4 MiB receive
-    buffer with SO_RCVBUF, which the kernel caps at rmem_max, and then has ~500 acked requests
-    in flight during set-up: with the stock 212992 its acks overflow the buffer (ENOBUFS) and
-    the daemon exits. ``test_daemon_starts_with_stock_rmem_max`` keeps that bug visible."""
-    old = RMEM_MAX.read_text().strip()
-    RMEM_MAX.write_text("4194304\n")
-    try:
+    """net.core.rmem_max at 4 MiB while the test runs (as on the project's host machines)."""
+    with psplib.rmem_max(psplib.BIG_RMEM_MAX):
         yield
-    finally:
-        RMEM_MAX.write_text(old + "\n")
 
 
 @pytest.fixture
@@ -138,16 +124,14 @@ def _results(clients) -> dict:
 
 def test_daemon_starts_with_stock_rmem_max(tb, tmp_path):
     """A stock kernel's net.core.rmem_max (212992) must not stop the daemon's set-up."""
-    old = RMEM_MAX.read_text().strip()
-    RMEM_MAX.write_text(f"{STOCK_RMEM_MAX}\n")
     d = Daemon(tb, tmp_path, "psp")
-    try:
-        d.start()
-        assert d.status_cli()["backend"] == "psp"
-    finally:
-        RMEM_MAX.write_text(old + "\n")
-        if d.proc is not None:
-            d.stop()
+    with psplib.rmem_max(psplib.STOCK_RMEM_MAX):
+        try:
+            d.start()
+            assert d.status_cli()["backend"] == "psp"
+        finally:
+            if d.proc is not None:
+                d.stop()
     assert _kernel(tb)[0] is None
 
 

@@ -29,7 +29,6 @@ from flowpacer.control import call
 from flowpacer.testbed import PY, in_netns, wait_for
 from psplib import PspNl, psp_module  # noqa: F401
 
-RMEM_MAX = Path("/proc/sys/net/core/rmem_max")
 # TCG runs ~10x slower than the host; the numbers it carries (measured, see docs/reliability.md)
 HELD = int(os.environ.get("FLOWPACER_REL_HELD", "500"))
 CHURN = float(os.environ.get("FLOWPACER_REL_CHURN", "100"))
@@ -38,13 +37,9 @@ HOST_LIMIT_S = 2.0              # issue 7: live flows shaped again within 2 s of
 
 @pytest.fixture
 def big_rmem():
-    """net.core.rmem_max at 4 MiB (the daemon's netlink socket asks for that much)."""
-    old = RMEM_MAX.read_text().strip()
-    RMEM_MAX.write_text("4194304\n")
-    try:
+    """net.core.rmem_max at 4 MiB (the host machines' value, as the daemon tests use)."""
+    with psplib.rmem_max(psplib.BIG_RMEM_MAX):
         yield
-    finally:
-        RMEM_MAX.write_text(old + "\n")
 
 
 @pytest.fixture
