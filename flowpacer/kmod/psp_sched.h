@@ -53,8 +53,9 @@
  *   max(t_ceil, t_min); backlogged unpaced classes sit in utree in
  *   round-robin order.  Every operation is O(log N) in the N backlogged
  *   classes, O(1) where the includer's tree makes in-order inserts cheap
- *   (both do: a sorted run beside the tree; with equal rates, departures
- *   and deadlines are inserted in the order the classes are served).
+ *   (both do: a few sorted runs beside the tree; among classes of one
+ *   rate, departures and deadlines are inserted in the order the classes
+ *   are served).
  *
  *   Order of service when the link clock allows a packet:
  *     1. the due paced class with the earliest deadline;

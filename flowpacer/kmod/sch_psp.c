@@ -7,9 +7,9 @@
  * timer ticks, so a late timer never lowers the long-run rate.  One hrtimer
  * (the qdisc watchdog) is armed for the earliest departure; the next class
  * comes from time-ordered rbtrees in O(log N), O(1) for the common in-order
- * inserts (each tree keeps a sorted run beside it).  The scheduling logic
- * lives in psp_sched.h, shared with a userspace simulator; this file is the
- * kernel glue: classes, queues, classification, netlink, statistics.
+ * inserts (each tree keeps a few sorted runs beside it).  The scheduling
+ * logic lives in psp_sched.h, shared with a userspace simulator; this file
+ * is the kernel glue: classes, queues, classification, netlink, statistics.
  *
  * Layout (flowpacer's daemon uses major 0xF1F0):
  *   qdisc  MAJ:     root.  Options: link rate (default: ethtool speed of the
@@ -65,30 +65,35 @@
 /* ------------------------------------------------- psp_sched.h shims */
 
 /*
- * A tree is an rbtree plus a run: a list sorted by the same (key, seq).
- * In a pacer most inserts come in order: a class's next departure, and the
- * deadline of a class that falls due, grow in service order among classes
- * of the same rate (flowpacer gives all flows of a rule one rate).  An
- * insert that sorts at or after the run's tail is appended to it in O(1);
- * leaving the run, from anywhere, is O(1) and keeps it sorted.  Other
- * inserts go to the rbtree, O(log N).  The first node is the smaller of the
- * run's head and the rbtree's leftmost.  This is exact, the same order as
- * the rbtree alone; worst case (no insert in order) everything is in the
- * rbtree, as without the run, plus one compare per operation.  One run per
- * tree: with several rates in a tree, an insert that sorts before the tail
- * (a fast class behind a slow one) goes to the rbtree.
+ * A tree is an rbtree plus PSP_RUNS runs: lists sorted by the same
+ * (key, seq).  In a pacer most inserts come in order per rate: a class's
+ * next departure, and the deadline of a class that falls due, grow in
+ * service order among classes of the same rate (flowpacer gives all flows
+ * of a rule one rate).  An insert goes to the run with the largest tail that
+ * sorts at or before it (best fit, as in patience sorting: a few rates take
+ * a run each), else to an empty run, else to the rbtree, O(log N).  Leaving
+ * a run, from anywhere, is O(1) and keeps it sorted.  The first node is the
+ * smallest of the runs' heads and the rbtree's leftmost.  The head and tail
+ * keys of each run are kept in the tree, so choosing a run or the first
+ * node touches no other node.  This is exact, the same order as the rbtree
+ * alone; worst case (no insert in order) everything is in the rbtree, as
+ * without the runs, plus O(PSP_RUNS) compares per operation.
  *
- * A node is in one of the two: the run's list_head shares the rb_node's
- * child pointers, and its parent word stays RB_EMPTY_NODE() (the kernel's
- * "in no rbtree") while in the run, so the node keeps its 40 bytes.
- * Nothing here allocates.
+ * A node is in one of them: a run's list_head shares the rb_node's child
+ * pointers, and its parent word stays RB_EMPTY_NODE() (the kernel's "in no
+ * rbtree") while in a run, so the node keeps its 40 bytes.  A node is the
+ * head (tail) of run r iff its prev (next) is the tree's run[r].  Nothing
+ * here allocates.
  */
+/* A run per rate for up to 4 rates; 8 measured no better. */
+#define PSP_RUNS	4
+
 struct psp_tnode {
 	union {
 		struct rb_node		rb;		/* in the rbtree */
 		struct {
 			unsigned long	rb_pc;		/* = rb.__rb_parent_color */
-			struct list_head run;		/* in the run */
+			struct list_head run;		/* in a run */
 		};
 	};
 	u64		key;
@@ -101,13 +106,23 @@ static_assert(offsetofend(struct psp_tnode, run) <= sizeof(struct rb_node));
 
 struct psp_tree {
 	struct rb_root_cached	root;
-	struct list_head	run;		/* in-order inserts, sorted */
+	unsigned long		used;		/* bit r: run[r] is not empty */
+	struct list_head	run[PSP_RUNS];
+	u64			hkey[PSP_RUNS];	/* (key, seq) of the heads */
+	u64			hseq[PSP_RUNS];
+	u64			tkey[PSP_RUNS];	/* and of the tails */
+	u64			tseq[PSP_RUNS];
 };
+
+static inline bool psp_kless(u64 ka, u64 sa, u64 kb, u64 sb)
+{
+	return ka < kb || (ka == kb && sa < sb);
+}
 
 static inline bool psp_tnode_before(const struct psp_tnode *x,
 				    const struct psp_tnode *y)
 {
-	return x->key < y->key || (x->key == y->key && x->seq < y->seq);
+	return psp_kless(x->key, x->seq, y->key, y->seq);
 }
 
 static inline bool psp_tnode_less(struct rb_node *a, const struct rb_node *b)
@@ -122,31 +137,111 @@ static inline bool psp_tnode_in_run(const struct psp_tnode *n)
 	return RB_EMPTY_NODE(&n->rb);
 }
 
-/* May @n be appended to the run: it is empty or @n sorts after its tail. */
-static inline bool psp_run_fits(const struct psp_tree *t,
-				const struct psp_tnode *n)
+/* r if @l is the tree's run[r] (@l is a neighbour's link: the node it
+ * belongs to is a head or tail), else -1.
+ */
+static inline int psp_run_end(const struct psp_tree *t,
+			      const struct list_head *l)
 {
-	return list_empty(&t->run) ||
-	       !psp_tnode_before(n, list_last_entry(&t->run, struct psp_tnode,
-						    run));
+	unsigned long d = (unsigned long)l - (unsigned long)t->run;
+
+	return d < sizeof(t->run) ? (int)(d / sizeof(t->run[0])) : -1;
 }
 
-static inline void psp_run_append(struct psp_tree *t, struct psp_tnode *n)
+static inline void psp_run_set_head(struct psp_tree *t, int r,
+				    const struct psp_tnode *n)
+{
+	t->hkey[r] = n->key;
+	t->hseq[r] = n->seq;
+}
+
+static inline void psp_run_set_tail(struct psp_tree *t, int r,
+				    const struct psp_tnode *n)
+{
+	t->tkey[r] = n->key;
+	t->tseq[r] = n->seq;
+}
+
+static inline void psp_run_append(struct psp_tree *t, int r,
+				  struct psp_tnode *n)
 {
 	RB_CLEAR_NODE(&n->rb);
-	list_add_tail(&n->run, &t->run);
+	if (list_empty(&t->run[r])) {
+		__set_bit(r, &t->used);
+		psp_run_set_head(t, r, n);
+	}
+	list_add_tail(&n->run, &t->run[r]);
+	psp_run_set_tail(t, r, n);
+}
+
+static inline void psp_run_del(struct psp_tree *t, struct psp_tnode *n)
+{
+	struct list_head *prev = n->run.prev, *next = n->run.next;
+	int hr = psp_run_end(t, prev), tr = psp_run_end(t, next);
+
+	/* the parent word stays: still RB_EMPTY_NODE() */
+	list_del(&n->run);
+	if (hr >= 0 && tr >= 0) {
+		__clear_bit(hr, &t->used);
+		return;
+	}
+	if (hr >= 0) {
+		psp_run_set_head(t, hr, list_entry(next, struct psp_tnode, run));
+		/* read when the new head leaves */
+		prefetch(next->next);
+	}
+	if (tr >= 0)
+		psp_run_set_tail(t, tr, list_entry(prev, struct psp_tnode, run));
+}
+
+/* The run @n may be appended to: of those whose tail sorts at or before
+ * it, the one with the largest tail; else an empty one; else -1.
+ */
+static inline int psp_run_fit(const struct psp_tree *t,
+			      const struct psp_tnode *n)
+{
+	int r, best = -1;
+
+	for_each_set_bit(r, &t->used, PSP_RUNS) {
+		if (psp_kless(n->key, n->seq, t->tkey[r], t->tseq[r]))
+			continue;
+		if (best < 0 || psp_kless(t->tkey[best], t->tseq[best],
+					  t->tkey[r], t->tseq[r]))
+			best = r;
+	}
+	if (best < 0 && t->used != GENMASK(PSP_RUNS - 1, 0))
+		best = ffz(t->used);
+	return best;
+}
+
+/* The run with the smallest head, or -1 if all are empty. */
+static inline int psp_run_min(const struct psp_tree *t)
+{
+	int r, best = -1;
+
+	for_each_set_bit(r, &t->used, PSP_RUNS)
+		if (best < 0 || psp_kless(t->hkey[r], t->hseq[r],
+					  t->hkey[best], t->hseq[best]))
+			best = r;
+	return best;
 }
 
 static inline void psp_tree_init(struct psp_tree *t)
 {
+	int r;
+
 	t->root = RB_ROOT_CACHED;
-	INIT_LIST_HEAD(&t->run);
+	t->used = 0;
+	for (r = 0; r < PSP_RUNS; r++)
+		INIT_LIST_HEAD(&t->run[r]);
 }
 
 static inline void psp_tree_insert(struct psp_tree *t, struct psp_tnode *n)
 {
-	if (psp_run_fits(t, n))
-		psp_run_append(t, n);
+	int r = psp_run_fit(t, n);
+
+	if (r >= 0)
+		psp_run_append(t, r, n);
 	else
 		rb_add_cached(&n->rb, &t->root, psp_tnode_less);
 }
@@ -154,8 +249,7 @@ static inline void psp_tree_insert(struct psp_tree *t, struct psp_tnode *n)
 static inline void psp_tree_erase(struct psp_tree *t, struct psp_tnode *n)
 {
 	if (psp_tnode_in_run(n)) {
-		/* the parent word stays: still RB_EMPTY_NODE() */
-		list_del(&n->run);
+		psp_run_del(t, n);
 		return;
 	}
 	rb_erase_cached(&n->rb, &t->root);
@@ -167,13 +261,14 @@ static inline void psp_tree_erase(struct psp_tree *t, struct psp_tnode *n)
  */
 static inline void psp_tree_requeue(struct psp_tree *t, struct psp_tnode *n)
 {
-	struct psp_tnode *tail;
 	struct rb_node *next;
+	int r;
 
 	if (!psp_tnode_in_run(n)) {
-		if (psp_run_fits(t, n)) {
+		r = psp_run_fit(t, n);
+		if (r >= 0) {
 			rb_erase_cached(&n->rb, &t->root);
-			psp_run_append(t, n);
+			psp_run_append(t, r, n);
 			return;
 		}
 		next = rb_next(&n->rb);
@@ -183,53 +278,74 @@ static inline void psp_tree_requeue(struct psp_tree *t, struct psp_tnode *n)
 		rb_add_cached(&n->rb, &t->root, psp_tnode_less);
 		return;
 	}
-	tail = list_last_entry(&t->run, struct psp_tnode, run);
-	if (n == tail)
-		return;
-	if (!psp_tnode_before(n, tail)) {
-		list_move_tail(&n->run, &t->run);
+	r = psp_run_end(t, n->run.next);
+	if (r >= 0 || psp_tnode_before(n, list_next_entry(n, run))) {
+		/* still sorted: it stays, its run's keys follow */
+		if (r >= 0)
+			psp_run_set_tail(t, r, n);
+		r = psp_run_end(t, n->run.prev);
+		if (r >= 0)
+			psp_run_set_head(t, r, n);
 		return;
 	}
-	if (psp_tnode_before(n, list_next_entry(n, run)))
-		return;
-	list_del(&n->run);
-	rb_add_cached(&n->rb, &t->root, psp_tnode_less);
+	psp_run_del(t, n);
+	psp_tree_insert(t, n);
 }
 
 static inline struct psp_tnode *psp_tree_first(struct psp_tree *t)
 {
-	struct psp_tnode *r = list_first_entry_or_null(&t->run,
-						       struct psp_tnode, run);
 	struct rb_node *rb = rb_first_cached(&t->root);
+	int r = psp_run_min(t);
 	struct psp_tnode *tn;
 
-	if (!rb)
-		return r;
-	tn = rb_entry(rb, struct psp_tnode, rb);
-	return r && psp_tnode_before(r, tn) ? r : tn;
+	if (r < 0)
+		return rb ? rb_entry(rb, struct psp_tnode, rb) : NULL;
+	tn = rb ? rb_entry(rb, struct psp_tnode, rb) : NULL;
+	if (tn && psp_kless(tn->key, tn->seq, t->hkey[r], t->hseq[r]))
+		return tn;
+	return list_first_entry(&t->run[r], struct psp_tnode, run);
 }
 
+/* The node that is first once first is gone: the smallest of the other
+ * runs' heads and the successor of first in its run or the rbtree.
+ */
 static inline struct psp_tnode *psp_tree_second(struct psp_tree *t, u64 *key)
 {
-	struct psp_tnode *r = list_first_entry_or_null(&t->run,
-						       struct psp_tnode, run);
 	struct rb_node *rb = rb_first_cached(&t->root);
 	struct psp_tnode *tn = rb ? rb_entry(rb, struct psp_tnode, rb) : NULL;
+	struct psp_tnode *best = NULL, *x;
+	int r, f = psp_run_min(t);
+	bool tfirst = tn && (f < 0 || psp_kless(tn->key, tn->seq,
+						t->hkey[f], t->hseq[f]));
+	int br = -1;
 
-	if (r && (!tn || psp_tnode_before(r, tn))) {
-		/* first is the run's head: its successor or the rbtree's */
-		r = list_is_last(&r->run, &t->run) ? NULL :
-						     list_next_entry(r, run);
-	} else if (tn) {
-		/* first is the rbtree's: its successor or the run's head */
+	for_each_set_bit(r, &t->used, PSP_RUNS)
+		if ((tfirst || r != f) &&
+		    (br < 0 || psp_kless(t->hkey[r], t->hseq[r],
+					 t->hkey[br], t->hseq[br])))
+			br = r;
+	if (tfirst) {
+		/* first is the rbtree's: its successor or a run's head */
 		rb = rb_next(rb);
-		tn = rb ? rb_entry(rb, struct psp_tnode, rb) : NULL;
+		best = rb ? rb_entry(rb, struct psp_tnode, rb) : NULL;
+	} else if (f >= 0) {
+		/* first is run f's head: its successor, the rbtree's first
+		 * or another run's head
+		 */
+		best = tn;
+		x = list_first_entry(&t->run[f], struct psp_tnode, run);
+		if (psp_run_end(t, x->run.next) < 0) {
+			x = list_next_entry(x, run);
+			if (!best || psp_tnode_before(x, best))
+				best = x;
+		}
 	}
-	if (r && (!tn || psp_tnode_before(r, tn)))
-		tn = r;
-	if (tn)
-		*key = tn->key;
-	return tn;
+	if (br >= 0 && (!best || psp_kless(t->hkey[br], t->hseq[br],
+					   best->key, best->seq)))
+		best = list_first_entry(&t->run[br], struct psp_tnode, run);
+	if (best)
+		*key = best->key;
+	return best;
 }
 
 /* The hot head of struct psp_sclass is two cache lines. */

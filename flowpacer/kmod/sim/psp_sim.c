@@ -8,11 +8,11 @@
  * tests/test_psp_sim.py and bench/psp_sim.py.  Time only moves when the
  * caller says so, so every run is exactly reproducible.
  *
- * The kernel keeps backlogged classes in rbtrees, each with a sorted run
- * for in-order inserts; here a 4-ary min-heap ordered by the same (key, seq)
- * pair stands in for the rbtree, beside the same kind of run.  Both return
- * the same smallest element, so the simulator makes the same choices as the
- * module.
+ * The kernel keeps backlogged classes in rbtrees, each with a few sorted
+ * runs for in-order inserts; here a 4-ary min-heap ordered by the same
+ * (key, seq) pair stands in for the rbtree, beside the same kind of runs.
+ * Both return the same smallest element, so the simulator makes the same
+ * choices as the module.
  * The classes live in one array, hot fields first, cache-line aligned.
  *
  * A class is either fed packet by packet (psp_sim_enqueue) or "greedy": an
@@ -38,25 +38,26 @@ typedef int64_t s64;
 /* ------------------------------------------------- psp_sched.h shims */
 
 /*
- * A tree is two sorted containers with the same order, (key, seq):
+ * A tree is PSP_RUNS runs and a heap, sorted by the same (key, seq):
  *
- * The run, a FIFO.  In a pacer most inserts come in order: a class's next
- * departure, and the deadline of a class that falls due, grow in service
- * order among classes of the same rate (flowpacer gives all flows of a rule
- * one rate).  An insert that sorts at or after the run's tail is appended
- * to it in O(1); taking a node out of the run, from anywhere, is O(1) and
- * keeps it sorted.  The run is doubly linked through the nodes by id
- * (prev/next beside the key: the node's lines are touched anyway).  The
- * head's prev is left stale (nothing reads it), so taking the head writes
- * nothing but the tree; prev == PSP_IN_HEAP marks a node in the heap.
+ * The runs, FIFOs.  In a pacer most inserts come in order per rate: a
+ * class's next departure, and the deadline of a class that falls due, grow
+ * in service order among classes of the same rate (flowpacer gives all
+ * flows of a rule one rate).  An insert goes to the run with the largest
+ * tail that sorts at or before it (best fit, as in patience sorting: a few
+ * rates take a run each), else to an empty run, in O(PSP_RUNS); taking a
+ * node out of a run, from anywhere, is O(1) and keeps it sorted.  A run is
+ * doubly linked through the nodes by id (prev/next beside the key: the
+ * node's lines are touched anyway); the head's prev and the tail's next are
+ * PSP_END(run), prev == PSP_IN_HEAP marks a node in the heap.  The tree
+ * keeps each run's head and tail ids and their (key, seq), and a mask of
+ * the runs in use, so choosing a run or the first node touches no node.
  *
- * The heap, for inserts out of order: O(log N).  The smallest node is the
- * smaller of the run's head and the heap's root.  This is exact: the same
+ * The heap, for the other inserts: O(log N).  The smallest node is the
+ * smallest of the runs' heads and the heap's root.  This is exact: the same
  * order as a heap alone, so the same choices (and the kernel's rbtrees give
  * the same).  Worst case, no insert comes in order: everything is in the
- * heap, as before, at the cost of one more compare per operation.  There is
- * one run per tree: with several rates in a tree, an insert that sorts
- * before the tail (a fast class behind a slow one) goes to the heap.
+ * heap, as before, plus O(PSP_RUNS) compares per operation.
  *
  * The heap: 4-ary, 16-byte entries, so the four children of a node share
  * one 64-byte cache line (the array is offset by HEAP_PAD entries to align
@@ -69,17 +70,22 @@ typedef int64_t s64;
  * exactly like the kernel's u64 as long as a node waits fewer than 2^31
  * insertions.
  */
-#define PSP_NIL		0xffffffffU	/* no node: end of the run */
+#define PSP_RUNS	4		/* as the kernel's; <= 16 */
+#define PSP_NIL		0xffffffffU	/* no node: an empty run */
 #define PSP_IN_HEAP	0xfffffffeU	/* prev of a node in the heap */
+#define PSP_END(r)	(0xffffff00U + (r))	/* prev of run r's head, next
+						 * of its tail
+						 */
+#define PSP_IS_END(x)	(((x) >> 4) == 0x0ffffff0U)
 
 struct psp_tnode {
 	u64	key;
 	u32	seq;		/* compared 32 bits with wrap-around */
 	u32	id;		/* index in the slot table and node array */
-	u32	prev;		/* run: previous id (stale at the head);
+	u32	prev;		/* run: previous id or PSP_END(run);
 				 * PSP_IN_HEAP: in the heap
 				 */
-	u32	next;		/* run: next id, PSP_NIL at the tail */
+	u32	next;		/* run: next id or PSP_END(run) */
 };
 
 struct psp_hent {
@@ -95,8 +101,14 @@ struct psp_tree {
 	size_t			stride;
 	u32			n;	/* in the heap */
 	u32			cap;
-	u32			rhead;	/* the run: first id, or PSP_NIL */
-	u32			rtail;	/* last id, or PSP_NIL */
+	u32			used;	/* bit r: run r is not empty */
+	/* the runs: ids of head and tail (PSP_NIL: empty), and their keys */
+	u32			rhead[PSP_RUNS];
+	u32			rtail[PSP_RUNS];
+	u32			hseq[PSP_RUNS];
+	u32			tseq[PSP_RUNS];
+	u64			hkey[PSP_RUNS];
+	u64			tkey[PSP_RUNS];
 };
 
 #define HEAP_ARITY	4
@@ -194,9 +206,14 @@ static void psp_sift_down(struct psp_tree *t, u32 i, struct psp_hent e)
 
 static inline void psp_tree_init(struct psp_tree *t)
 {
+	int r;
+
 	t->n = 0;
-	t->rhead = PSP_NIL;
-	t->rtail = PSP_NIL;
+	t->used = 0;
+	for (r = 0; r < PSP_RUNS; r++) {
+		t->rhead[r] = PSP_NIL;
+		t->rtail[r] = PSP_NIL;
+	}
 }
 
 /* Room for @cap nodes with ids < @cap: insert never allocates. */
@@ -246,42 +263,97 @@ static inline void psp_prefetch(const void *p)
 	__builtin_prefetch((const char *)p + 111);
 }
 
-/* ---- the run */
+/* ---- the runs */
 
-static inline void psp_run_append(struct psp_tree *t, struct psp_tnode *n)
+static inline void psp_run_append(struct psp_tree *t, int r,
+				  struct psp_tnode *n)
 {
-	n->prev = t->rtail;
-	n->next = PSP_NIL;
-	if (t->rtail == PSP_NIL)
-		t->rhead = n->id;
-	else
-		psp_tnode_of(t, t->rtail)->next = n->id;
-	t->rtail = n->id;
+	n->next = PSP_END(r);
+	if (t->rhead[r] == PSP_NIL) {
+		n->prev = PSP_END(r);
+		t->used |= 1U << r;
+		t->rhead[r] = n->id;
+		t->hkey[r] = n->key;
+		t->hseq[r] = n->seq;
+	} else {
+		n->prev = t->rtail[r];
+		psp_tnode_of(t, t->rtail[r])->next = n->id;
+	}
+	t->rtail[r] = n->id;
+	t->tkey[r] = n->key;
+	t->tseq[r] = n->seq;
 }
 
 static inline void psp_run_unlink(struct psp_tree *t, struct psp_tnode *n)
 {
-	if (n->id == t->rhead) {
-		/* the new head's prev goes stale: not read at the head */
-		t->rhead = n->next;
-		if (n->next == PSP_NIL)
-			t->rtail = PSP_NIL;
-		else	/* read by the next psp_tree_first() */
-			psp_prefetch(psp_tnode_of(t, n->next));
-		return;
+	u32 p = n->prev, x = n->next;
+	struct psp_tnode *pn = PSP_IS_END(p) ? NULL : psp_tnode_of(t, p);
+	struct psp_tnode *xn = PSP_IS_END(x) ? NULL : psp_tnode_of(t, x);
+
+	if (pn) {
+		pn->next = x;
+	} else {		/* the head */
+		u32 r = p - PSP_END(0);
+
+		t->rhead[r] = xn ? x : PSP_NIL;
+		if (xn) {
+			t->hkey[r] = xn->key;
+			t->hseq[r] = xn->seq;
+			/* read when the new head leaves */
+			if (!PSP_IS_END(xn->next))
+				__builtin_prefetch(psp_tnode_of(t, xn->next));
+		}
 	}
-	psp_tnode_of(t, n->prev)->next = n->next;
-	if (n->next == PSP_NIL)
-		t->rtail = n->prev;
-	else
-		psp_tnode_of(t, n->next)->prev = n->prev;
+	if (xn) {
+		xn->prev = p;
+	} else {		/* the tail */
+		u32 r = x - PSP_END(0);
+
+		t->rtail[r] = pn ? p : PSP_NIL;
+		if (!pn)
+			t->used &= ~(1U << r);
+		if (pn) {
+			t->tkey[r] = pn->key;
+			t->tseq[r] = pn->seq;
+		}
+	}
 }
 
-/* May @n be appended: the run is empty or it sorts after the tail. */
-static inline bool psp_run_fits(const struct psp_tree *t,
-				const struct psp_tnode *n)
+/* The run @n may be appended to: of those whose tail sorts at or before
+ * it, the one with the largest tail; else an empty one; else -1.
+ */
+static inline int psp_run_fit(const struct psp_tree *t,
+			      const struct psp_tnode *n)
 {
-	return t->rtail == PSP_NIL || !psp_nless(n, psp_tnode_of(t, t->rtail));
+	u32 m, full = (1U << PSP_RUNS) - 1;
+	int r, best = -1;
+
+	for (m = t->used; m; m &= m - 1) {
+		r = __builtin_ctz(m);
+		if (psp_kless(n->key, n->seq, t->tkey[r], t->tseq[r]))
+			continue;
+		if (best < 0 || psp_kless(t->tkey[best], t->tseq[best],
+					  t->tkey[r], t->tseq[r]))
+			best = r;
+	}
+	if (best < 0 && t->used != full)
+		best = __builtin_ctz(~t->used);
+	return best;
+}
+
+/* The run with the smallest head, or -1 if all are empty. */
+static inline int psp_run_min(const struct psp_tree *t)
+{
+	int r, best = -1;
+	u32 m;
+
+	for (m = t->used; m; m &= m - 1) {
+		r = __builtin_ctz(m);
+		if (best < 0 || psp_kless(t->hkey[r], t->hseq[r],
+					  t->hkey[best], t->hseq[best]))
+			best = r;
+	}
+	return best;
 }
 
 /* ---- the heap */
@@ -338,8 +410,10 @@ static inline void psp_heap_erase(struct psp_tree *t, struct psp_tnode *n)
 
 static inline void psp_tree_insert(struct psp_tree *t, struct psp_tnode *n)
 {
-	if (likely(psp_run_fits(t, n)))
-		psp_run_append(t, n);
+	int r = psp_run_fit(t, n);
+
+	if (likely(r >= 0))
+		psp_run_append(t, r, n);
 	else
 		psp_heap_insert(t, n);
 }
@@ -355,71 +429,98 @@ static inline void psp_tree_erase(struct psp_tree *t, struct psp_tnode *n)
 /* (key, seq) grew: move the node back. */
 static inline void psp_tree_requeue(struct psp_tree *t, struct psp_tnode *n)
 {
+	int r;
+
 	if (n->prev == PSP_IN_HEAP) {
-		if (psp_run_fits(t, n)) {
+		r = psp_run_fit(t, n);
+		if (r >= 0) {
 			psp_heap_erase(t, n);
-			psp_run_append(t, n);
+			psp_run_append(t, r, n);
 		} else {
 			/* sink it from where it is */
 			psp_sift_down(t, t->slot[n->id], psp_hent_of(n));
 		}
 		return;
 	}
-	if (n->id == t->rtail)
-		return;			/* still sorted: it only grew */
-	if (!psp_nless(n, psp_tnode_of(t, t->rtail))) {
-		psp_run_unlink(t, n);
-		psp_run_append(t, n);
-	} else if (psp_nless(psp_tnode_of(t, n->next), n)) {
-		psp_run_unlink(t, n);
-		psp_heap_insert(t, n);
+	if (PSP_IS_END(n->next) ||
+	    psp_nless(n, psp_tnode_of(t, n->next))) {
+		/* still sorted: it stays, its run's keys follow */
+		if (PSP_IS_END(n->next)) {
+			r = n->next - PSP_END(0);
+			t->tkey[r] = n->key;
+			t->tseq[r] = n->seq;
+		}
+		if (PSP_IS_END(n->prev)) {
+			r = n->prev - PSP_END(0);
+			t->hkey[r] = n->key;
+			t->hseq[r] = n->seq;
+		}
+		return;
 	}
-	/* else still before its successor: stays */
+	psp_run_unlink(t, n);
+	psp_tree_insert(t, n);
 }
 
 static inline struct psp_tnode *psp_tree_first(struct psp_tree *t)
 {
-	struct psp_tnode *r;
+	int r = psp_run_min(t);
 
-	if (t->rhead == PSP_NIL)
-		return t->n ? psp_tnode_of(t, HENT(t, 0).id) : NULL;
-	r = psp_tnode_of(t, t->rhead);
-	if (t->n && psp_kless(HENT(t, 0).key, HENT(t, 0).seq, r->key, r->seq))
+	if (t->n && (r < 0 || psp_kless(HENT(t, 0).key, HENT(t, 0).seq,
+					t->hkey[r], t->hseq[r])))
 		return psp_tnode_of(t, HENT(t, 0).id);
-	return r;
+	return r < 0 ? NULL : psp_tnode_of(t, t->rhead[r]);
 }
 
-/* The node that is first once first is gone.  From the heap its key comes
- * from the entry, so the node itself is not touched.
+/* The node that is first once first is gone: the smallest of the other
+ * runs' heads and the successor of first in its run or heap.  Only the
+ * successor in a run is read from its node.
  */
 static inline struct psp_tnode *psp_tree_second(struct psp_tree *t, u64 *key)
 {
-	const struct psp_hent *h = NULL;
-	struct psp_tnode *r = NULL;
+	int r, f = psp_run_min(t);
+	bool hfirst = t->n && (f < 0 || psp_kless(HENT(t, 0).key,
+						  HENT(t, 0).seq,
+						  t->hkey[f], t->hseq[f]));
+	u32 m, bid = PSP_NIL, bseq = 0;
+	u64 bkey = 0;
 
-	if (t->rhead != PSP_NIL) {
-		r = psp_tnode_of(t, t->rhead);
-		if (!t->n || !psp_kless(HENT(t, 0).key, HENT(t, 0).seq,
-					r->key, r->seq)) {
-			/* first is the run's head: its successor or the root */
-			r = r->next == PSP_NIL ? NULL :
-						 psp_tnode_of(t, r->next);
-			h = t->n ? &HENT(t, 0) : NULL;
-		} else if (t->n >= 2) {
-			/* first is the root: its smallest child or the run's head */
-			h = &HENT(t, psp_min_child(t, 1, t->n));
+#define PSP_CAND(k, s, i)						\
+	do {								\
+		if (bid == PSP_NIL || psp_kless(k, s, bkey, bseq)) {	\
+			bkey = (k);					\
+			bseq = (s);					\
+			bid = (i);					\
+		}							\
+	} while (0)
+
+	for (m = t->used; m; m &= m - 1) {
+		r = __builtin_ctz(m);
+		if (hfirst || r != f)
+			PSP_CAND(t->hkey[r], t->hseq[r], t->rhead[r]);
+	}
+	if (hfirst) {
+		if (t->n >= 2) {
+			const struct psp_hent *e =
+				&HENT(t, psp_min_child(t, 1, t->n));
+
+			PSP_CAND(e->key, e->seq, e->id);
 		}
-	} else if (t->n >= 2) {
-		h = &HENT(t, psp_min_child(t, 1, t->n));
+	} else if (f >= 0) {
+		u32 x = psp_tnode_of(t, t->rhead[f])->next;
+
+		if (t->n)
+			PSP_CAND(HENT(t, 0).key, HENT(t, 0).seq, HENT(t, 0).id);
+		if (!PSP_IS_END(x)) {
+			const struct psp_tnode *xn = psp_tnode_of(t, x);
+
+			PSP_CAND(xn->key, xn->seq, x);
+		}
 	}
-	if (r && (!h || !psp_kless(h->key, h->seq, r->key, r->seq))) {
-		*key = r->key;
-		return r;
-	}
-	if (!h)
+#undef PSP_CAND
+	if (bid == PSP_NIL)
 		return NULL;
-	*key = h->key;
-	return psp_tnode_of(t, h->id);
+	*key = bkey;
+	return psp_tnode_of(t, bid);
 }
 
 static inline u64 psp_div_rem(u64 a, u64 b, u64 *rem)
