@@ -270,13 +270,30 @@ def mount(*args):
 # `ip netns exec` gave us a mount namespace of our own (a slave of the host's) with a fresh
 # /sys: mount tracefs the way sys-kernel-tracing.mount does on the host
 mount("-t", "tracefs", "nodev", "/sys/kernel/tracing")
+hidden = (["/tmp", "/var/tmp"] if cfg["private_tmp"] else []) + \
+    ([d for d in ("/home", "/root", "/run/user") if os.path.isdir(d)] if cfg["protect_home"] else [])
+# the program: installed under /opt in production, here the checkout and its venv, which may sit
+# below a directory the sandbox hides (a CI clone in /tmp): keep it and bind it back, read-only
+progs = [(p, os.open(p, os.O_RDONLY | os.O_DIRECTORY)) for p in cfg["program_dirs"]
+         if any(p == h or p.startswith(h + "/") for h in hidden)]
 if cfg["private_tmp"]:
     for d in ("/tmp", "/var/tmp"):
         mount("-t", "tmpfs", "-o", "mode=1777", "tmpfs", d)
 if cfg["protect_home"]:
     for d in ("/home", "/root", "/run/user"):
         if os.path.isdir(d):
-            mount("-t", "tmpfs", "-o", "ro,mode=0755", "tmpfs", d)
+            mount("-t", "tmpfs", "-o", "mode=0755", "tmpfs", d)
+libc = ctypes.CDLL(None, use_errno=True)
+for p, fd in progs:
+    os.makedirs(p, exist_ok=True)
+    # mount(2), not mount(8): the tool would resolve the fd's link to the (now hidden) path name
+    if libc.mount(f"/proc/self/fd/{fd}".encode(), p.encode(), None, 4096, None) != 0:  # MS_BIND
+        raise OSError(ctypes.get_errno(), f"bind {p}")
+    mount("-o", "remount,bind,ro", p)
+if cfg["protect_home"]:
+    for d in ("/home", "/root", "/run/user"):
+        if os.path.isdir(d):
+            mount("-o", "remount,ro", d)
 for d in cfg["rw_paths"]:
     mount("--bind", d, d)
 if cfg["protect_system_strict"]:
@@ -369,6 +386,7 @@ def syscall_set(spec):
 def sandbox_config(u, rw_paths):
     assert not one(u, "SystemCallFilter").startswith("~"), "expected an allow list"
     return {
+        "program_dirs": [ROOT],
         "private_tmp": one(u, "PrivateTmp") == "yes",
         "protect_home": one(u, "ProtectHome") == "yes",
         "protect_system_strict": one(u, "ProtectSystem") == "strict",
