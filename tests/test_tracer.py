@@ -672,7 +672,10 @@ def test_ring_overflow_is_counted_exactly(agents):
     """A one-page ring nobody reads while 500 flows open and close over the
     loopback of a namespace of their own (4 events each): most events are lost,
     and the ones delivered plus the ones counted lost make exactly the ones that
-    happened."""
+    happened, unless the kernel skipped some tracepoint hits (BPF recursion guard: a
+    softirq state change on a CPU already running one of the programs, counted as
+    ``missed``, which also counts hits that would not have been events): then they
+    make up the rest, within ``missed``."""
     n = 500
     ns = f"ftC{SUFFIX}"
     sh("ip", "netns", "add", ns)
@@ -694,13 +697,19 @@ def test_ring_overflow_is_counted_exactly(agents):
             def accounted() -> bool:
                 for e in t.poll(20):
                     got[e.kind.value] += 1
-                return got["open"] + got["close"] + t.stats()["lost"] >= 4 * n
+                st = t.stats()
+                return got["open"] + got["close"] + st["lost"] + st["missed"] >= 4 * n
             deadline = time.monotonic() + 20
             while not accounted():
-                assert time.monotonic() < deadline, (got, t.stats())
+                assert time.monotonic() < deadline, (got, {k: v for k, v in t.stats().items()
+                                                           if k != "programs"})
             s = t.stats()
             assert s["lost"] > 0
-            assert got["open"] + got["close"] + s["lost"] == 4 * n
+            seen = got["open"] + got["close"] + s["lost"]
+            if s["missed"] == 0:
+                assert seen == 4 * n, s
+            else:
+                assert seen <= 4 * n <= seen + s["missed"], s
             assert s["events"] == got
         finally:
             t.close()
