@@ -149,6 +149,7 @@ static const struct { const char *name; int size; int qdisc; } pol[TCA_PSP_MAX +
 	[TCA_PSP_CLASS_RATE]	= { "class_rate", 8, 0 },
 	[TCA_PSP_CLASS_CEIL]	= { "class_ceil", 8, 0 },
 	[TCA_PSP_CLASS_LIMIT]	= { "class_limit", 4, 0 },
+	[TCA_PSP_CATCHUP]	= { "catchup", 8, 1 },
 };
 
 int main(int argc, char **argv)
@@ -222,7 +223,7 @@ static void hex(void)
 
 int main(void)
 {
-	uint64_t rate = 1250000, ceil = 2500000, link = 125000000;
+	uint64_t rate = 1250000, ceil = 2500000, link = 125000000, catchup = 30000000;
 	uint32_t limit = 777, defcls = 2, overhead = 24;
 	struct tc_psp_xstats q;
 	struct tc_psp_class_xstats c;
@@ -231,6 +232,7 @@ int main(void)
 	put(TCA_PSP_DEFCLS, &defcls, 4);
 	put(TCA_PSP_OVERHEAD, &overhead, 4);
 	put(TCA_PSP_LIMIT, &limit, 4);
+	put(TCA_PSP_CATCHUP, &catchup, 8);
 	hex();
 	put(TCA_PSP_CLASS_RATE, &rate, 8);
 	put(TCA_PSP_CLASS_CEIL, &ceil, 8);
@@ -291,19 +293,20 @@ def decode(decoder, side: str, payload: bytes) -> dict:
 
 
 def test_pyroute2_encoding_reads_back_in_c(decoder):
-    q = psp.get_parameters(dict(link_rate=(1 << 40), default="f1f0:7", overhead=24, limit=5000))
+    q = psp.get_parameters(dict(link_rate=(1 << 40), default="f1f0:7", overhead=24, limit=5000,
+                                catchup=999_999_937))
     assert decode(decoder, "qdisc", pyroute2_options_payload("psp", q, RTM_NEWQDISC)) == \
-        dict(link_rate=1 << 40, defcls=7, overhead=24, limit=5000)
+        dict(link_rate=1 << 40, defcls=7, overhead=24, limit=5000, catchup=999_999_937)
     c = psp.get_class_parameters(dict(rate=1_250_000, ceil=(1 << 33) + 5, limit=64))
     assert decode(decoder, "class", pyroute2_options_payload("psp", c, RTM_NEWTCLASS)) == \
         dict(class_rate=1_250_000, class_ceil=(1 << 33) + 5, class_limit=64)
 
 
 def test_fast_packers_read_back_in_c(decoder):
-    b = psp.qdisc_options(125_000_000, 2, overhead_bytes=24, limit=100)
+    b = psp.qdisc_options(125_000_000, 2, overhead_bytes=24, limit=100, catchup_ns=0)
     assert b.startswith(b"\x08\x00\x01\x00psp\x00")
     assert decode(decoder, "qdisc", options_payload(b)) == \
-        dict(link_rate=125_000_000, defcls=2, overhead=24, limit=100)
+        dict(link_rate=125_000_000, defcls=2, overhead=24, limit=100, catchup=0)
     assert decode(decoder, "qdisc", options_payload(psp.qdisc_options(None, 0xF1F00002))) == \
         dict(defcls=2)
     assert decode(decoder, "class", options_payload(psp.class_options(1000, 1000))) == \
@@ -337,7 +340,8 @@ def test_c_encoded_dump_decodes_in_pyroute2(tmp_path):
     q = dump(RTM_NEWQDISC, qopt, qxs)
     o = q.get_attr("TCA_OPTIONS")
     assert (o.get_attr("TCA_PSP_LINK_RATE"), o.get_attr("TCA_PSP_DEFCLS"),
-            o.get_attr("TCA_PSP_OVERHEAD"), o.get_attr("TCA_PSP_LIMIT")) == (125_000_000, 2, 24, 777)
+            o.get_attr("TCA_PSP_OVERHEAD"), o.get_attr("TCA_PSP_LIMIT"),
+            o.get_attr("TCA_PSP_CATCHUP")) == (125_000_000, 2, 24, 777, 30_000_000)
     xs = q.get_attr("TCA_XSTATS")
     want = dict(link_rate=125_000_000, rate_sum=3, paced_pkts=4, borrowed_pkts=5, unpaced_pkts=6,
                 late_ns_total=7, late_ns_max=8, clamps=9, timer_fires=10, timer_late_ns_max=11,
@@ -361,7 +365,8 @@ def test_c_encoded_dump_decodes_in_pyroute2(tmp_path):
     assert psp.parse_class_rates(opts) == (1_250_000, 2_500_000)
     assert psp.parse_class_limit(opts) == 777
     assert psp.parse_qdisc_options(parse_attrs(qopt)) == dict(
-        link_rate_bps=125_000_000, default_minor=2, overhead_bytes=24, limit=777)
+        link_rate_bps=125_000_000, default_minor=2, overhead_bytes=24, limit=777,
+        catchup_ns=30_000_000)
 
 
 # ------------------------------------------------------------------ bad input
@@ -374,6 +379,8 @@ def test_c_encoded_dump_decodes_in_pyroute2(tmp_path):
     (lambda: psp.get_parameters({"default": "f1f0:0"}), "default class minor 0"),
     (lambda: psp.get_parameters({"default": "f1f0:zz"}), "is not a class id"),
     (lambda: psp.get_parameters({"overhead": 2000}), "overhead 2000"),
+    (lambda: psp.get_parameters({"catchup": 10 ** 9 + 1}), "catchup 1000000001 is outside"),
+    (lambda: psp.qdisc_options(None, catchup_ns=-1), "catchup -1 is outside"),
     (lambda: psp.get_class_parameters({"rate": 10, "ceil": 5}), "ceil 5 is below rate 10"),
     (lambda: psp.get_class_parameters({"rate": True}), "rate must be an integer"),
     (lambda: psp.class_options(0), "rate 0 is outside"),

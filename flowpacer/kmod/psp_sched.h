@@ -78,13 +78,21 @@
  *     at once, and after such a pair the class waits one packet time: never
  *     more than two back to back, however late the timer (pairs keep the
  *     rate where timers are routinely late by more than half a packet
- *     time, as at high rates).  The lag kept is bounded by PSP_CATCHUP_NS
- *     (or one packet time, if longer); what lies beyond is dropped and
- *     counted (clamps).  So an occasional late timer costs no rate.
- *   - The ceil clock keeps a lag like the rate clock (PSP_CATCHUP_NS), and
- *     borrowers pair up against their ceil's packet time; the link clock
- *     may lag by PSP_LINK_CATCHUP_NS (or one link packet), which it makes
- *     up at the device's speed.
+ *     time, as at high rates).  The lag kept is bounded by the qdisc's
+ *     catch-up window catchup_ns (or one packet time, if longer); what
+ *     lies beyond is dropped and counted (clamps).  So a stall of the
+ *     host shorter than the window costs no rate; a longer one costs what
+ *     lies beyond the window, and the window bounds the extra a class can
+ *     send at 2x after it (catchup_ns * rate bytes).
+ *   - The ceil clock keeps a lag of at most PSP_CEIL_CATCHUP_NS (or one
+ *     packet time at the ceil): the window covers the guaranteed rate,
+ *     not borrowed capacity.  A ceil clock advances at the ceil while its
+ *     class sends at its rate, so it lags whenever the class cannot borrow
+ *     (the link is busy); a lag kept from then would be credit above the
+ *     ceil once the link frees.  After a stall a borrower makes up its
+ *     rate lag at up to its ceil.  Borrowers pair up against their ceil's
+ *     packet time.  The link clock may lag by PSP_LINK_CATCHUP_NS (or one
+ *     link packet), which it makes up at the device's speed.
  *   - A class that was idle (empty queue) restarts its clocks at
  *     max(clock, now): no credit is hoarded while idle.
  *   - Oversubscription: while the rates of the backlogged paced classes add
@@ -104,8 +112,8 @@
 #define PSP_EST_SHIFT		2		/* EWMA weight 1/4 per window */
 #define PSP_EST_STALE_WINDOWS	16		/* idle that long: forget the average */
 #define PSP_MIGRATE_MAX		16		/* due classes moved per dequeue */
-#define PSP_CATCHUP_NS		(10ULL * 1000 * 1000)	/* lag a class may make up */
 #define PSP_LINK_CATCHUP_NS	(1000ULL * 1000)	/* lag the link may make up */
+#define PSP_CEIL_CATCHUP_NS	(1000ULL * 1000)	/* lag a ceil clock may make up */
 #define PSP_DL_SHIFT		16		/* fixed point of dl_inv */
 #define PSP_HEAD_MAX		131071		/* bytes: caps a deadline offset */
 
@@ -160,6 +168,7 @@ struct psp_sched {
 	u64			t_link;		/* link clock, ns */
 	u64			link_rate;	/* bytes/s, > 0 */
 	u64			link_rem;
+	u64			catchup_ns;	/* lag a class may make up */
 	u64			rate_sum;	/* rates of the backlogged paced classes */
 	u64			seq;		/* tie breaker: FIFO among equal keys */
 	u32			overhead;	/* bytes per wire packet */
@@ -354,14 +363,23 @@ static inline void psp_sched_set_link(struct psp_sched *q, u64 link_rate,
 	q->overhead = overhead;
 }
 
+/* The catch-up window: how far a paced class's clocks may lag "now".
+ * Takes effect at the next packet; a lag already above it is cut then.
+ */
+static inline void psp_sched_set_catchup(struct psp_sched *q, u64 catchup_ns)
+{
+	q->catchup_ns = catchup_ns;
+}
+
 static inline void psp_sched_init(struct psp_sched *q, u64 link_rate,
-				  u32 overhead)
+				  u32 overhead, u64 catchup_ns)
 {
 	psp_tree_init(&q->wtree);
 	psp_tree_init(&q->etree);
 	psp_tree_init(&q->utree);
 	psp_tree_init(&q->btree);
 	psp_sched_set_link(q, link_rate, overhead);
+	psp_sched_set_catchup(q, catchup_ns);
 }
 
 /* Put a class that has just got its first packet (@head wire bytes) into
@@ -549,7 +567,7 @@ static inline void psp_charge(struct psp_sched *q, struct psp_sclass *c,
 			c->late_ns_max = late;
 		tx = psp_scaled(q, psp_tx(bytes, c->rate, &c->rate_rem),
 				&c->scale_rem);
-		if (psp_clock_advance(&c->t_rate, tx, now, PSP_CATCHUP_NS)) {
+		if (psp_clock_advance(&c->t_rate, tx, now, q->catchup_ns)) {
 			c->clamps++;
 			q->clamps++;
 		}
@@ -566,7 +584,7 @@ static inline void psp_charge(struct psp_sched *q, struct psp_sclass *c,
 	}
 	if (c->flags & PSP_SC_BORROW) {
 		tx = psp_tx(bytes, c->ceil, &c->ceil_rem);
-		psp_clock_advance(&c->t_ceil, tx, now, PSP_CATCHUP_NS);
+		psp_clock_advance(&c->t_ceil, tx, now, PSP_CEIL_CATCHUP_NS);
 		ref = tx;	/* a borrower may go as fast as its ceil */
 	}
 	if (c->rate) {

@@ -14,7 +14,9 @@
  * Layout (flowpacer's daemon uses major 0xF1F0):
  *   qdisc  MAJ:     root.  Options: link rate (default: ethtool speed of the
  *                   device, required when it reports none), default class
- *                   minor, per-packet overhead, default class packet limit.
+ *                   minor, per-packet overhead, default class packet limit,
+ *                   catch-up window (how much lag a class may make up after
+ *                   a stall, at up to twice its rate; default 50 ms).
  *   class  MAJ:DEF  made by the qdisc itself (DEF = TCA_PSP_DEFCLS, default
  *                   2): unpaced, carries unmatched traffic within the link
  *                   rate.  Only its limit can change; it cannot be deleted.
@@ -398,10 +400,11 @@ struct psp_sched_data {
 /* Validated qdisc options. */
 struct psp_qopt {
 	u64	link_rate;
+	u64	catchup_ns;
 	u32	defcls;
 	u32	overhead;
 	u32	limit;
-	bool	has_link_rate, has_defcls, has_overhead, has_limit;
+	bool	has_link_rate, has_defcls, has_overhead, has_limit, has_catchup;
 };
 
 /* ------------------------------------------------------------- helpers */
@@ -671,6 +674,7 @@ static const struct nla_policy psp_qdisc_policy[TCA_PSP_MAX + 1] = {
 	[TCA_PSP_DEFCLS]	= { .type = NLA_U32 },
 	[TCA_PSP_OVERHEAD]	= { .type = NLA_U32 },
 	[TCA_PSP_LIMIT]		= { .type = NLA_U32 },
+	[TCA_PSP_CATCHUP]	= { .type = NLA_U64 },
 	[TCA_PSP_CLASS_RATE]	= { .type = NLA_REJECT,
 				    .reject_message = "sch_psp: class rate given in qdisc options" },
 	[TCA_PSP_CLASS_CEIL]	= { .type = NLA_REJECT,
@@ -691,6 +695,8 @@ static const struct nla_policy psp_class_policy[TCA_PSP_MAX + 1] = {
 	[TCA_PSP_CLASS_RATE]	= { .type = NLA_U64 },
 	[TCA_PSP_CLASS_CEIL]	= { .type = NLA_U64 },
 	[TCA_PSP_CLASS_LIMIT]	= { .type = NLA_U32 },
+	[TCA_PSP_CATCHUP]	= { .type = NLA_REJECT,
+				    .reject_message = "sch_psp: catch-up window given in class options" },
 };
 
 static int psp_check_limit(u32 limit, struct netlink_ext_ack *extack)
@@ -765,6 +771,15 @@ static int psp_parse_qopt(struct Qdisc *sch, struct nlattr *opt,
 		if (err)
 			return err;
 	}
+	if (tb[TCA_PSP_CATCHUP]) {
+		o->catchup_ns = nla_get_u64(tb[TCA_PSP_CATCHUP]);
+		o->has_catchup = true;
+		if (o->catchup_ns > PSP_CATCHUP_MAX_NS) {
+			NL_SET_BAD_ATTR(extack, tb[TCA_PSP_CATCHUP]);
+			NL_SET_ERR_MSG_MOD(extack, "catch-up window above 1 s");
+			return -ERANGE;
+		}
+	}
 	return 0;
 }
 
@@ -793,6 +808,8 @@ static int psp_change(struct Qdisc *sch, struct nlattr *opt,
 
 	sch_tree_lock(sch);
 	psp_sched_set_link(&q->s, link_rate, overhead);
+	if (o.has_catchup)
+		psp_sched_set_catchup(&q->s, o.catchup_ns);
 	if (o.has_limit)
 		q->limit = o.limit;
 	if (def)
@@ -843,7 +860,8 @@ static int psp_init(struct Qdisc *sch, struct nlattr *opt,
 	if (!def)
 		return -ENOMEM;
 
-	psp_sched_init(&q->s, link_rate, o.has_overhead ? o.overhead : 0);
+	psp_sched_init(&q->s, link_rate, o.has_overhead ? o.overhead : 0,
+		       o.has_catchup ? o.catchup_ns : PSP_DEFAULT_CATCHUP_NS);
 	qdisc_class_hash_insert(&q->clhash, &def->common);
 	q->defclass = def;
 	return 0;
@@ -1105,7 +1123,9 @@ static int psp_dump(struct Qdisc *sch, struct sk_buff *skb)
 	    nla_put_u32(skb, TCA_PSP_DEFCLS,
 			q->defclass ? TC_H_MIN(q->defclass->common.classid) : 0) ||
 	    nla_put_u32(skb, TCA_PSP_OVERHEAD, q->s.overhead) ||
-	    nla_put_u32(skb, TCA_PSP_LIMIT, q->limit))
+	    nla_put_u32(skb, TCA_PSP_LIMIT, q->limit) ||
+	    nla_put_u64_64bit(skb, TCA_PSP_CATCHUP, q->s.catchup_ns,
+			      TCA_PSP_PAD))
 		goto nla_put_failure;
 	return nla_nest_end(skb, nest);
 

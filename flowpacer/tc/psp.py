@@ -8,7 +8,9 @@ The objects (see the header comment of ``flowpacer/kmod/sch_psp.c``):
 
 * qdisc ``psp``, root, handle ``MAJ:``: ``link_rate`` (bytes/s; default: the device's ethtool
   speed, required when the device reports none), ``default`` (minor of the default class, 2),
-  ``overhead`` (bytes added to every wire packet, 0) and ``limit`` (packets per class, 1000).
+  ``overhead`` (bytes added to every wire packet, 0), ``limit`` (packets per class, 1000) and
+  ``catchup`` (ns of lag a paced class may make up after a stall, at up to twice its rate;
+  0..1 s, default 50 ms).
 * The qdisc makes its default class ``MAJ:default`` itself: unpaced, for unmatched traffic, within
   the link rate. Do not ``add-class`` it (EEXIST); only its limit can be changed, with
   ``default_class_options()``; it cannot be deleted.
@@ -50,13 +52,16 @@ TCA_PSP_LIMIT = 5
 TCA_PSP_CLASS_RATE = 6
 TCA_PSP_CLASS_CEIL = 7
 TCA_PSP_CLASS_LIMIT = 8
-TCA_PSP_MAX = 8
+TCA_PSP_CATCHUP = 9
+TCA_PSP_MAX = 9
 
 PSP_RATE_MAX = 1 << 40          # bytes/s
 PSP_OVERHEAD_MAX = 1024         # bytes
 PSP_LIMIT_MAX = 1 << 20         # packets
 PSP_DEFAULT_LIMIT = 1000
 PSP_DEFAULT_DEFCLS = 2
+PSP_CATCHUP_MAX_NS = 1_000_000_000
+PSP_DEFAULT_CATCHUP_NS = 50_000_000
 
 PSP_CLASS_F_UNPACED = 0x1
 PSP_CLASS_F_DEFAULT = 0x2
@@ -117,6 +122,8 @@ def get_parameters(kwarg: dict) -> dict:
         attrs.append(["TCA_PSP_OVERHEAD", _int("overhead", kwarg["overhead"], 0, PSP_OVERHEAD_MAX)])
     if kwarg.get("limit") is not None:
         attrs.append(["TCA_PSP_LIMIT", _int("limit", kwarg["limit"], 1, PSP_LIMIT_MAX)])
+    if kwarg.get("catchup") is not None:
+        attrs.append(["TCA_PSP_CATCHUP", _int("catchup", kwarg["catchup"], 0, PSP_CATCHUP_MAX_NS)])
     return {"attrs": attrs}
 
 
@@ -159,6 +166,7 @@ class options(nla):
         ("TCA_PSP_CLASS_RATE", "uint64"),
         ("TCA_PSP_CLASS_CEIL", "uint64"),
         ("TCA_PSP_CLASS_LIMIT", "uint32"),
+        ("TCA_PSP_CATCHUP", "uint64"),
     )
 
 
@@ -204,8 +212,10 @@ def register() -> None:
 # --------------------------------------------------------------- fast packers
 
 def qdisc_options(link_rate_bps: Optional[int], default_minor: int = PSP_DEFAULT_DEFCLS,
-                  overhead_bytes: int = 0, limit: Optional[int] = None) -> bytes:
-    """TCA_KIND + TCA_OPTIONS for a psp qdisc. ``link_rate_bps`` None: the device's speed."""
+                  overhead_bytes: int = 0, limit: Optional[int] = None,
+                  catchup_ns: Optional[int] = None) -> bytes:
+    """TCA_KIND + TCA_OPTIONS for a psp qdisc. ``link_rate_bps`` None: the device's speed;
+    ``catchup_ns`` None: the module's catch-up window (PSP_DEFAULT_CATCHUP_NS)."""
     opts = []
     if link_rate_bps is not None:
         opts.append(nla_u64(TCA_PSP_LINK_RATE, _int("link_rate", link_rate_bps, 1, PSP_RATE_MAX)))
@@ -215,6 +225,8 @@ def qdisc_options(link_rate_bps: Optional[int], default_minor: int = PSP_DEFAULT
                             _int("overhead", overhead_bytes, 0, PSP_OVERHEAD_MAX)))
     if limit is not None:
         opts.append(nla_u32(TCA_PSP_LIMIT, _int("limit", limit, 1, PSP_LIMIT_MAX)))
+    if catchup_ns is not None:
+        opts.append(nla_u64(TCA_PSP_CATCHUP, _int("catchup", catchup_ns, 0, PSP_CATCHUP_MAX_NS)))
     return nla_str(TCA_KIND, KIND) + nla_nested(TCA_OPTIONS, *opts)
 
 
@@ -264,7 +276,8 @@ def parse_qdisc_options(options: dict) -> dict:
     return dict(link_rate_bps=_u(options, TCA_PSP_LINK_RATE, "Q"),
                 default_minor=_u(options, TCA_PSP_DEFCLS, "I"),
                 overhead_bytes=_u(options, TCA_PSP_OVERHEAD, "I"),
-                limit=_u(options, TCA_PSP_LIMIT, "I"))
+                limit=_u(options, TCA_PSP_LIMIT, "I"),
+                catchup_ns=_u(options, TCA_PSP_CATCHUP, "Q"))
 
 
 def parse_class_rates(options: dict) -> Tuple[int, int]:

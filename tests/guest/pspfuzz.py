@@ -54,12 +54,14 @@ UDP_PORT, TCP_PORT = 7301, 7302
 
 # attribute policy of each object (uapi/pkt_sch_psp.h and sch_psp.c)
 QDISC_POLICY = {1: "pad", 2: "u64", 3: "u32", 4: "u32", 5: "u32", 6: "reject", 7: "reject",
-                8: "reject"}
+                8: "reject", 9: "u64"}
 CLASS_POLICY = {1: "pad", 2: "reject", 3: "reject", 4: "reject", 5: "reject", 6: "u64",
-                7: "u64", 8: "u32"}
+                7: "u64", 8: "u32", 9: "reject"}
+U64_ATTRS = (2, 6, 7, 9)
 LEN = {"u32": 4, "u64": 8}
 
-EDGE64 = [0, 1, 2, 7, 100, 1000, 125_000, 1_250_000, 12_500_000, 125_000_000, 2**32 - 1, 2**32,
+EDGE64 = [0, 1, 2, 7, 100, 1000, 125_000, 1_250_000, 12_500_000, 125_000_000, 10**9, 10**9 + 1,
+          2**32 - 1, 2**32,
           MAX - 1, MAX, MAX + 1, 2**63, 2**64 - 1]
 EDGE32 = [0, 1, 2, 3, 16, 24, 1000, 1023, 1024, 1025, 0xFFFF, 0x10000, LIMIT_MAX - 1, LIMIT_MAX,
           LIMIT_MAX + 1, 2**31, 2**32 - 1]
@@ -127,7 +129,7 @@ class Cls:
 
 @dataclasses.dataclass
 class Model:
-    q: Optional[dict] = None                 # link, defcls, overhead, limit
+    q: Optional[dict] = None                 # link, defcls, overhead, limit, catchup
     classes: Dict[int, Cls] = dataclasses.field(default_factory=dict)
     # u32 filters by prio: (class minor, bound). A filter is bound to its class (and keeps it
     # from being deleted) only if the class existed when the filter was made: tc's reverse
@@ -138,7 +140,8 @@ class Model:
     def view(self):
         if self.q is None:
             return None
-        return ((self.q["link"], self.q["defcls"], self.q["overhead"], self.q["limit"]),
+        return ((self.q["link"], self.q["defcls"], self.q["overhead"], self.q["limit"],
+                 self.q["catchup"]),
                 {m: (c.rate, c.ceil, c.limit, c.rate == 0, m == self.q["defcls"])
                  for m, c in self.classes.items()})
 
@@ -152,7 +155,7 @@ def kernel_view(sock: PspNl, dev: str):
         fl = c.xstats["flags"] if c.xstats else -1
         cls[m] = (c.rate, c.ceil, c.limit, bool(fl & enc.PSP_CLASS_F_UNPACED),
                   bool(fl & enc.PSP_CLASS_F_DEFAULT))
-    return (q.link_rate, q.defcls, q.overhead, q.limit), cls
+    return (q.link_rate, q.defcls, q.overhead, q.limit, q.catchup_ns), cls
 
 
 def model_from_kernel(sock: PspNl, dev: str, filters: Dict[int, Tuple[int, bool]]) -> Model:
@@ -161,7 +164,8 @@ def model_from_kernel(sock: PspNl, dev: str, filters: Dict[int, Tuple[int, bool]
     if q is None:
         m.filters = {}
         return m
-    m.q = dict(link=q.link_rate, defcls=q.defcls, overhead=q.overhead, limit=q.limit)
+    m.q = dict(link=q.link_rate, defcls=q.defcls, overhead=q.overhead, limit=q.limit,
+               catchup=q.catchup_ns)
     m.classes = {mi: Cls(c.rate or 0, c.ceil or 0, c.limit) for mi, c in sock.classes(dev).items()}
     return m
 
@@ -183,6 +187,8 @@ def check_qopt(tb: Dict[int, int]) -> int:
         return errno.EINVAL
     if 5 in tb and not 1 <= tb[5] <= LIMIT_MAX:
         return errno.EINVAL
+    if 9 in tb and tb[9] > enc.PSP_CATCHUP_MAX_NS:
+        return errno.ERANGE
     return 0
 
 
@@ -260,7 +266,7 @@ class Gen:
             n_random = r.choice((0, 1, 1, 2, 2, 3, 4, 6))
         for _ in range(n_random):
             t = r.choice(allowed) if r.random() < 0.85 else r.choice(other)
-            size = 8 if t in (2, 6, 7) else 4
+            size = 8 if t in U64_ATTRS else 4
             if t == 3 and r.random() < 0.5:                 # a default class: real minors
                 val = r.choice([self.minor(model), h(self.minor(model)),
                                 h(self.minor(model), 0x1234)])
@@ -271,7 +277,7 @@ class Gen:
             for _ in range(r.randint(1, 2)):
                 kind = r.randrange(7)
                 if kind == 0:      # random type, any flags, random size
-                    t = r.choice([0, 1, 9, 10, 0x3FFF, r.getrandbits(16), r.choice(allowed)])
+                    t = r.choice([0, 1, 10, 11, 0x3FFF, r.getrandbits(16), r.choice(allowed)])
                     out.insert(r.randrange(len(out) + 1),
                                Attr(t, os.urandom(r.choice((0, 1, 2, 3, 4, 5, 7, 8, 12, 16)))))
                 elif kind == 1 and out:   # wrong size for a known type
@@ -316,6 +322,9 @@ class Gen:
                 out.append(Attr(4, struct.pack("=I", r.choice((0, 24, 1024)))))
             if r.random() < 0.3:
                 out.append(Attr(5, struct.pack("=I", r.choice((1, 10, 1000, LIMIT_MAX)))))
+            if r.random() < 0.3:
+                out.append(Attr(9, struct.pack("=Q", r.choice((0, 1, 10_000_000,
+                                                               enc.PSP_CATCHUP_MAX_NS)))))
         r.shuffle(out)
         return out
 
@@ -338,7 +347,7 @@ class Gen:
         if op.startswith("qdisc"):
             if op == "qdisc-delete":
                 return Req(op, RTM_DELQDISC, 0, 0, TC_H_ROOT, None, None)
-            payload, bad = self.attrs([2, 3, 4, 5], [1, 6, 7, 8], model)
+            payload, bad = self.attrs([2, 3, 4, 5, 9], [1, 6, 7, 8], model)
             flags = {"qdisc-create": NLM_F_CREATE | NLM_F_EXCL, "qdisc-change": 0,
                      "qdisc-replace": NLM_F_CREATE | NLM_F_REPLACE}[op]
             opts = payload if r.random() < 0.93 else None
@@ -353,7 +362,7 @@ class Gen:
                            weights=[70, 12, 8, 6, 4])[0]
         if mtype == RTM_DELTCLASS:
             return Req(op, mtype, flags, handle, parent, None, None)
-        payload, bad = self.attrs([6, 7, 8], [1, 2, 3, 4, 5], model)
+        payload, bad = self.attrs([6, 7, 8], [1, 2, 3, 4, 5, 9], model)
         opts = payload if r.random() < 0.95 else None
         return Req(op, mtype, flags, handle, parent, "psp", opts, nested=r.random() < 0.95,
                    estimator=self.estimator(), malformed=bad)
@@ -390,7 +399,8 @@ def _predict_qdisc(req: Req, m: Model) -> Tuple[int, Optional[Model]]:
         limit = tb.get(5, 1000)
         defcls = tb[3] & 0xFFFF if 3 in tb else 2
         return 0, Model(q=dict(link=min(link, MAX), defcls=defcls, overhead=tb.get(4, 0),
-                               limit=limit), classes={defcls: Cls(0, 0, limit)})
+                               limit=limit, catchup=tb.get(9, enc.PSP_DEFAULT_CATCHUP_NS)),
+                        classes={defcls: Cls(0, 0, limit)})
     # change or replace of the existing psp root: qdisc_change -> psp_change (options given)
     err, tb = _parsed(req, QDISC_POLICY)
     err = err or check_qopt(tb)
@@ -407,6 +417,8 @@ def _predict_qdisc(req: Req, m: Model) -> Tuple[int, Optional[Model]]:
         n.q["overhead"] = tb[4]
     if 5 in tb:
         n.q["limit"] = tb[5]
+    if 9 in tb:
+        n.q["catchup"] = tb[9]
     if 3 in tb:
         n.q["defcls"] = tb[3] & 0xFFFF
     return 0, n

@@ -154,6 +154,7 @@ class QdiscInfo:
     xstats: Optional[dict]
     stats: dict
     raw_options: dict
+    catchup_ns: Optional[int] = None
 
 
 @dataclasses.dataclass
@@ -231,7 +232,8 @@ class PspNl:
     # -- qdisc -----------------------------------------------------------------
     @staticmethod
     def qdisc_opts(link_rate_bps: Optional[int] = None, defcls: Optional[int] = None,
-                   overhead: Optional[int] = None, limit: Optional[int] = None) -> bytes:
+                   overhead: Optional[int] = None, limit: Optional[int] = None,
+                   catchup_ns: Optional[int] = None) -> bytes:
         opts = []
         if link_rate_bps is not None:
             opts.append(nl.nla_u64(enc.TCA_PSP_LINK_RATE, link_rate_bps))
@@ -241,6 +243,8 @@ class PspNl:
             opts.append(nl.nla_u32(enc.TCA_PSP_OVERHEAD, overhead))
         if limit is not None:
             opts.append(nl.nla_u32(enc.TCA_PSP_LIMIT, limit))
+        if catchup_ns is not None:
+            opts.append(nl.nla_u64(enc.TCA_PSP_CATCHUP, catchup_ns))
         return nl.nla_str(nl.TCA_KIND, "psp") + nl.nla_nested(nl.TCA_OPTIONS, *opts)
 
     @staticmethod
@@ -305,6 +309,7 @@ class PspNl:
                 kind=obj.kind, handle=obj.handle,
                 link_rate=_u(o, enc.TCA_PSP_LINK_RATE, "Q"), defcls=_u(o, enc.TCA_PSP_DEFCLS, "I"),
                 overhead=_u(o, enc.TCA_PSP_OVERHEAD, "I"), limit=_u(o, enc.TCA_PSP_LIMIT, "I"),
+                catchup_ns=_u(o, enc.TCA_PSP_CATCHUP, "Q"),
                 xstats=enc.parse_qdisc_xstats(xs) if obj.kind == "psp" and xs else None,
                 stats=nl.parse_stats2(obj), raw_options=o))
         return out

@@ -43,7 +43,7 @@ def snapshot(sock: PspNl, dev: str):
     q = sock.root(dev)
     cls = {m: (c.rate, c.ceil, c.limit, c.xstats["flags"] & 3)
            for m, c in sock.classes(dev).items()}
-    return (q.link_rate, q.defcls, q.overhead, q.limit) if q else None, cls
+    return (q.link_rate, q.defcls, q.overhead, q.limit, q.catchup_ns) if q else None, cls
 
 
 def add_filter(tb: Testbed, minor: int) -> None:
@@ -89,6 +89,7 @@ def test_qdisc_defaults_dump_and_change(bed):
     assert err == (0, None)
     q = sock.root(dev)
     assert (q.link_rate, q.defcls, q.overhead, q.limit) == (10_000 * 10**6 // 8, 2, 0, 1000)
+    assert q.catchup_ns == enc.PSP_DEFAULT_CATCHUP_NS == 50 * 10**6
     assert q.xstats["classes"] == 1 and q.xstats["link_rate"] == q.link_rate
     cls = sock.classes(dev)
     assert list(cls) == [2]
@@ -96,9 +97,13 @@ def test_qdisc_defaults_dump_and_change(bed):
     assert (d.rate, d.ceil, d.limit) == (0, 0, 1000)
     assert d.xstats["flags"] == enc.PSP_CLASS_F_UNPACED | enc.PSP_CLASS_F_DEFAULT
     # change in place: every option dumps back
-    sock.change_qdisc(dev, link_rate_bps=mbit(250), overhead=24, limit=77)
+    sock.change_qdisc(dev, link_rate_bps=mbit(250), overhead=24, limit=77, catchup_ns=10**9)
     q = sock.root(dev)
     assert (q.link_rate, q.defcls, q.overhead, q.limit) == (mbit(250), 2, 24, 77)
+    assert q.catchup_ns == enc.PSP_CATCHUP_MAX_NS
+    sock.change_qdisc(dev, catchup_ns=0)           # 0: one packet time; others stay
+    q = sock.root(dev)
+    assert (q.link_rate, q.overhead, q.limit, q.catchup_ns) == (mbit(250), 24, 77, 0)
     # classes made afterwards get the qdisc's limit; ceil defaults to the rate
     sock.add_class(dev, 0x10, mbit(3))
     sock.add_class(dev, 0x11, mbit(2), ceil_bps=mbit(5), limit=5)
@@ -170,8 +175,13 @@ def _qdisc_cases(lo_dev: str, dummy: str):
          "NLA_F_NESTED is missing"),
         ("pad-attribute", None, True, opts(N.nla(enc.TCA_PSP_PAD, U32(0)), ok_rate), errno.EINVAL,
          "Unsupported attribute"),
-        ("unknown-attribute", None, True, opts(ok_rate, a32(9, 1)), errno.EINVAL,
+        ("unknown-attribute", None, True, opts(ok_rate, a32(enc.TCA_PSP_MAX + 1, 1)), errno.EINVAL,
          "Unknown attribute type"),
+        ("catchup-above-1s", None, True,
+         opts(ok_rate, a64(enc.TCA_PSP_CATCHUP, enc.PSP_CATCHUP_MAX_NS + 1)), errno.ERANGE,
+         "catch-up window above 1 s"),
+        ("catchup-given-as-u32", None, True, opts(ok_rate, a32(enc.TCA_PSP_CATCHUP, 1000)),
+         errno.EINVAL, "invalid attribute length"),
         ("u64-given-as-u32", None, True, opts(N.nla(L, U32(12500))), errno.EINVAL,
          "invalid attribute length"),
         ("trailing-bytes", None, True, opts(ok_rate, b"\0\0\0\0"), errno.EINVAL,
@@ -184,6 +194,10 @@ def _qdisc_cases(lo_dev: str, dummy: str):
          "link rate above 2^40 bytes/s"),
         ("change-class-rate-in-qdisc", None, False, opts(a64(enc.TCA_PSP_CLASS_RATE, 5)),
          errno.EINVAL, "class rate given in qdisc options"),
+        # validated fully before anything changes: the good link rate is not applied either
+        ("change-catchup-u64-max", None, False,
+         opts(a64(L, mbit(300)), a64(enc.TCA_PSP_CATCHUP, 2**64 - 1)), errno.ERANGE,
+         "catch-up window above 1 s"),
     ]
 
 
@@ -218,6 +232,9 @@ def _class_cases():
         ("defcls-in-class", RTM_NEWTCLASS, NEW, h(0x20), QDISC,
          opts(a64(R, 1000), a32(enc.TCA_PSP_DEFCLS, 2)), errno.EINVAL,
          "default class given in class options"),
+        ("catchup-in-class", RTM_NEWTCLASS, NEW, h(0x20), QDISC,
+         opts(a64(R, 1000), a64(enc.TCA_PSP_CATCHUP, 1000)), errno.EINVAL,
+         "catch-up window given in class options"),
         ("parent-is-a-class", RTM_NEWTCLASS, NEW, h(0x20), h(0x10), opts(a64(R, 1000)),
          errno.EINVAL, "psp classes are flat: the parent must be the qdisc"),
         ("minor-0", RTM_NEWTCLASS, NEW, h(0), QDISC, opts(a64(R, 1000)), errno.EINVAL,

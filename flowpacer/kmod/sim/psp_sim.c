@@ -575,6 +575,7 @@ struct psp_sim_pkt {
 struct psp_sim *psp_sim_new(u64 link_rate, u32 overhead);
 void psp_sim_free(struct psp_sim *sim);
 void psp_sim_set_link(struct psp_sim *sim, u64 link_rate, u32 overhead);
+void psp_sim_set_catchup(struct psp_sim *sim, u64 catchup_ns);
 int psp_sim_add_class(struct psp_sim *sim, u64 rate, u64 ceil, u32 limit);
 int psp_sim_change_class(struct psp_sim *sim, int cls, u64 rate, u64 ceil,
 			 u32 limit, u64 now);
@@ -606,7 +607,7 @@ struct psp_sim *psp_sim_new(u64 link_rate, u32 overhead)
 	sim = calloc(1, sizeof(*sim));
 	if (!sim)
 		return NULL;
-	psp_sched_init(&sim->s, link_rate, overhead);
+	psp_sched_init(&sim->s, link_rate, overhead, PSP_DEFAULT_CATCHUP_NS);
 	return sim;
 }
 
@@ -630,6 +631,11 @@ void psp_sim_set_link(struct psp_sim *sim, u64 link_rate, u32 overhead)
 {
 	if (link_rate)
 		psp_sched_set_link(&sim->s, link_rate, overhead);
+}
+
+void psp_sim_set_catchup(struct psp_sim *sim, u64 catchup_ns)
+{
+	psp_sched_set_catchup(&sim->s, catchup_ns);
 }
 
 /* The trees find nodes by id in the class array: point them at it. */

@@ -107,6 +107,7 @@ def load() -> ctypes.CDLL:
         "psp_sim_new": (vp, [u64, u32]),
         "psp_sim_free": (None, [vp]),
         "psp_sim_set_link": (None, [vp, u64, u32]),
+        "psp_sim_set_catchup": (None, [vp, u64]),
         "psp_sim_add_class": (ip, [vp, u64, u64, u32]),
         "psp_sim_change_class": (ip, [vp, ip, u64, u64, u32, u64]),
         "psp_sim_del_class": (ip, [vp, ip]),
@@ -161,6 +162,10 @@ class Sim:
     # -------------------------------------------------------------- setup
     def set_link(self, link_rate: int, overhead: int = 0) -> None:
         self._lib.psp_sim_set_link(self._h, link_rate, overhead)
+
+    def set_catchup(self, catchup_ns: int) -> None:
+        """The qdisc's catch-up window (TCA_PSP_CATCHUP); a new Sim has the module's default."""
+        self._lib.psp_sim_set_catchup(self._h, catchup_ns)
 
     def add_class(self, rate: int, ceil: int = 0, limit: int = 0) -> int:
         """rate 0: unpaced (like the module's default class). ceil 0: equal to rate."""

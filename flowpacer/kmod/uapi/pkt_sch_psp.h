@@ -33,6 +33,10 @@ enum {
 	TCA_PSP_CLASS_RATE,	/* u64 bytes/s, > 0 (0 in dumps: unpaced class) */
 	TCA_PSP_CLASS_CEIL,	/* u64 bytes/s, >= rate; default: rate (no borrowing) */
 	TCA_PSP_CLASS_LIMIT,	/* u32 packets; default: the qdisc's TCA_PSP_LIMIT */
+	/* qdisc options added later (numbers are never reused or moved) */
+	TCA_PSP_CATCHUP,	/* u64 ns a paced class may fall behind and make up
+				 * (at <= 2x its rate); default PSP_DEFAULT_CATCHUP_NS
+				 */
 	__TCA_PSP_MAX
 };
 
@@ -43,6 +47,8 @@ enum {
 #define PSP_LIMIT_MAX		(1U << 20)	/* packets per class */
 #define PSP_DEFAULT_LIMIT	1000U		/* packets per class */
 #define PSP_DEFAULT_DEFCLS	2U		/* minor of the default class */
+#define PSP_CATCHUP_MAX_NS	1000000000ULL	/* 1 s */
+#define PSP_DEFAULT_CATCHUP_NS	50000000ULL	/* 50 ms */
 
 /* tc_psp_class_xstats.flags */
 #define PSP_CLASS_F_UNPACED	0x1	/* no rate: served from idle link time */
@@ -58,7 +64,7 @@ struct tc_psp_xstats {
 	__u64	unpaced_pkts;	/* packets of unpaced classes */
 	__u64	late_ns_total;	/* sum of (departure - scheduled time), paced */
 	__u64	late_ns_max;
-	__u64	clamps;		/* clock catch-ups clamped to one packet */
+	__u64	clamps;		/* times lag beyond TCA_PSP_CATCHUP was dropped */
 	__u64	timer_fires;	/* dequeues at or after the armed watchdog time */
 	__u64	timer_late_ns_max;	/* worst watchdog lateness seen */
 	__u64	gso_split;	/* GSO packets segmented at enqueue */
