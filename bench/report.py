@@ -272,7 +272,8 @@ def _psp_rate_error(R):
     for rate in (1, 10, 100):
         if sm:
             ps = g(sm, "psp", f"{rate}mbit_gso_on") or {}
-            f = "frame_rate_error_pct" if "frame_rate_error_pct" in ps else "goodput_error_pct"
+            f = next(k for k in ("frame_fit_error_pct", "frame_rate_error_pct", "goodput_error_pct")
+                     if k in ps or k == "goodput_error_pct")
             p, h = _vp(sm, "psp", rate, True, f), _vp(sm, "htb", rate, True, f)
             p, h = (None if p is None else p / 100), (None if h is None else h / 100)
         else:

@@ -55,6 +55,22 @@ def test_perfect_pacing():
     assert st.max_per_ms == 1
 
 
+def test_fitted_rate_does_not_hang_on_the_end_packets():
+    """Exact pacing, every packet late by 0-300 us (not accumulating, as a byte clock does):
+    the first-to-last rate moves with the two end packets, the fitted one does not."""
+    late = [(i * 7919) % 300_000 for i in range(5000)]
+    late[-1] = 600_000                               # the window's last packet: very late
+    pkts = [Packet(int(i * GAP_NS) + late[i], 1, 1514, 1448, 0) for i in range(5000)]
+    st = analyze(pkts, RATE, warmup_s=1.0)
+    assert st.rate_error < -5e-5                     # the end packets: -71 ppm here
+    assert abs(st.fit_rate_error) < 2e-5
+    # a real rate difference shows in both
+    slow = [Packet(int(i * GAP_NS * 1.001), 1, 1514, 1448, 0) for i in range(5000)]
+    st = analyze(slow, RATE, warmup_s=1.0)
+    assert st.fit_rate_error == pytest.approx(st.rate_error, abs=1e-6)
+    assert st.fit_rate_error == pytest.approx(1 / 1.001 - 1, abs=1e-6)
+
+
 def test_bursts_of_gso_skbs():
     segs = 45
     pkts = [Packet(int(i * segs * GAP_NS), 1, 66 + segs * 1448, segs * 1448, 1448)
