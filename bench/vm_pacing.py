@@ -103,7 +103,7 @@ def guest_main(args) -> int:
                           "mean_lateness_us": round(x["late_ns_total"] / max(1, x["paced_pkts"])
                                                     / 1e3, 1),
                           "worst_lateness_us": round(x["late_ns_max"] / 1e3, 1),
-                          "clamps": x["clamps"],
+                          "clamps": x["clamps"], "longest_run_pkts": x["longest_run"],
                           "worst_timer_lateness_us": round(x["timer_late_ns_max"] / 1e3, 1)}
         runs.append(rec)
         short = (f"{kind:4} {rate:4g} Mbit gso {'on ' if gso else 'off'} rep {rep}: goodput "
@@ -157,6 +157,10 @@ def summarize(runs: list) -> dict:
                     s[f"abs_{f}_max"] = round(max(vals), 4)
             if any("gap_us" in r for r in rs):
                 s["longest_run_pkts_max"] = max(r["longest_run_pkts"] for r in rs)
+                s["reps_with_longer_runs_than_2"] = sum(r["longest_run_pkts"] > 2 for r in rs)
+            own = [r["psp"]["longest_run_pkts"] for r in rs if "longest_run_pkts" in r.get("psp", {})]
+            if own:
+                s["qdisc_longest_run_pkts_max"] = max(own)
                 s["ideal_gap_us"] = rs[0]["ideal_gap_us"]
                 s["gap_us_mean_of_reps"] = {
                     k: round(statistics.fmean(r["gap_us"][k] for r in rs), 1)

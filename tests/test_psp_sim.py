@@ -284,6 +284,42 @@ def test_always_late_timer_catches_up_in_pairs_then_clamps():
         assert s.xstats().clamps > 0
 
 
+def wire_runs(d, rate: int) -> int:
+    """Longest run as tests/guest/pacing.analyze counts it on the wire: a packet less than a
+    quarter of the previous packet's time at ``rate`` after it extends the run."""
+    t = d["t"].astype(np.int64)
+    if len(t) < 2:
+        return len(t)
+    short = np.diff(t) < d["len"][:-1].astype(np.float64) * NSEC / rate / 4
+    best = run = 0
+    for x in short:
+        run = run + 1 if x else 0
+        best = max(best, run)
+    return best + 1
+
+
+@settings(max_examples=30 * EXAMPLES, deadline=None)
+@given(rate=st.sampled_from([2 * MBIT, 10 * MBIT, 100 * MBIT]),
+       late=st.sampled_from([0.0, 0.3, 0.9, 1.5, 3.0, 10.0]),
+       stall_ms=st.integers(min_value=0, max_value=60),
+       sizes=st.lists(st.sampled_from([MTU, MTU, MTU, 170, 66, 1000]), min_size=1, max_size=7))
+def test_longest_run_counts_what_the_departures_show(rate, late, stall_ms, sizes):
+    """xstats.longest_run (the qdisc's own count, which the VM benchmarks put beside the runs
+    seen on the wire) equals the longest run in the departure log as the wire analysis counts
+    it, and is 2 at most for full-size packets, late timers and host stalls included."""
+    tx = tx_ns(MTU, rate)
+    n = int(NSEC / 2 / tx) + 10                  # backlogged for the whole half second
+    with Sim(GBIT) as s:
+        c = s.add_class(rate, limit=n)
+        for i in range(n):
+            assert s.enqueue(c, sizes[i % len(sizes)], now=0)
+        a = s.run(until=NSEC // 4, start=0, late_ns=int(late * tx))
+        b = s.run(until=NSEC // 2, start=s.now + stall_ms * MS, late_ns=int(late * tx))
+        assert s.xstats().longest_run == max(wire_runs(a, rate), wire_runs(b, rate))
+        if set(sizes) == {MTU}:
+            assert s.xstats().longest_run <= 2
+
+
 @settings(max_examples=40 * EXAMPLES, deadline=None)
 @given(rate=st.sampled_from([2 * MBIT, 10 * MBIT, 100 * MBIT, GBIT]),
        jumps=st.lists(st.floats(min_value=0.0, max_value=5000.0), min_size=1, max_size=6),

@@ -241,7 +241,8 @@ int main(void)
 	memset(&q, 0, sizeof(q));
 	q.link_rate = link; q.rate_sum = 3; q.paced_pkts = 4; q.borrowed_pkts = 5;
 	q.unpaced_pkts = 6; q.late_ns_total = 7; q.late_ns_max = 8; q.clamps = 9;
-	q.timer_fires = 10; q.timer_late_ns_max = 11; q.gso_split = 12; q.classes = 13; q.active = 14;
+	q.timer_fires = 10; q.timer_late_ns_max = 11; q.gso_split = 12; q.longest_run = 15;
+	q.classes = 13; q.active = 14;
 	memcpy(buf, &q, sizeof(q)); pos = sizeof(q); hex();
 	memset(&c, 0, sizeof(c));
 	c.rate = rate; c.ceil = ceil; c.eff_rate = 21; c.rate_est = 22; c.borrowed_bytes = 23;
@@ -345,7 +346,7 @@ def test_c_encoded_dump_decodes_in_pyroute2(tmp_path):
     xs = q.get_attr("TCA_XSTATS")
     want = dict(link_rate=125_000_000, rate_sum=3, paced_pkts=4, borrowed_pkts=5, unpaced_pkts=6,
                 late_ns_total=7, late_ns_max=8, clamps=9, timer_fires=10, timer_late_ns_max=11,
-                gso_split=12, classes=13, active=14)
+                gso_split=12, longest_run=15, classes=13, active=14)
     assert {k: xs[k] for k in want} == want
     assert {k: q.get_attr("TCA_STATS2").get_attr("TCA_STATS_APP")[k] for k in want} == want
     assert psp.parse_qdisc_xstats(qxs) == want

@@ -128,6 +128,10 @@ enum psp_send {
 #define PSP_SC_BORROW	0x2	/* paced and ceil > rate */
 #define PSP_SC_DUE	0x4	/* paced, in etree (else in wtree) */
 #define PSP_SC_FIRST	0x8	/* next packet is the first after idle */
+#define PSP_SC_RUN_SHIFT 8	/* bits 8..15: packets in the current run */
+#define PSP_SC_RUN_MAX	0xffU
+#define PSP_SC_PREV_SHIFT 16	/* bits 16..31: wire bytes of the last packet */
+#define PSP_SC_PREV_MAX	0xffffU
 
 struct psp_sclass {
 	/* hot: what one packet of a paced class reads and writes; with a
@@ -180,6 +184,7 @@ struct psp_sched {
 	u64			late_ns_total;
 	u64			late_ns_max;
 	u64			clamps;
+	u64			longest_run;	/* see tc_psp_xstats */
 };
 
 /* --------------------------------------------------------------- helpers */
@@ -545,6 +550,34 @@ static inline struct psp_sclass *psp_select(struct psp_sched *q, u64 now,
 }
 
 /*
+ * Runs as a capture on the wire counts them, by the qdisc's clock: a
+ * class's packet sent less than a quarter of the previous packet's time at
+ * the class's rate after it extends the run.  The catch-up rule keeps runs
+ * at 2 or less; longest_run lets a measurement on the wire tell its own
+ * timing (a vCPU stalled between dequeue and device) from ours.  The run
+ * and the previous packet's size live in spare bits of flags, and dl_inv
+ * is on the same cache line: nothing more is touched per packet.
+ */
+static inline void psp_count_run(struct psp_sched *q, struct psp_sclass *c,
+				 u64 now, u64 bytes)
+{
+	u32 run = (c->flags >> PSP_SC_RUN_SHIFT) & PSP_SC_RUN_MAX;
+	u64 prev = c->flags >> PSP_SC_PREV_SHIFT;
+
+	if (!(c->flags & PSP_SC_FIRST) &&
+	    now - c->t_last < (prev * c->dl_inv) >> (PSP_DL_SHIFT + 2))
+		run += run < PSP_SC_RUN_MAX;
+	else
+		run = 1;
+	if (bytes > PSP_SC_PREV_MAX)
+		bytes = PSP_SC_PREV_MAX;
+	c->flags = (c->flags & ((1U << PSP_SC_RUN_SHIFT) - 1)) |
+		   run << PSP_SC_RUN_SHIFT | (u32)bytes << PSP_SC_PREV_SHIFT;
+	if (run > q->longest_run)
+		q->longest_run = run;
+}
+
+/*
  * Account a packet of @bytes wire bytes that class @c sent at @now as
  * @kind; @next: wire bytes of its new head packet, 0 when its queue is empty.
  */
@@ -590,6 +623,8 @@ static inline void psp_charge(struct psp_sched *q, struct psp_sclass *c,
 	if (c->rate) {
 		u64 clk = c->flags & PSP_SC_BORROW ?
 			  psp_max(c->t_rate, c->t_ceil) : c->t_rate;
+
+		psp_count_run(q, c, now, bytes);
 
 		if (!(c->flags & PSP_SC_FIRST) && now - c->t_last < (ref + 1) / 2)
 			/* the second of a pair: rest a packet time */

@@ -1151,6 +1151,7 @@ static int psp_dump_stats(struct Qdisc *sch, struct gnet_dump *d)
 	st.timer_fires = q->timer_fires;
 	st.timer_late_ns_max = q->timer_late_ns_max;
 	st.gso_split = q->gso_split;
+	st.longest_run = q->s.longest_run;
 	st.classes = q->clhash.hashelems;
 	st.active = q->s.active;
 	sch_tree_unlock(sch);

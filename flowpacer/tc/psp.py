@@ -73,7 +73,7 @@ TCA_RATE = 5                    # top-level tcmsg attribute: struct tc_estimator
 QDISC_XSTATS_FIELDS = (
     ("link_rate", "Q"), ("rate_sum", "Q"), ("paced_pkts", "Q"), ("borrowed_pkts", "Q"),
     ("unpaced_pkts", "Q"), ("late_ns_total", "Q"), ("late_ns_max", "Q"), ("clamps", "Q"),
-    ("timer_fires", "Q"), ("timer_late_ns_max", "Q"), ("gso_split", "Q"),
+    ("timer_fires", "Q"), ("timer_late_ns_max", "Q"), ("gso_split", "Q"), ("longest_run", "Q"),
     ("classes", "I"), ("active", "I"),
 )
 CLASS_XSTATS_FIELDS = (

@@ -841,6 +841,7 @@ void psp_sim_xstats(struct psp_sim *sim, struct tc_psp_xstats *st)
 	st->clamps = sim->s.clamps;
 	st->timer_fires = sim->timer_fires;
 	st->timer_late_ns_max = sim->timer_late_ns_max;
+	st->longest_run = sim->s.longest_run;
 	st->classes = n;
 	st->active = sim->s.active;
 }

@@ -50,7 +50,8 @@ class XStats(ctypes.Structure):
     """struct tc_psp_xstats (uapi/pkt_sch_psp.h)."""
     _fields_ = [(n, ctypes.c_uint64) for n in (
         "link_rate", "rate_sum", "paced_pkts", "borrowed_pkts", "unpaced_pkts", "late_ns_total",
-        "late_ns_max", "clamps", "timer_fires", "timer_late_ns_max", "gso_split")] + [
+        "late_ns_max", "clamps", "timer_fires", "timer_late_ns_max", "gso_split",
+        "longest_run")] + [
         ("classes", ctypes.c_uint32), ("active", ctypes.c_uint32)]
 
 

@@ -68,6 +68,9 @@ struct tc_psp_xstats {
 	__u64	timer_fires;	/* dequeues at or after the armed watchdog time */
 	__u64	timer_late_ns_max;	/* worst watchdog lateness seen */
 	__u64	gso_split;	/* GSO packets segmented at enqueue */
+	__u64	longest_run;	/* most packets one class sent in a row less than a
+				 * quarter of its packet time apart (qdisc clock)
+				 */
 	__u32	classes;
 	__u32	active;		/* classes with packets queued */
 };
