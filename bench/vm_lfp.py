@@ -13,8 +13,11 @@ bottleneck leaves), ``htb`` (flowpacer's htb layout, same rates) and ``none`` (n
 its windows at the veth's speed; Linux paces TCP itself only under fq or BBR). Traffic mixes:
 one TCP flow, two TCP flows, one TCP flow plus a --udp-mbit UDP stream (iperf3 -u, unpaced: the
 default class). Figures per case: TCP goodput at the receiver (whole run and the second half),
-TCP retransmits, drops at the bottleneck (loss), and the UDP stream's loss and jitter (iperf3's
-RFC 3550 estimate). Cases run RTT by RTT, mix by mix, with the three pacers back to back.
+TCP retransmits, drops at the bottleneck (loss), the UDP stream's loss and jitter (iperf3's
+RFC 3550 estimate), how late the guest's own timers ran (the oversleep of 10 ms sleeps: a host
+busy elsewhere starves the TCG vCPUs, and psp, a timer per packet, then loses more than htb;
+session 3 reproduced psp at 50 ms RTT dropping from 43 to 20-26 Mbit/s with one busy loop on
+the host) and, for psp, its own lateness, clamps and longest run. Cases run RTT by RTT, mix by mix, with the three pacers back to back.
 
 Writes bench/results/vm_lfp.json. Run: ``.venv/bin/python -m bench.vm_lfp [--quick]``.
 """
@@ -27,6 +30,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -77,6 +81,54 @@ class Path_:
         return {"packets": q.get("packets", 0), "drops": q.get("drops", 0), "bytes": q.get("bytes", 0)}
 
 
+class TimerProbe:
+    """How late the guest's own timers run during a case, whatever the pacer: a thread sleeps
+    10 ms at a time and records the oversleep. A busy host starves the TCG vCPUs, and psp (a
+    timer per packet) loses more of its rate then than htb (a GSO packet per token refill):
+    the figure tells a quiet run from a starved one."""
+
+    PERIOD_S = 0.01
+
+    def __init__(self):
+        self.late_ns = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, name="timer-probe", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.monotonic_ns()
+            time.sleep(self.PERIOD_S)
+            self.late_ns.append(time.monotonic_ns() - t0 - int(self.PERIOD_S * 1e9))
+
+    def __enter__(self) -> "TimerProbe":
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._t.join(timeout=5)
+
+    def figures(self) -> dict:
+        v = sorted(self.late_ns)
+        if not v:
+            return {}
+        return {"samples": len(v), "mean_ms": round(statistics.fmean(v) / 1e6, 3),
+                "p99_ms": round(v[min(len(v) - 1, int(0.99 * len(v)))] / 1e6, 3),
+                "max_ms": round(v[-1] / 1e6, 3)}
+
+
+def _psp_figures(bed: Bed) -> dict:
+    """psp's own lateness, clamps and runs over the case (read before the qdisc goes)."""
+    guest_tools()
+    import psplib
+    with psplib.PspNl(bed.sender_ns) as nl:
+        x = nl.root(bed.sender_dev).xstats
+    return {"mean_lateness_us": round(x["late_ns_total"] / max(1, x["paced_pkts"]) / 1e3, 1),
+            "worst_timer_lateness_us": round(x["timer_late_ns_max"] / 1e3, 1),
+            "clamps": x["clamps"], "paced_pkts": x["paced_pkts"],
+            "longest_run_pkts": x["longest_run"]}
+
+
 def _iperf_json(p, timeout):
     out, err = p.communicate(timeout=timeout)
     try:
@@ -111,13 +163,15 @@ def run_case(bed: Bed, path: Path_, pacer: str, mix: str, seconds: int, udp_bps:
                                                       "-u", "-b", str(udp_bps * 8), "-l", "1200",
                                                       "-t", seconds, "-J"],
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    reps = {p: _iperf_json(c, seconds + 60) for p, c in clients.items()}
+    with TimerProbe() as probe:
+        reps = {p: _iperf_json(c, seconds + 60) for p, c in clients.items()}
     for s in servers:
         try:
             s.wait(timeout=20)
         except subprocess.TimeoutExpired:
             s.kill()
     c1 = path.counters()
+    psp = _psp_figures(bed) if pacer == "psp" else None
     bed.clear_qdisc()
     flows = []
     for p in tcp_ports:
@@ -141,7 +195,10 @@ def run_case(bed: Bed, path: Path_, pacer: str, mix: str, seconds: int, udp_bps:
            "tcp_goodput_second_half_bit_s": sum(f.get("goodput_second_half_bit_s") or 0 for f in flows),
            "tcp_retransmits": sum(f.get("retransmits") or 0 for f in flows),
            "bottleneck": {"packets_out": sent, "drops": drops,
-                          "loss": drops / (sent + drops) if sent + drops else 0.0}}
+                          "loss": drops / (sent + drops) if sent + drops else 0.0},
+           "guest_timer_late": probe.figures()}
+    if psp is not None:
+        out["psp"] = psp
     if udp:
         rep = reps[UDP_PORT]
         s = rep.get("end", {}).get("sum", {})
@@ -178,9 +235,10 @@ def run_all(rtts, mixes, pacers, bottleneck_mbit, buffer_kb, seconds, udp_mbit, 
                     res["cases"].append(r)
                     udp = r.get("udp") or {}
                     log.info("rtt %3g ms %-8s %-4s: TCP %6.2f Mbit/s (2nd half %6.2f), loss %.2f %%, "
-                             "retrans %s%s", rtt, mix, pacer, r["tcp_goodput_bit_s"] / 1e6,
+                             "retrans %s, guest timers late %s ms (mean)%s", rtt, mix, pacer,
+                             r["tcp_goodput_bit_s"] / 1e6,
                              r["tcp_goodput_second_half_bit_s"] / 1e6, 100 * r["bottleneck"]["loss"],
-                             r["tcp_retransmits"],
+                             r["tcp_retransmits"], r["guest_timer_late"].get("mean_ms"),
                              f", UDP loss {udp.get('lost_percent')} % jitter {udp.get('jitter_ms')} ms"
                              if udp else "")
     return res

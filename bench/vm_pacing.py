@@ -158,13 +158,13 @@ def summarize(runs: list) -> dict:
             if any("gap_us" in r for r in rs):
                 s["longest_run_pkts_max"] = max(r["longest_run_pkts"] for r in rs)
                 s["reps_with_longer_runs_than_2"] = sum(r["longest_run_pkts"] > 2 for r in rs)
-            own = [r["psp"]["longest_run_pkts"] for r in rs if "longest_run_pkts" in r.get("psp", {})]
-            if own:
-                s["qdisc_longest_run_pkts_max"] = max(own)
                 s["ideal_gap_us"] = rs[0]["ideal_gap_us"]
                 s["gap_us_mean_of_reps"] = {
                     k: round(statistics.fmean(r["gap_us"][k] for r in rs), 1)
                     for k in rs[0]["gap_us"]}
+            own = [r["psp"]["longest_run_pkts"] for r in rs if "longest_run_pkts" in r.get("psp", {})]
+            if own:
+                s["qdisc_longest_run_pkts_max"] = max(own)
             out[q][key] = s
     return out
 
