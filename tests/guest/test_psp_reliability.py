@@ -11,6 +11,7 @@ The daemon runs with ``--no-tracer`` (sock_diag rescans): bcc's compile is too s
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -142,6 +143,23 @@ def _daemon_with_held_flows(tb, backend):
     return d, holder, probe
 
 
+@contextlib.contextmanager
+def _held_flows_daemon(tb, backend):
+    """``_daemon_with_held_flows`` for a ``with`` block: after the block the held flows are
+    closed and their classes must go; the daemon is stopped in any case, and must then have
+    exited 0 and left no qdisc of ours."""
+    d, holder, probe = _daemon_with_held_flows(tb, backend)
+    try:
+        yield d, probe
+        holder.stdin.close()
+        wait_for(lambda: probe.objects() == (0, 0), 60, 0.2, "the closed flows' classes gone")
+    finally:
+        probe.close()
+        d.stop()
+    assert d.proc.returncode == 0, _log(d)[-3000:]
+    assert "f1f0:" not in _qdisc(tb)
+
+
 def _delete_qdisc_and_unload(tb, d):
     """What an admin does: ``tc qdisc del dev X root; rmmod sch_psp``. The daemon is stopped
     for the two commands so that it cannot rebuild in between (which would make rmmod busy)."""
@@ -174,8 +192,7 @@ def test_rmmod_under_the_daemon_psp_counted_quiet_and_healed(tb):
     """backend: psp. rmmod is refused while the daemon's qdisc exists (nothing changes); after
     an admin deletes the qdisc and unloads the module: one warning with the kernel's reason,
     quiet retries counted in status and metrics, flows stay known; insmod: shaped again."""
-    d, holder, probe = _daemon_with_held_flows(tb, "psp")
-    try:
+    with _held_flows_daemon(tb, "psp") as (d, probe):
         busy = subprocess.run(["rmmod", psplib.MODULE], capture_output=True, text=True, timeout=60)
         assert busy.returncode != 0 and psplib.loaded(), busy
         psplib.record(f"psp unload (VM): rmmod with the daemon's qdisc in place: exit "
@@ -212,21 +229,13 @@ def test_rmmod_under_the_daemon_psp_counted_quiet_and_healed(tb):
         assert _root(tb) is not None
         assert "rebuilt after" in _log(d) and len([ln for ln in _log(d).splitlines()
                                                    if "cannot rebuild" in ln]) == 1
-        holder.stdin.close()
-        wait_for(lambda: probe.objects() == (0, 0), 60, 0.2, "the closed flows' classes gone")
-    finally:
-        probe.close()
-        d.stop()
-    assert d.proc.returncode == 0, _log(d)[-3000:]
-    assert "f1f0:" not in _qdisc(tb)
     assert "Traceback" not in _log(d)
 
 
 def test_rmmod_under_the_daemon_auto_falls_back_to_htb_and_reload_returns(tb):
     """backend: auto. psp lost and its module gone: htb takes over at the next pass (every live
     flow shaped again, the reason in status); psp comes back only at a reload (or restart)."""
-    d, holder, probe = _daemon_with_held_flows(tb, "auto")
-    try:
+    with _held_flows_daemon(tb, "auto") as (d, probe):
         assert d.status()["backend"] == "psp"
         _delete_qdisc_and_unload(tb, d)
         st = wait_for(lambda: (lambda s: s if s and s["backend"] == "htb"
@@ -250,10 +259,3 @@ def test_rmmod_under_the_daemon_auto_falls_back_to_htb_and_reload_returns(tb):
         assert st["backend"] == "psp" and st["shaped_flows"] == HELD_B, st
         assert st["backend_reason"] == "auto: sch_psp module is loaded", st
         assert _root(tb) is not None and probe.objects() == (HELD_B, HELD_B)
-        holder.stdin.close()
-        wait_for(lambda: probe.objects() == (0, 0), 60, 0.2, "the closed flows' classes gone")
-    finally:
-        probe.close()
-        d.stop()
-    assert d.proc.returncode == 0, _log(d)[-3000:]
-    assert "f1f0:" not in _qdisc(tb)
