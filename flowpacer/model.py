@@ -29,26 +29,76 @@ class FlowSource(str, enum.Enum):
     RECONCILE = "reconcile"  # sock_diag snapshot / periodic re-scan
 
 
-@dataclass(frozen=True, order=True, slots=True)
+@dataclass(frozen=True, slots=True)
 class FlowKey:
     """The egress 4-tuple of a TCP flow as seen from this host.
 
-    ``local`` is the packet's source on egress, ``remote`` its destination.
-    Both addresses are of the same family.
+    ``local`` is the packet's source on egress, ``remote`` its destination. Both addresses are of
+    the same family, and an IPv4-mapped IPv6 address (a dual-stack socket talking IPv4) is the
+    IPv4 address it carries, as on the wire: build keys from kernel addresses with ``wire()``.
+
+    Keys of both families are totally ordered (IPv4 before IPv6, then by address and port), so
+    that any mix of them can be sorted; ``ipaddress`` itself refuses to compare across families.
     """
     local_addr: IPAddress
     local_port: int
     remote_addr: IPAddress
     remote_port: int
 
+    @classmethod
+    def wire(cls, local_addr, local_port: int, remote_addr, remote_port: int) -> "FlowKey":
+        """The key of a socket whose addresses the kernel reported (either family, or mapped)."""
+        la, ra = wire_address(local_addr), wire_address(remote_addr)
+        if la.version != ra.version:   # one side v4-mapped, the other not: keep both IPv6
+            la, ra = ipaddress.IPv6Address(local_addr), ipaddress.IPv6Address(remote_addr)
+        return cls(la, local_port, ra, remote_port)
+
     @property
     def family(self) -> int:
         return self.local_addr.version  # 4 or 6
 
+    @property
+    def sort_key(self) -> Tuple[int, int, int, int, int, int]:
+        return (self.local_addr.version, int(self.local_addr), self.local_port,
+                self.remote_addr.version, int(self.remote_addr), self.remote_port)
+
+    def __lt__(self, other: "FlowKey") -> bool:
+        if not isinstance(other, FlowKey):
+            return NotImplemented
+        return self.sort_key < other.sort_key
+
+    def __le__(self, other: "FlowKey") -> bool:
+        if not isinstance(other, FlowKey):
+            return NotImplemented
+        return self.sort_key <= other.sort_key
+
+    def __gt__(self, other: "FlowKey") -> bool:
+        if not isinstance(other, FlowKey):
+            return NotImplemented
+        return self.sort_key > other.sort_key
+
+    def __ge__(self, other: "FlowKey") -> bool:
+        if not isinstance(other, FlowKey):
+            return NotImplemented
+        return self.sort_key >= other.sort_key
+
     def __str__(self) -> str:
-        def ep(a: IPAddress, p: int) -> str:
-            return f"[{a}]:{p}" if a.version == 6 else f"{a}:{p}"
-        return f"{ep(self.local_addr, self.local_port)}->{ep(self.remote_addr, self.remote_port)}"
+        return f"{endpoint(self.local_addr, self.local_port)}->" \
+               f"{endpoint(self.remote_addr, self.remote_port)}"
+
+
+def wire_address(addr) -> IPAddress:
+    """An address as it is on the wire: IPv4-mapped IPv6 addresses become IPv4."""
+    a = addr if isinstance(addr, (ipaddress.IPv4Address, ipaddress.IPv6Address)) \
+        else ipaddress.ip_address(addr)
+    if a.version == 6 and a.ipv4_mapped is not None:
+        return a.ipv4_mapped
+    return a
+
+
+def endpoint(addr: IPAddress, port: int) -> str:
+    """``1.2.3.4:80`` or ``[2001:db8::1]:80``."""
+    return f"[{addr}]:{port}" if addr.version == 6 else f"{addr}:{port}"
 
 
 @dataclass(frozen=True, slots=True)

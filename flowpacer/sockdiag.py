@@ -22,7 +22,7 @@ from typing import Dict, Iterable, Optional, Set, Tuple
 
 from .tc.nl import RtnlSocket
 
-from .model import Direction, Flow, FlowKey, FlowSource, ProcessInfo
+from .model import Direction, Flow, FlowKey, FlowSource, ProcessInfo, wire_address
 
 log = logging.getLogger(__name__)
 
@@ -38,14 +38,6 @@ MSG = struct.Struct("=BBBB")
 PORTS = struct.Struct(">HH")
 TAIL = struct.Struct("=IIIII")
 SRC_OFF, DST_OFF, TAIL_OFF = 8, 24, 52
-
-
-def normalize(addr) -> ipaddress._BaseAddress:
-    """An address as it is on the wire: IPv4-mapped IPv6 addresses become IPv4."""
-    a = ipaddress.ip_address(addr)
-    if a.version == 6 and a.ipv4_mapped is not None:
-        return a.ipv4_mapped
-    return a
 
 
 def read_process(pid: int) -> Optional[ProcessInfo]:
@@ -116,7 +108,7 @@ class SockDiagSource:
             family, state = body[0], body[1]
             if state == TCP_LISTEN:
                 port = PORTS.unpack_from(body, 4)[0]
-                addr = normalize(_addr(family, body, SRC_OFF))
+                addr = wire_address(_addr(family, body, SRC_OFF))
                 if addr.is_unspecified:
                     wildcard_ports.add(port)
                 listeners.add((addr, port))
@@ -144,11 +136,9 @@ class SockDiagSource:
             if f is None or (owner is not None and f.proc is not owner):
                 family = b[0]
                 sport, dport = PORTS.unpack_from(b, 4)
-                la = normalize(_addr(family, b, SRC_OFF))
-                ra = normalize(_addr(family, b, DST_OFF))
-                if la.version != ra.version:
-                    continue
-                key = FlowKey(la, sport, ra, dport)
+                key = FlowKey.wire(_addr(family, b, SRC_OFF), sport, _addr(family, b, DST_OFF),
+                                   dport)
+                la = key.local_addr
                 inbound = (la, sport) in listeners or sport in wildcard_ports
                 proc = owner or ProcessInfo(pid=0, uid=TAIL.unpack_from(b, TAIL_OFF)[3])
                 f = Flow(key, Direction.INBOUND if inbound else Direction.OUTBOUND, proc,

@@ -582,9 +582,11 @@ class Tracer:
             self._bad_records += 1
             return None
         la, ra = _addr(family, laddr), _addr(family, raddr)
-        if la.version != ra.version:   # one side v4-mapped, the other not: keep both v6
-            la, ra = ipaddress.IPv6Address(laddr), ipaddress.IPv6Address(raddr)
-        key = model.FlowKey(la, lport, ra, rport)
+        if la.version == ra.version:
+            key = model.FlowKey(la, lport, ra, rport)
+        else:   # one side v4-mapped, the other not: the model's rule (both stay IPv6)
+            key = model.FlowKey.wire(ipaddress.IPv6Address(laddr), lport,
+                                     ipaddress.IPv6Address(raddr), rport)
         if flags & FT_F_ATTRIBUTED:
             name = _comm(comm)
             proc = model.ProcessInfo(pid=pid, comm=name,

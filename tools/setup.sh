@@ -9,6 +9,7 @@ PKGS=(
   linux-headers-amd64 linux-image-amd64 kmod busybox-static qemu-system-x86
   iproute2 iperf3 ethtool tshark tcpdump curl netcat-openbsd tmux
   build-essential dkms prometheus systemd python3-seccomp vim-tiny
+  nginx-light apache2-utils nghttp2-client rsync
 )
 missing=()
 for p in "${PKGS[@]}"; do
