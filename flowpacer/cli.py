@@ -87,6 +87,8 @@ def run(rules_path, interface, backend, socket_path, take_over, rescan, no_trace
         d.run()
     finally:
         d.shutdown()
+    if d.exit_code:
+        sys.exit(d.exit_code)      # a stage gave up: systemd's Restart=on-failure starts us again
 
 
 @main.command()
@@ -111,6 +113,12 @@ def status(socket_path, as_json):
                       if problem else ""))
     click.echo(f"flows:     {st['shaped_flows']} shaped of {st['live_flows']} live; "
                f"source: {safe(st['flow_source'])}")
+    stages = st.get("stages", [])
+    if stages:
+        click.echo("stages:    " + ", ".join(
+            f"{safe(s['name'])} {safe(s['state'])}"
+            + (f" ({s['failures']} failures, last: {safe(s['last_error'])})" if s["failures"] else "")
+            for s in stages))
     if not st["flows"]:
         return
     rows = [("RULE", "PID", "PROCESS", "LOCAL", "REMOTE", "CLASS", "RATE", "SENT", "SOURCE")]

@@ -57,9 +57,12 @@ def desired(flows: Mapping[FlowKey, Flow], ruleset: RuleSet) -> Dict[FlowKey, Sh
 
 def plan(want: Mapping[FlowKey, Shape], have: Mapping[FlowKey, Shape]) -> List[Op]:
     """Operations that turn ``have`` into ``want``: removals first (they free room), then rate
-    changes (in place, the class and its queue stay), then additions; each group in key order."""
+    changes (in place, the class and its queue stay), then additions; each group in key order
+    (``FlowKey``'s total order: IPv4 and IPv6 keys mix). A flow whose rates are right but whose
+    rule is not (adopted after a restart, or a rule renamed) is relabelled: nothing for the
+    kernel, but status and metrics name the rule that shapes it."""
     removes = [Op(OpKind.REMOVE, k) for k in sorted(have.keys() - want.keys())]
-    changes, adds = [], []
+    changes, relabels, adds = [], [], []
     for k in sorted(want):
         s = want[k]
         cur = have.get(k)
@@ -67,7 +70,9 @@ def plan(want: Mapping[FlowKey, Shape], have: Mapping[FlowKey, Shape]) -> List[O
             adds.append(Op(OpKind.ADD, k, s))
         elif (cur.rate_bps, cur.ceil_bps) != (s.rate_bps, s.ceil_bps):
             changes.append(Op(OpKind.CHANGE, k, s))
-    return removes + changes + adds
+        elif cur.rule != s.rule:
+            relabels.append(Op(OpKind.RELABEL, k, s))
+    return removes + changes + relabels + adds
 
 
 def watch_filter(ruleset: RuleSet) -> Tuple[Optional[FrozenSet[str]], Optional[FrozenSet[int]]]:

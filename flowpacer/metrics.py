@@ -17,13 +17,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Dict, Optional, Tuple
 
 from .memory import trim_heap
+from .model import BackendHealth, StageState
 
 # prometheus_client is imported where it is used: the daemon's start (and so its recovery after
 # a crash) does not pay for it before the flows are shaped, nor at all with --no-metrics
 
 log = logging.getLogger(__name__)
 
-BACKEND_STATES = ("ok", "gone", "lost", "foreign", "speed")   # TcBackend.check()
 
 DEFAULT_LISTEN = "127.0.0.1:9717"
 DEFAULT_MAX_FLOW_SERIES = 10_000
@@ -62,8 +62,8 @@ class LatencyHistogram:
 
 
 class FlowpacerCollector:
-    """``view()`` returns the daemon's state (see ``Daemon.metrics_view``); ``class_stats()``
-    returns {classid: ClassStats} read from the kernel at this moment."""
+    """``view()`` returns the daemon's ``DaemonView``; ``class_stats()`` returns
+    {classid: ClassStats} read from the kernel at this moment."""
 
     def __init__(self, view: Callable[[], dict], class_stats: Callable[[], dict],
                  max_flow_series: int = DEFAULT_MAX_FLOW_SERIES):
@@ -99,20 +99,20 @@ class FlowpacerCollector:
         rules_now: Dict[str, list] = {}
         seen = set()
         exported = overflow = 0
-        for f in v["flows"]:
-            st = stats.get(f["classid"])
+        for f in v.flows:
+            st = stats.get(f.classid)
             b, p, d = (st.bytes, st.packets, st.drops) if st else (0, 0, 0)
-            key = f["key"]
+            key = f.key
             seen.add(key)
             last = self._last.get(key)
             base = (0, 0, 0)
             if last is not None:
                 base = last[4:]
-                if last[0] != f["rule"]:       # re-rated into another rule: the old rule keeps
+                if last[0] != f.rule:          # re-rated into another rule: the old rule keeps
                     self._retire(last)        # what was sent so far, the new one counts from here
                     base = last[1:4]
-            self._last[key] = (f["rule"], b, p, d) + tuple(base)
-            r = rules_now.setdefault(f["rule"], [0, 0, 0, 0])
+            self._last[key] = (f.rule, b, p, d) + tuple(base)
+            r = rules_now.setdefault(f.rule, [0, 0, 0, 0])
             r[0] += 1
             r[1] += b - base[0]
             r[2] += p - base[1]
@@ -121,12 +121,13 @@ class FlowpacerCollector:
                 overflow += 1
                 continue
             exported += 1
-            labels = [f["rule"], f["process"], f["direction"], f["local_address"],
-                      str(f["local_port"]), f["remote_address"], str(f["remote_port"])]
+            labels = [f.rule, f.process, f.direction.value if f.direction else "",
+                      str(key.local_addr), str(key.local_port), str(key.remote_addr),
+                      str(key.remote_port)]
             fam["sent_bytes"].add_metric(labels, b)
             fam["sent_packets"].add_metric(labels, p)
             fam["dropped_packets"].add_metric(labels, d)
-            target.add_metric(labels, f["rate_bps"])
+            target.add_metric(labels, f.rate_bps)
         for key in [k for k in self._last if k not in seen]:
             self._retire(self._last.pop(key))
         yield from fam.values()
@@ -144,7 +145,7 @@ class FlowpacerCollector:
                                      "Packets sent by the rule's flows.", labels=["rule"])
         r_drops = CounterMetricFamily("flowpacer_rule_dropped_packets",
                                       "Packets of the rule's flows dropped.", labels=["rule"])
-        for rule in sorted(set(rules_now) | set(self._retired) | set(v["rule_names"])):
+        for rule in sorted(set(rules_now) | set(self._retired) | set(v.rule_names)):
             now = rules_now.get(rule, [0, 0, 0, 0])
             old = self._retired.get(rule, [0, 0, 0])
             r_flows.add_metric([rule], now[0])
@@ -155,48 +156,66 @@ class FlowpacerCollector:
 
         info = GaugeMetricFamily("flowpacer_info", "The daemon's backend and flow source.",
                                  labels=["backend", "interface", "flow_source"])
-        info.add_metric([v["backend"] or "", v["interface"] or "", v["flow_source"]], 1)
+        info.add_metric([v.backend or "", v.interface or "", v.flow_source], 1)
         yield info
         ev = CounterMetricFamily("flowpacer_events", "Flow events by source and kind.",
                                  labels=["source", "kind"])
-        for (src, kind), n in sorted(v["events"].items()):
+        for (src, kind), n in sorted(v.events.items()):
             ev.add_metric([src, kind], n)
         yield ev
         lost = CounterMetricFamily("flowpacer_tracer_lost_events",
                                    "Events the tracer's ring buffer could not take.")
-        lost.add_metric([], v["tracer_lost"])
+        lost.add_metric([], (v.tracer or {}).get("lost", 0))
         yield lost
         una = CounterMetricFamily("flowpacer_tracer_unattributed_events",
                                   "Tracer events that could not be attributed to a process.")
-        una.add_metric([], v["tracer_unattributed"])
+        una.add_metric([], (v.tracer or {}).get("unattributed", 0))
         yield una
         nle = CounterMetricFamily("flowpacer_netlink_errors", "Requests the kernel refused.")
-        nle.add_metric([], v["netlink_errors"])
+        nle.add_metric([], v.counters["op_errors"])
         yield nle
         rbf = CounterMetricFamily("flowpacer_backend_rebuild_failures",
                                   "Failed attempts to rebuild a lost root qdisc (e.g. the psp "
                                   "module was unloaded).")
-        rbf.add_metric([], v.get("backend_rebuild_failures", 0))
+        rbf.add_metric([], v.counters["backend_rebuild_failures"])
         yield rbf
         bst = GaugeMetricFamily("flowpacer_backend_state",
                                 "1 for the backend's current state, 0 for the others: ok, gone (no "
                                 "interface), lost (our root qdisc missing, not rebuilt yet), "
                                 "foreign (someone else's root qdisc), speed (link speed changed).",
                                 labels=["state"])
-        cur = v.get("backend_state", "ok")
-        for st in BACKEND_STATES:
-            bst.add_metric([st], 1 if st == cur else 0)
+        for st in BackendHealth:
+            bst.add_metric([st.value], 1 if st is v.backend_health else 0)
         yield bst
+        sst = GaugeMetricFamily("flowpacer_stage_state",
+                                "1 for each supervised stage's current state (running, restarting, "
+                                "stalled, degraded, failed, disabled, ...), 0 for the others.",
+                                labels=["stage", "state"])
+        sfail = CounterMetricFamily("flowpacer_stage_failures",
+                                    "Unexpected failures of each supervised stage (each one logged "
+                                    "and the stage restarted).", labels=["stage"])
+        for stage in v.stages:
+            for st in StageState:
+                sst.add_metric([stage.name, st.value], 1 if st is stage.state else 0)
+            sfail.add_metric([stage.name], stage.failures)
+        yield sst
+        yield sfail
+        deg = GaugeMetricFamily("flowpacer_flow_source_degraded",
+                                "1 when the eBPF tracer is not running and flows are found by "
+                                "sock_diag polling only.")
+        deg.add_metric([], 0 if any(s.name == "tracer" and s.state is StageState.RUNNING
+                                    for s in v.stages) else 1)
+        yield deg
         rel = CounterMetricFamily("flowpacer_reloads", "Rules reloads by outcome.",
                                   labels=["outcome"])
-        rel.add_metric(["ok"], v["reloads_ok"])
-        rel.add_metric(["failed"], v["reloads_failed"])
+        rel.add_metric(["ok"], v.counters["reloads_ok"])
+        rel.add_metric(["failed"], v.counters["reloads_failed"])
         yield rel
         live = GaugeMetricFamily("flowpacer_flows", "Flows known to the daemon.", labels=["state"])
-        live.add_metric(["live"], v["live_flows"])
-        live.add_metric(["shaped"], len(v["flows"]))
+        live.add_metric(["live"], v.live_flows)
+        live.add_metric(["shaped"], len(v.flows))
         yield live
-        buckets, total = v["apply_hist"]
+        buckets, total = v.counters["apply_hist"]
         h = HistogramMetricFamily("flowpacer_apply_duration_seconds",
                                   "Time to apply one plan to the kernel.")
         h.add_metric([], buckets, total)

@@ -226,6 +226,7 @@ class OpKind(str, enum.Enum):
     ADD = "add"
     CHANGE = "change"
     REMOVE = "remove"
+    RELABEL = "relabel"      # same rates, another rule: bookkeeping only, nothing to the kernel
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,3 +241,70 @@ class Op:
 class OpError:
     op: Op
     reason: str                        # one line, with the kernel's extack text when it gave one
+
+
+# ------------------------------------------------------------ health/status
+
+class BackendHealth(str, enum.Enum):
+    """What became of the backend's kernel objects (``TcBackend.check``)."""
+    OK = "ok"
+    GONE = "gone"          # the interface is missing
+    LOST = "lost"          # our root qdisc is not there (interface re-created, qdisc deleted)
+    FOREIGN = "foreign"    # someone else's root qdisc is there: not ours to fight
+    SPEED = "speed"        # no configured link rate and the interface's speed changed
+
+
+class StageState(str, enum.Enum):
+    """A supervised stage (a thread or the main loop) as status and metrics show it."""
+    STARTING = "starting"
+    RUNNING = "running"
+    RESTARTING = "restarting"    # failed, waiting out its back-off before the next start
+    STALLED = "stalled"          # running but has not reported for too long
+    DEGRADED = "degraded"        # gave up; the daemon carries on without it (said how)
+    FAILED = "failed"            # gave up; the daemon exits non-zero so that systemd restarts it
+    DISABLED = "disabled"        # not configured to run (--no-tracer, --no-metrics)
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True, slots=True)
+class StageView:
+    name: str
+    state: StageState
+    failures: int = 0
+    last_error: str = ""
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class FlowView:
+    """One shaped flow as status, top and metrics show it."""
+    key: FlowKey
+    classid: int
+    rule: str
+    rate_bps: int
+    ceil_bps: int
+    pid: int = 0
+    process: str = ""
+    uid: int = -1
+    direction: Optional[Direction] = None
+    source: Optional[FlowSource] = None
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonView:
+    """The daemon's state at one moment: the one thing status, control, top and metrics read."""
+    backend: Optional[str]
+    backend_reason: str
+    interface: Optional[str]
+    backend_health: BackendHealth
+    backend_problem: str
+    link_rate_bps: int
+    rules_path: str
+    rule_names: Tuple[str, ...]
+    flow_source: str
+    tracer: Optional[dict]
+    live_flows: int
+    flows: Tuple[FlowView, ...]
+    stages: Tuple[StageView, ...]
+    counters: dict
+    events: dict

@@ -1,5 +1,6 @@
 """Prometheus metrics: collector logic with plain values, the endpoint of a real daemon, and a
 real Prometheus server scraping it."""
+import dataclasses
 import ipaddress
 import json
 import shutil
@@ -16,7 +17,8 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from flowpacer.metrics import FlowpacerCollector, LatencyHistogram
-from flowpacer.model import ClassStats, FlowKey
+from flowpacer.model import (BackendHealth, ClassStats, DaemonView, Direction, FlowKey,
+                             FlowSource, FlowView, StageState, StageView)
 from flowpacer.testbed import PY, client_argv, in_netns, server_argv, wait_for
 
 from .test_daemon import Daemon
@@ -24,20 +26,24 @@ from .test_daemon import Daemon
 
 def _flow(i, rule="r", rate=1000, process="srv\n\x1b[31m"):
     k = FlowKey(ipaddress.ip_address("10.0.0.1"), 80, ipaddress.ip_address("10.0.0.2"), 1000 + i)
-    return {"key": k, "classid": 0xF1F00010 + i, "rule": rule, "rate_bps": rate,
-            "process": process, "direction": "inbound", "local_address": "10.0.0.1",
-            "local_port": 80, "remote_address": "10.0.0.2", "remote_port": 1000 + i}
+    return FlowView(k, 0xF1F00010 + i, rule, rate, rate, 1, process, 0, Direction.INBOUND,
+                    FlowSource.TRACER)
 
 
 def _view(flows, **kw):
     h = LatencyHistogram()
     h.observe(0.0003)
-    v = {"flows": flows, "rule_names": ["r", "s"], "backend": "htb", "interface": "eth0",
-         "flow_source": "tracer", "events": {("tracer", "open"): 3}, "tracer_lost": 0,
-         "tracer_unattributed": 0, "netlink_errors": 0, "reloads_ok": 1, "reloads_failed": 0,
-         "live_flows": len(flows), "apply_hist": h.cumulative()}
+    counters = {"applies": 1, "op_errors": 0, "reloads_ok": 1, "reloads_failed": 0,
+                "backend_rebuild_failures": 0, "apply_hist": h.cumulative()}
+    counters.update(kw.pop("counters", {}))
+    v = dict(backend="htb", backend_reason="", interface="eth0",
+             backend_health=BackendHealth.OK, backend_problem="", link_rate_bps=125_000_000,
+             rules_path="/r.yaml", rule_names=("r", "s"), flow_source="tracer",
+             tracer={"lost": 0, "unattributed": 0}, live_flows=len(flows), flows=tuple(flows),
+             stages=(StageView("main", StageState.RUNNING), StageView("tracer", StageState.RUNNING)),
+             counters=counters, events={("tracer", "open"): 3})
     v.update(kw)
-    return v
+    return DaemonView(**v)
 
 
 def scrape(collector):
@@ -57,7 +63,7 @@ def value(samples, name, **labels):
 
 def test_collector_bounds_series_and_counts_overflow():
     flows = [_flow(i) for i in range(10)]
-    stats = {f["classid"]: ClassStats(bytes=100, packets=1) for f in flows}
+    stats = {f.classid: ClassStats(bytes=100, packets=1) for f in flows}
     c = FlowpacerCollector(lambda: _view(flows), lambda: stats, max_flow_series=4)
     m = scrape(c)
     assert len(m["flowpacer_flow_sent_bytes_total"]) == 4
@@ -71,13 +77,13 @@ def test_collector_bounds_series_and_counts_overflow():
 
 def test_rule_totals_are_counters_across_flow_ends_and_rule_changes():
     flows = [_flow(0), _flow(1)]
-    stats = {f["classid"]: ClassStats(bytes=500) for f in flows}
+    stats = {f.classid: ClassStats(bytes=500) for f in flows}
     view = {"v": _view(flows)}
     c = FlowpacerCollector(lambda: view["v"], lambda: stats)
     assert value(scrape(c), "flowpacer_rule_sent_bytes_total", rule="r") == 1000
     # flow 1 ends; flow 0 moves to rule s (reload) and sends 200 more
-    moved = dict(flows[0], rule="s")
-    stats[moved["classid"]] = ClassStats(bytes=700)
+    moved = dataclasses.replace(flows[0], rule="s")
+    stats[moved.classid] = ClassStats(bytes=700)
     view["v"] = _view([moved])
     m = scrape(c)
     assert value(m, "flowpacer_rule_sent_bytes_total", rule="r") == 1000     # kept

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 from ..errors import BackendError, NetlinkError
-from ..model import ApplyResult, ClassStats, FlowKey, Op, OpError, OpKind, Shape
+from ..model import ApplyResult, BackendHealth, ClassStats, FlowKey, Op, OpError, OpKind, Shape
 from ..tc import nl, u32
 from ..tc.nl import (NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE, RTM_DELQDISC, RTM_DELTCLASS,
                      RTM_DELTFILTER, RTM_GETQDISC, RTM_GETTCLASS, RTM_GETTFILTER, RTM_NEWQDISC,
@@ -313,8 +313,8 @@ class TcBackend:
                     inst.shape = op.shape
                     continue
                 self._queue_change(op, inst, add, res)
-            elif op.kind is OpKind.CHANGE:
-                res.errors.append(OpError(op, f"change of unknown flow {op.key}"))
+            elif op.kind in (OpKind.CHANGE, OpKind.RELABEL):
+                res.errors.append(OpError(op, f"{op.kind.value} of unknown flow {op.key}"))
             else:
                 self._queue_add(op, add, res)
         if reqs:
@@ -452,7 +452,7 @@ class TcBackend:
         return ClassStats()
 
     # -------------------------------------------------------------- health
-    def check(self) -> str:
+    def check(self) -> BackendHealth:
         """What became of our objects since the last look (cheap: one qdisc dump).
 
         ``ok``; ``gone`` (the interface is missing); ``lost`` (our root qdisc is not there and the
@@ -462,22 +462,22 @@ class TcBackend:
         try:
             idx = socket.if_nametoindex(self.interface)
         except OSError:
-            return "gone"
+            return BackendHealth.GONE
         if idx != self.ifindex:
-            return "lost"             # deleted and made again: nothing of ours is on it
+            return BackendHealth.LOST             # deleted and made again: nothing of ours is on it
         try:
             root = root_qdisc(self._rtnl, idx)
         except NetlinkError:
-            return "gone"
+            return BackendHealth.GONE
         if root is None or root.handle >> 16 == 0:
-            return "lost"
+            return BackendHealth.LOST
         if root.handle != QDISC_HANDLE or root.kind != self.codec.kind:
-            return "foreign"
+            return BackendHealth.FOREIGN
         if not self._want_link_rate:
             speed = link_speed_bps(self.interface)
             if speed and speed != self.link_rate_bps:
-                return "speed"
-        return "ok"
+                return BackendHealth.SPEED
+        return BackendHealth.OK
 
     def audit(self) -> List[FlowKey]:
         """Flows whose class someone removed behind our back: forgotten (their filter deleted if

@@ -1,0 +1,190 @@
+"""The reconciler: flow table + engine + apply + retry, under one lock.
+
+    tracer events ─┐
+    sock_diag ─────┴─> FlowTable ─dirty keys─> engine.plan ─> backend.apply
+                                   ^                              │
+                                   └──── failed keys (retried) ───┘
+
+Both flow sources call in here (the tracer from its thread, the reconcile pass from the main
+loop); every change to the table or the backend happens under ``lock``. A dirty key is only
+forgotten once its plan was applied: an exception part-way through puts the batch back, an op
+the kernel refused is retried at the next pass, and a backend that is not usable (interface
+gone, qdisc lost or foreign) keeps them dirty until it is.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from . import engine
+from .errors import FlowpacerError
+from .flows import FlowTable
+from .metrics import LatencyHistogram
+from .model import FlowKey, FlowSource, OpKind, RuleSet
+from .supervisor import BackendSupervisor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Counters:
+    applies: int = 0
+    op_errors: int = 0
+    reloads_ok: int = 0
+    reloads_failed: int = 0
+    apply_latency_ns: deque = field(default_factory=lambda: deque(maxlen=4096))
+    apply_hist: LatencyHistogram = field(default_factory=LatencyHistogram)
+    shape_latency_ns: deque = field(default_factory=lambda: deque(maxlen=4096))
+
+
+class Reconciler:
+    def __init__(self, supervisor: BackendSupervisor, rules: RuleSet, *,
+                 clock_ns: Callable[[], int] = time.monotonic_ns):
+        self.supervisor = supervisor
+        self.rules = rules
+        self.clock_ns = clock_ns
+        self.table = FlowTable()
+        self.counters = Counters()
+        self.lock = threading.RLock()
+        self._retry: set = set()         # keys whose last operation failed
+        self.resync_requested = False    # the transport failed: the next pass re-reads the kernel
+
+    # -------------------------------------------------------------- inputs
+    def adopt(self) -> None:
+        """After start: what the backend found in the kernel is planned again (kept only where
+        the flow is still live)."""
+        with self.lock:
+            b = self.supervisor.backend
+            if b is not None:
+                self.table.dirty.update(b.installed())
+
+    def on_events(self, events) -> None:
+        """Tracer events, applied at once (called in the tracer's thread)."""
+        with self.lock:
+            for ev in events:
+                self.table.on_event(ev)
+            self.apply_dirty()
+
+    def reconcile(self, snap, started_ns: int) -> None:
+        """One reconcile pass: the backend's health, the sock_diag snapshot (None when the scan
+        failed), the keys to retry, then one apply."""
+        with self.lock:
+            r = self.supervisor.check()
+            if r.gone:
+                self.counters.op_errors += len(r.gone)
+                self.table.dirty.update(r.gone)
+            if r.mark_all:
+                self.table.mark_all(r.installed)
+            if snap is not None:
+                self.table.on_snapshot(snap, started_ns)
+            self.table.dirty.update(self._retry)
+            self._retry.clear()
+            self.apply_dirty()
+
+    # --------------------------------------------------------------- apply
+    def apply_dirty(self):
+        """Plan and apply every dirty key (the caller holds the lock)."""
+        keys = self.table.take_dirty()
+        if not keys:
+            return None
+        try:
+            return self._apply(keys)
+        except BaseException:
+            self.table.dirty.update(keys)      # nothing is lost: planned again next time
+            raise
+
+    def _apply(self, keys):
+        sup = self.supervisor
+        b = sup.backend
+        if b is None or not sup.usable:
+            self.table.dirty.update(keys)
+            return None
+        flows = self.table.flows
+        want = engine.desired({k: flows[k] for k in keys if k in flows}, self.rules)
+        have = {}
+        for k in keys:
+            s = b.shape_of(k)
+            if s is not None:
+                have[k] = s
+        ops = engine.plan(want, have)
+        if not ops:
+            return None
+        t0 = self.clock_ns()
+        try:
+            res = b.apply(ops)
+        except (OSError, FlowpacerError) as e:
+            # the transport failed (e.g. ENOBUFS): what went in is uncertain, so rebuild the
+            # bookkeeping from the kernel and re-plan every flow at the next pass
+            self.counters.op_errors += 1
+            log.error("apply failed: %s; resynchronising with the kernel", e)
+            try:
+                b.resync()
+            except (OSError, FlowpacerError) as e2:
+                log.error("resync failed: %s", e2)
+            self.table.mark_all(b.installed().keys())
+            self.resync_requested = True
+            return None
+        t1 = self.clock_ns()
+        self.counters.applies += 1
+        self.counters.apply_latency_ns.append(t1 - t0)
+        self.counters.apply_hist.observe((t1 - t0) / 1e9)
+        for op in ops:
+            f = flows.get(op.key)
+            if op.kind is OpKind.ADD and f is not None and f.source is FlowSource.TRACER:
+                self.counters.shape_latency_ns.append(t1 - f.seen_ns)
+        for err in res.errors:
+            self.counters.op_errors += 1
+            self._retry.add(err.op.key)     # planned again at the next reconcile pass
+            log.warning("%s", err.reason)
+        if res.added or res.removed or res.changed:
+            log.debug("applied: +%d ~%d -%d", res.added, res.changed, res.removed)
+        return res
+
+    # -------------------------------------------------------------- reload
+    def reload(self, load: Callable[[], RuleSet], on_rules: Callable[[RuleSet], None]) -> dict:
+        """Load new rules with ``load`` (raises RulesError/FlowpacerError: nothing changes),
+        switch the backend if the new rules ask for another one, re-plan every flow."""
+        from .errors import RulesError
+        with self.lock:
+            try:
+                new = load()
+            except RulesError as e:
+                self.counters.reloads_failed += 1
+                for p in e.problems:
+                    log.error("reload refused: %s", p)
+                return {"ok": False, "errors": [str(p) for p in e.problems]}
+            except FlowpacerError as e:
+                self.counters.reloads_failed += 1
+                log.error("reload refused: %s", e)
+                return {"ok": False, "errors": [str(e)]}
+            old = self.rules
+            sup = self.supervisor
+            switch = sup.needs_switch(new)
+            if switch:
+                try:
+                    sup.switch(new)
+                except FlowpacerError as e:
+                    self.counters.reloads_failed += 1
+                    log.error("reload refused: %s", e)
+                    self.table.mark_all()
+                    self.apply_dirty()
+                    return {"ok": False, "errors": [str(e)]}
+            else:
+                sup.adopt_rules(new)
+            self.rules = new
+            on_rules(new)
+            self.table.mark_all(sup.backend.installed().keys())
+            res = self.apply_dirty()
+            self.counters.reloads_ok += 1
+            return {"ok": True, "rules_changed": new != old, "switched_backend": switch,
+                    "added": res.added if res else 0, "changed": res.changed if res else 0,
+                    "removed": res.removed if res else 0,
+                    "errors": [e.reason for e in res.errors] if res else []}
+
+    def mark_all(self, keys: Iterable[FlowKey] = ()) -> None:
+        with self.lock:
+            self.table.mark_all(keys)

@@ -1,0 +1,264 @@
+"""The backend supervisor: which backend runs, its health, and what to do when it changes.
+
+It owns the backend object and its life cycle: start, the health check at every reconcile
+pass (``check``), rebuilding a lost root qdisc, ``backend: auto``'s fall-back from psp to htb
+when the module is gone, and the clean switch-over on a reload that changes the interface,
+backend kind or link rate. It never plans flows: it answers what the reconciler must re-apply
+(``Recheck``), and the reconciler does it.
+
+The backend is made by an injected ``BackendFactory``, so the whole state machine is tested
+in-process against an in-memory backend (tests/fakes).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Protocol
+
+from .errors import BackendError, FlowpacerError
+from .model import BackendHealth, BackendKind, FlowKey, RuleSet
+
+log = logging.getLogger(__name__)
+
+AUDIT_S = 5.0          # how often the flow classes are checked against the kernel
+REBUILD_LOG_S = 60.0   # a backend that cannot be rebuilt: its warning is repeated this often
+
+
+class BackendFactory(Protocol):
+    def make(self, kind: BackendKind, interface: str, link_rate_bps: Optional[int]):
+        """A backend set up on ``interface`` (its root qdisc in place) and why this kind;
+        raises FlowpacerError."""
+
+    def fallback(self, kind: BackendKind, lost: str, interface: str,
+                 link_rate_bps: Optional[int]):
+        """(backend set up, reason) to replace the lost backend named ``lost``, or None to keep
+        retrying it; raises FlowpacerError when the replacement cannot be set up."""
+
+    def psp_available(self) -> bool:
+        """May a reload go back to psp after a fall-back?"""
+
+
+class TcBackendFactory:
+    """The real thing: tc backends over rtnetlink."""
+
+    def __init__(self, take_over: bool = False):
+        self.take_over = take_over
+
+    def make(self, kind, interface, link_rate_bps):
+        from .backend import choose
+        from .backend.tc import TcBackend
+        codec, reason = choose(kind)
+        b = TcBackend(codec, interface, link_rate_bps, self.take_over)
+        try:
+            b.setup()
+        except BaseException:
+            b.close()
+            raise
+        return b, reason
+
+    def fallback(self, kind, lost, interface, link_rate_bps):
+        from .backend import fallback
+        from .backend.tc import TcBackend
+        alt = fallback(kind, lost)
+        if alt is None:
+            return None
+        codec, reason = alt
+        b = TcBackend(codec, interface, link_rate_bps, self.take_over)
+        try:
+            b.setup()
+        except BaseException:
+            b.close()
+            raise
+        return b, reason
+
+    def psp_available(self) -> bool:
+        from .backend import psp_available
+        return psp_available()[0]
+
+
+@dataclass
+class Recheck:
+    """What a health check asks of the reconciler."""
+    mark_all: bool = False                       # re-plan every live flow (rebuilt, fell back)
+    installed: List[FlowKey] = field(default_factory=list)   # and these (adopted) keys
+    gone: List[FlowKey] = field(default_factory=list)        # classes someone else removed
+
+
+class BackendSupervisor:
+    def __init__(self, factory: BackendFactory, *, interface: Optional[str] = None,
+                 kind: Optional[BackendKind] = None, clock: Callable[[], float] = time.monotonic):
+        self.factory = factory
+        self.interface_override = interface
+        self.kind_override = kind
+        self.clock = clock
+        self.backend = None
+        self.reason = ""
+        self.health = BackendHealth.OK
+        self.problem = ""              # why the backend cannot be rebuilt (empty when it can)
+        self.fell_back = False         # auto: psp was lost and htb stands in until reload/restart
+        self.rebuild_failures = 0      # failed rebuild attempts, ever
+        self._episode_failures = 0     # failed rebuilds since the backend last worked
+        self._problem_logged_at = 0.0
+        self._next_audit = 0.0
+        self._rules: Optional[RuleSet] = None
+
+    # ------------------------------------------------------------- set-up
+    def interface_of(self, rs: RuleSet) -> str:
+        ifname = self.interface_override or rs.interface
+        if not ifname:
+            raise BackendError("no interface: give it in the rules file or with --interface")
+        return ifname
+
+    def kind_of(self, rs: RuleSet) -> BackendKind:
+        return self.kind_override or rs.backend
+
+    def start(self, rs: RuleSet) -> None:
+        """Set up the backend for ``rs``. Raises FlowpacerError."""
+        self.backend, self.reason = self.factory.make(self.kind_of(rs), self.interface_of(rs),
+                                                      rs.link_rate_bps)
+        self._rules = rs
+        self.health = BackendHealth.OK
+        self.fell_back = False
+        self.problem = ""
+        self._episode_failures = 0
+        log.info("backend %s on %s (%s)", self.backend.name, self.backend.interface, self.reason)
+
+    @property
+    def usable(self) -> bool:
+        return self.backend is not None and self.health is BackendHealth.OK
+
+    # -------------------------------------------------------------- health
+    def check(self) -> Recheck:
+        """Notice an interface that went away or came back, a root qdisc someone deleted or
+        replaced, a changed link speed; rebuild where that is ours to do."""
+        out = Recheck()
+        b = self.backend
+        if b is None:
+            return out
+        try:
+            state = BackendHealth(b.check())
+        except (OSError, FlowpacerError) as e:
+            log.warning("backend check failed: %s", e)
+            return out
+        prev, self.health = self.health, state
+        if state is BackendHealth.OK:
+            if prev is not BackendHealth.OK:
+                log.info("%s: flowpacer's qdisc is in place again", b.interface)
+            now = self.clock()
+            if now >= self._next_audit:
+                self._next_audit = now + AUDIT_S
+                out.gone = list(b.audit())
+                if out.gone:
+                    log.warning("%s: %d flow classes were removed by someone else; adding them "
+                                "again", b.interface, len(out.gone))
+            return out
+        if state is BackendHealth.GONE:
+            if prev is not BackendHealth.GONE:
+                log.warning("%s: interface is gone; flows stay known and are shaped again when it "
+                            "returns", b.interface)
+                b.forget()
+            return out
+        if state is BackendHealth.FOREIGN:
+            if prev is not BackendHealth.FOREIGN:
+                log.error("%s: someone replaced flowpacer's root qdisc; not fighting it: flows are "
+                          "not shaped until it is removed (or flowpacer restarts with --take-over)",
+                          b.interface)
+                b.forget()
+            return out
+        why = {BackendHealth.LOST: "root qdisc missing (interface re-created or qdisc deleted)",
+               BackendHealth.SPEED: "link speed changed"}[state]
+        try:
+            b.forget()
+            b.setup()
+        except (OSError, FlowpacerError) as e:
+            return self._rebuild_failed(b, why, e)
+        self.health = BackendHealth.OK
+        if self.problem:
+            log.warning("%s: rebuilt after %d failed attempts", b.interface,
+                        self._episode_failures)
+            self.problem = ""
+        self._episode_failures = 0
+        log.warning("%s: %s: rebuilt, re-applying every flow", b.interface, why)
+        out.mark_all = True
+        out.installed = list(b.installed().keys())
+        return out
+
+    def _rebuild_failed(self, b, why: str, err: Exception) -> Recheck:
+        """The lost qdisc cannot be made again (e.g. the psp module was unloaded): counted,
+        logged once per reason and then once every REBUILD_LOG_S, retried at every pass; flows
+        stay known (and unshaped) until it works. With ``backend: auto`` a psp that is gone is
+        replaced by htb instead."""
+        self.rebuild_failures += 1
+        self._episode_failures += 1
+        reason = str(err)
+        if self._fall_back(b, why, reason):
+            return Recheck(mark_all=True)
+        now = self.clock()
+        if reason != self.problem:
+            log.warning("%s: %s; cannot rebuild: %s; flows stay known and unshaped, retrying at "
+                        "every pass", b.interface, why, reason)
+            self._problem_logged_at = now
+        elif now - self._problem_logged_at >= REBUILD_LOG_S:
+            log.warning("%s: still cannot rebuild (%d attempts failed): %s", b.interface,
+                        self._episode_failures, reason)
+            self._problem_logged_at = now
+        else:
+            log.debug("%s: rebuild failed again: %s", b.interface, reason)
+        self.problem = reason
+        return Recheck()
+
+    def _fall_back(self, b, why: str, reason: str) -> bool:
+        rs = self._rules
+        try:
+            alt = self.factory.fallback(self.kind_of(rs), b.name, b.interface, rs.link_rate_bps)
+        except (OSError, FlowpacerError) as e:
+            if self.problem != reason:
+                log.warning("%s: cannot fall back either: %s", b.interface, e)
+            return False
+        if alt is None:
+            return False
+        nb, alt_reason = alt
+        b.close()
+        self.backend = nb
+        self.health = BackendHealth.OK
+        self.problem = ""
+        self._episode_failures = 0
+        self.fell_back = True
+        self.reason = f"{alt_reason}; psp: {reason}"
+        log.warning("%s: %s and psp cannot be rebuilt (%s): %s; re-applying every flow",
+                    nb.interface, why, reason, alt_reason)
+        return True
+
+    # -------------------------------------------------------------- reload
+    def needs_switch(self, new: RuleSet) -> bool:
+        old = self._rules
+        return (self.interface_of(new) != self.backend.interface
+                or self.kind_of(new) != self.kind_of(old)
+                or new.link_rate_bps != old.link_rate_bps
+                # auto fell back to htb after psp was lost: back to psp when it can be had
+                or (self.fell_back and self.factory.psp_available()))
+
+    def switch(self, new: RuleSet) -> None:
+        """Clean switch-over: the old backend's objects go, the new backend starts empty. On
+        failure the old configuration is put back (and FlowpacerError raised): the caller
+        re-applies every flow either way."""
+        old_rules = self._rules
+        old = self.backend
+        old.teardown()
+        old.close()
+        self.backend = None
+        try:
+            self.start(new)
+        except FlowpacerError:
+            self.start(old_rules)
+            raise
+
+    def adopt_rules(self, rs: RuleSet) -> None:
+        self._rules = rs
+
+    def shutdown(self) -> None:
+        if self.backend is not None:
+            self.backend.teardown()
+            self.backend.close()
+            self.backend = None

@@ -1,0 +1,107 @@
+"""The daemon's one typed view and its JSON form.
+
+``build`` copies what status, ``top``, ``rules edit`` and metrics need into a ``DaemonView``
+(under the reconciler's lock, without touching the kernel); ``to_json`` is the control socket's
+status answer, the only place that answer is written. The kernel's class counters are read by
+the caller after the lock is released and merged in here.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, Optional
+
+from .model import ClassStats, DaemonView, FlowView, endpoint
+
+
+def build(rec, sup, stages: Iterable, *, rules_path: str, flow_source: str,
+          tracer_stats: Optional[dict]) -> DaemonView:
+    """Called with ``rec.lock`` held."""
+    b = sup.backend
+    flows = []
+    table = rec.table.flows
+    for key, classid, shape in (b.flows_snapshot() if b else ()):
+        f = table.get(key)
+        if f is None:
+            flows.append(FlowView(key, classid, shape.rule, shape.rate_bps, shape.ceil_bps))
+        else:
+            flows.append(FlowView(key, classid, shape.rule, shape.rate_bps, shape.ceil_bps,
+                                  f.proc.pid, f.proc.comm, f.proc.uid, f.direction, f.source))
+    c = rec.counters
+    return DaemonView(
+        backend=b.name if b else None,
+        backend_reason=sup.reason,
+        interface=b.interface if b else None,
+        backend_health=sup.health,
+        backend_problem=sup.problem,
+        link_rate_bps=b.link_rate_bps if b else 0,
+        rules_path=rules_path,
+        rule_names=tuple(r.name for r in rec.rules.rules) if rec.rules else (),
+        flow_source=flow_source,
+        tracer=tracer_stats,
+        live_flows=len(rec.table),
+        flows=tuple(flows),
+        stages=tuple(s.view() for s in stages),
+        counters={"applies": c.applies, "op_errors": c.op_errors,
+                  "reloads_ok": c.reloads_ok, "reloads_failed": c.reloads_failed,
+                  "backend_rebuild_failures": sup.rebuild_failures,
+                  "shape_latency_us": _pcts(c.shape_latency_ns),
+                  "apply_latency_us": _pcts(c.apply_latency_ns),
+                  "reconcile_added": rec.table.reconcile_added,
+                  "reconcile_removed": rec.table.reconcile_removed,
+                  "apply_hist": c.apply_hist.cumulative()},
+        events=dict(rec.table.events),
+    )
+
+
+def to_json(v: DaemonView, stats: Dict[int, ClassStats]) -> dict:
+    """The status answer: every flow with its class's counters (``stats``: by classid)."""
+    flows = []
+    for f in v.flows:
+        st = stats.get(f.classid)
+        flows.append({
+            "rule": f.rule, "pid": f.pid, "process": f.process, "uid": f.uid,
+            "direction": f.direction.value if f.direction else "",
+            "source": f.source.value if f.source else "",
+            "local": endpoint(f.key.local_addr, f.key.local_port),
+            "remote": endpoint(f.key.remote_addr, f.key.remote_port),
+            "family": f.key.family,
+            "classid": classid_text(f.classid),
+            "rate_bit": f.rate_bps * 8, "ceil_bit": f.ceil_bps * 8,
+            "bytes": st.bytes if st else 0, "packets": st.packets if st else 0,
+            "drops": st.drops if st else 0,
+        })
+    flows.sort(key=lambda x: (x["rule"], x["family"], x["local"], x["remote"]))
+    counters = {k: val for k, val in v.counters.items() if k != "apply_hist"}
+    counters["events"] = {f"{s}_{k}": n for (s, k), n in v.events.items()}
+    return {
+        "backend": v.backend,
+        "backend_reason": v.backend_reason,
+        "interface": v.interface,
+        "backend_state": v.backend_health.value,
+        "backend_problem": v.backend_problem,
+        "link_rate_bit": v.link_rate_bps * 8,
+        "rules": v.rules_path,
+        "flow_source": v.flow_source,
+        "tracer": v.tracer,
+        "live_flows": v.live_flows,
+        "shaped_flows": len(v.flows),
+        "healthy": all(s.state.value in ("running", "disabled") for s in v.stages),
+        "stages": [{"name": s.name, "state": s.state.value, "failures": s.failures,
+                    "last_error": s.last_error, "detail": s.detail} for s in v.stages],
+        "counters": counters,
+        "flows": flows,
+    }
+
+
+def classid_text(c: Optional[int]) -> str:
+    return f"{c >> 16:x}:{c & 0xFFFF:x}" if c is not None else ""
+
+
+def _pcts(samples_ns) -> dict:
+    s = sorted(samples_ns)
+    if not s:
+        return {"n": 0}
+    pick = lambda p: round(s[min(len(s) - 1, int(p / 100 * (len(s) - 1) + 0.5))] / 1000, 1)
+    return {"n": len(s), "p50": pick(50), "p90": pick(90), "p99": pick(99),
+            "max": round(s[-1] / 1000, 1)}
+
+
