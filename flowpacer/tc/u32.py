@@ -201,4 +201,9 @@ def get_parameters(kwarg):
     return _pyroute2_u32.get_parameters(kwarg)
 
 
-fix_request = _pyroute2_u32.fix_request
+# pyroute2's request hook under the name the installed version calls: fix_request (>= 0.9) or
+# fix_msg (0.7/0.8; Debian 12 ships python3-pyroute2 0.7.2, Debian 13 0.7.7).
+if hasattr(_pyroute2_u32, "fix_request"):
+    fix_request = _pyroute2_u32.fix_request
+else:
+    fix_msg = _pyroute2_u32.fix_msg
