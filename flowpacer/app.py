@@ -52,6 +52,8 @@ class Options:
     tracer: bool = True
     metrics_listen: Optional[str] = DEFAULT_LISTEN   # None: no metrics endpoint
     max_flow_series: int = DEFAULT_MAX_FLOW_SERIES
+    metrics_addresses: str = "full"        # full | prefix | none (metrics.AddressLabels)
+    web_config_file: Optional[str] = None  # TLS / basic auth of the metrics endpoint
 
 
 def sd_notify(state: str) -> None:
@@ -172,8 +174,12 @@ class Daemon:
         self.stages.append(self._stage("control", self._serve_control, GiveUp.EXIT))
         if self.opts.metrics_listen:
             try:
+                from .webconfig import load as load_web_config
+                web = load_web_config(self.opts.web_config_file) \
+                    if self.opts.web_config_file else None
                 self._metrics = MetricsServer(self.opts.metrics_listen, FlowpacerCollector(
-                    self.view, self._class_stats, self.opts.max_flow_series))
+                    self.view, self._class_stats, self.opts.max_flow_series,
+                    self.opts.metrics_addresses), web_config=web)
             except (OSError, ValueError) as e:
                 raise FlowpacerError(f"metrics endpoint {self.opts.metrics_listen}: {e}") from None
             self.stages.append(self._stage("metrics", self._serve_metrics, GiveUp.DEGRADE))

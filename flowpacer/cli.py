@@ -60,13 +60,23 @@ def main():
               help="sock_diag reconcile period, seconds")
 @click.option("--no-tracer", is_flag=True, help="find flows by sock_diag polling only")
 @click.option("--metrics", "metrics_listen", default="127.0.0.1:9717", show_default=True,
-              metavar="HOST:PORT", help="Prometheus endpoint (loopback unless told otherwise)")
+              metavar="HOST:PORT|unix:/PATH",
+              help="Prometheus endpoint (loopback unless told otherwise); unix:/PATH listens on "
+                   "a Unix socket of mode 0660 with its directory's group")
 @click.option("--no-metrics", is_flag=True, help="no Prometheus endpoint")
 @click.option("--metrics-max-flows", default=10_000, show_default=True, type=click.IntRange(0),
-              help="at most this many per-flow series; the rest are counted as overflow")
+              help="at most this many per-flow series (the busiest flows); the rest are counted "
+                   "as overflow")
+@click.option("--metrics-addresses", default="full", show_default=True,
+              type=click.Choice(["full", "prefix", "none"]),
+              help="per-flow address labels: as they are, their /24 or /48 network, or none "
+                   "(ports dropped too)")
+@click.option("--web.config.file", "web_config_file", type=click.Path(dir_okay=False),
+              help="TLS and basic auth of the metrics endpoint (Prometheus exporter web "
+                   "configuration file)")
 @click.option("-v", "--verbose", count=True)
 def run(rules_path, interface, backend, socket_path, take_over, rescan, no_tracer, metrics_listen,
-        no_metrics, metrics_max_flows, verbose):
+        no_metrics, metrics_max_flows, metrics_addresses, web_config_file, verbose):
     """Run the daemon: shape each matched flow until stopped (SIGTERM removes everything)."""
     _setup_logging(verbose)
     if os.geteuid() != 0:
@@ -74,7 +84,8 @@ def run(rules_path, interface, backend, socket_path, take_over, rescan, no_trace
     from .app import Daemon, Options
     d = Daemon(Options(rules_path, interface, BackendKind(backend) if backend else None,
                        socket_path, take_over, rescan, not no_tracer,
-                       None if no_metrics else metrics_listen, metrics_max_flows))
+                       None if no_metrics else metrics_listen, metrics_max_flows,
+                       metrics_addresses, web_config_file))
     try:
         d.start()
     except RulesError as e:

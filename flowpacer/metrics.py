@@ -10,11 +10,16 @@ The HTTP server answers ``GET /metrics`` (and HEAD) and nothing else.
 """
 from __future__ import annotations
 
+import enum
+import ipaddress
 import logging
+import os
+import selectors
 import socket
+import ssl
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Dict, Optional, Tuple
+import time
+from typing import Callable, Dict, List, Optional, Tuple
 
 from .memory import trim_heap
 from .model import BackendHealth, StageState
@@ -61,15 +66,115 @@ class LatencyHistogram:
         return out, self.total
 
 
+# ------------------------------------------------------------------------ labels
+
+class AddressLabels(str, enum.Enum):
+    """What the per-flow series say of a flow's addresses (``--metrics-addresses``)."""
+    FULL = "full"        # addresses and ports as they are
+    PREFIX = "prefix"    # addresses as their /24 (IPv4) or /48 (IPv6) network, ports kept
+    NONE = "none"        # addresses and ports empty: flows of one rule/process/direction merge
+
+
+PREFIX_V4 = 24
+PREFIX_V6 = 48
+
+
+def label_safe(text) -> str:
+    """A label value with every character that is not printable (C0/C1 controls, ESC, DEL,
+    line/paragraph separators, bidi overrides...) replaced by its ``\\xNN``/``\\uNNNN`` text. The
+    exposition format itself escapes only backslash, double quote and newline."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else
+                   f"\\x{ord(c):02x}" if ord(c) < 0x100 else
+                   f"\\u{ord(c):04x}" if ord(c) < 0x10000 else f"\\U{ord(c):08x}" for c in text)
+
+
+def clean_labels(fam):
+    """``fam`` with every sample's label values made ``label_safe`` (in place)."""
+    for i, smp in enumerate(fam.samples):
+        if not all(v.isprintable() for v in smp.labels.values()):
+            fam.samples[i] = smp._replace(labels={k: label_safe(v) for k, v in smp.labels.items()})
+    return fam
+
+
+def address_label(addr, mode: AddressLabels) -> str:
+    if mode is AddressLabels.FULL:
+        return str(addr)
+    if mode is AddressLabels.NONE:
+        return ""
+    a = ipaddress.ip_address(addr)
+    if a.version == 6 and a.ipv4_mapped is not None:
+        a = a.ipv4_mapped
+    bits = PREFIX_V4 if a.version == 4 else PREFIX_V6
+    return str(ipaddress.ip_network(f"{a}/{bits}", strict=False))
+
+
+def flow_labels(rule: str, process: str, direction: str, key, mode: AddressLabels) -> tuple:
+    """The per-flow series' label values, in ``FLOW_LABELS`` order."""
+    if mode is AddressLabels.NONE:
+        ports = ("", "")
+    else:
+        ports = (str(key.local_port), str(key.remote_port))
+    return (rule, process, direction, address_label(key.local_addr, mode), ports[0],
+            address_label(key.remote_addr, mode), ports[1])
+
+
+class FlowSeries:
+    """The per-flow series after the address mapping, which may put several flows into one
+    label set (``prefix``, ``none``). A label set's counters are the sum over every flow that
+    was in it since the set last had no exported flow, so a counter never goes backwards when
+    one of its flows ends; the target rate is the sum of its flows' rates. With ``full``
+    addresses every flow has its own label set and this is the plain per-flow value."""
+
+    def __init__(self):
+        self._flows: Dict[object, tuple] = {}      # flow key -> (labels, bytes, pkts, drops)
+        self._ended: Dict[tuple, list] = {}        # labels -> [bytes, pkts, drops] of ended flows
+
+    def _end(self, last) -> None:
+        e = self._ended.setdefault(last[0], [0, 0, 0])
+        for i in range(3):
+            e[i] += last[1 + i]
+
+    def update(self, rows, live_keys) -> Dict[tuple, list]:
+        """``rows``: (key, labels, bytes, packets, drops, rate_bps) of the exported flows;
+        ``live_keys``: every flow that still exists (exported or not)."""
+        out: Dict[tuple, list] = {}
+        for key, labels, b, p, d, rate in rows:
+            last = self._flows.get(key)
+            if last is not None and last[0] != labels:   # re-rated into another rule
+                self._end(last)
+            self._flows[key] = (labels, b, p, d)
+            o = out.setdefault(labels, [0, 0, 0, 0])
+            o[0] += b
+            o[1] += p
+            o[2] += d
+            o[3] += rate
+        for key in [k for k in self._flows if k not in live_keys]:
+            self._end(self._flows.pop(key))
+        for labels in list(self._ended):
+            o = out.get(labels)
+            if o is None:
+                del self._ended[labels]        # the series is gone; it starts over if it returns
+            else:
+                for i in range(3):
+                    o[i] += self._ended[labels][i]
+        return out
+
+
 class FlowpacerCollector:
     """``view()`` returns the daemon's ``DaemonView``; ``class_stats()`` returns
     {classid: ClassStats} read from the kernel at this moment."""
 
     def __init__(self, view: Callable[[], dict], class_stats: Callable[[], dict],
-                 max_flow_series: int = DEFAULT_MAX_FLOW_SERIES):
+                 max_flow_series: int = DEFAULT_MAX_FLOW_SERIES,
+                 addresses: "AddressLabels" = None):
         self.view = view
         self.class_stats = class_stats
         self.max_flow_series = max_flow_series
+        self.addresses = AddressLabels(addresses or AddressLabels.FULL)
+        self._series = FlowSeries()
         self._lock = threading.Lock()
         # key -> (rule, bytes, packets, drops, and those counters when the rule began counting)
         self._last: Dict[object, tuple] = {}
@@ -78,7 +183,8 @@ class FlowpacerCollector:
 
     def collect(self):
         with self._lock:          # scrapes are serialized: the retired totals stay consistent
-            yield from self._collect()
+            for fam in self._collect():
+                yield clean_labels(fam)
 
     def _collect(self):
         from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
@@ -98,7 +204,7 @@ class FlowpacerCollector:
                                    "The flow's rule rate.", labels=FLOW_LABELS)
         rules_now: Dict[str, list] = {}
         seen = set()
-        exported = overflow = 0
+        rows = []
         for f in v.flows:
             st = stats.get(f.classid)
             b, p, d = (st.bytes, st.packets, st.drops) if st else (0, 0, 0)
@@ -117,17 +223,18 @@ class FlowpacerCollector:
             r[1] += b - base[0]
             r[2] += p - base[1]
             r[3] += d - base[2]
-            if exported >= self.max_flow_series:
-                overflow += 1
-                continue
-            exported += 1
-            labels = [f.rule, f.process, f.direction.value if f.direction else "",
-                      str(key.local_addr), str(key.local_port), str(key.remote_addr),
-                      str(key.remote_port)]
+            rows.append((key, flow_labels(f.rule, f.process,
+                                          f.direction.value if f.direction else "", key,
+                                          self.addresses), b, p, d, f.rate_bps))
+        # the busiest flows (most bytes sent) get series; the rest are counted as overflow
+        rows.sort(key=lambda r: -r[2])
+        overflow = max(0, len(rows) - self.max_flow_series)
+        for labels, (b, p, d, rate) in self._series.update(rows[:self.max_flow_series],
+                                                            seen).items():
             fam["sent_bytes"].add_metric(labels, b)
             fam["sent_packets"].add_metric(labels, p)
             fam["dropped_packets"].add_metric(labels, d)
-            target.add_metric(labels, f.rate_bps)
+            target.add_metric(labels, rate)
         for key in [k for k in self._last if k not in seen]:
             self._retire(self._last.pop(key))
         yield from fam.values()
@@ -232,67 +339,338 @@ class FlowpacerCollector:
         r[2] += d - d0
 
 
-def _handler(registry):
-    from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+# ------------------------------------------------------------------------ the server
 
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "flowpacer"
-        sys_version = ""
+MAX_CONNECTIONS = 64          # open connections at once; one more is closed at once
+HEAD_TIMEOUT_S = 10.0         # from accept (TLS handshake included) to the request head's end
+SEND_TIMEOUT_S = 10.0         # from the answer being ready to its last byte taken
+MAX_HEAD = 8192               # bytes of request line and headers
+REUSE_S = 0.25                # scrapes this close together share one rendering
+MAX_BODIES = 2                # renderings being sent at once (memory bound under slow readers)
+TICK_S = 0.25
 
-        def _answer(self, body: bool) -> None:
-            if self.path.split("?", 1)[0] != "/metrics":
-                self.send_error(404, "only /metrics is served here")
-                return
-            try:
-                out = generate_latest(registry)
-            except Exception as e:      # never take the daemon down from a scrape
-                log.warning("metrics: scrape failed: %s", e)
-                self.send_error(500, "scrape failed")
-                return
-            self.send_response(200)
-            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
-            self.send_header("Content-Length", str(len(out)))
-            self.end_headers()
-            if body:
-                self.wfile.write(out)
-            del out
-            trim_heap()        # a 10 000-flow exposition is ~8 MB of short-lived strings
+REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
+           405: "Method Not Allowed", 408: "Request Timeout", 431: "Request Header Fields Too Large",
+           500: "Internal Server Error"}
+_QUIET = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
 
-        def do_GET(self):
-            self._answer(True)
 
-        def do_HEAD(self):
-            self._answer(False)
+class Listen:
+    """Where the endpoint listens: ``HOST:PORT`` / ``[V6]:PORT`` (TCP) or ``unix:/PATH``."""
 
-        def log_message(self, fmt, *args):
-            log.debug("metrics: %s", fmt % args)
-
-    return Handler
+    def __init__(self, text: str):
+        self.text = text
+        self.path: Optional[str] = None
+        self.host = ""
+        self.port = 0
+        if text.startswith("unix:"):
+            path = text[5:]
+            if not path.startswith("/"):
+                raise ValueError(f"metrics address {text!r}: expected unix:/ABSOLUTE/PATH")
+            self.path = path
+        else:
+            self.host, self.port = parse_listen(text)
 
 
 def parse_listen(text: str) -> Tuple[str, int]:
     host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"metrics address {text!r}: expected HOST:PORT")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:   # 0: any free port
+        raise ValueError(f"metrics address {text!r}: expected HOST:PORT or unix:/PATH")
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+class _Conn:
+    __slots__ = ("sock", "head", "out", "body", "pos", "deadline", "handshake", "peer")
+
+    def __init__(self, sock, deadline: float, handshake: bool, peer: str):
+        self.sock = sock
+        self.head = b""
+        self.out: Optional[List[memoryview]] = None   # what is left to send: head, body
+        self.body: Optional[bytes] = None              # the (shared) rendering being sent
+        self.pos = 0
+        self.deadline = deadline
+        self.handshake = handshake      # TLS handshake still to finish
+        self.peer = peer
+
+
 class MetricsServer:
-    def __init__(self, listen: str, collector: FlowpacerCollector):
-        host, port = parse_listen(listen)
+    """The Prometheus endpoint: ``GET``/``HEAD /metrics`` and nothing else, served by one
+    event-loop thread (``run``, a supervised stage) with non-blocking sockets. Bounded whatever
+    the clients do: at most ``max_connections`` open (one more is closed at once), each must
+    deliver its request head (TLS handshake included) within ``head_timeout_s`` and take its
+    answer within ``send_timeout_s``; a connection is closed after its answer (no keep-alive).
+    Clients that leave early are logged at debug level only.
+
+    ``web_config`` (``webconfig.WebConfig``) adds TLS and/or basic authentication. A
+    ``unix:/PATH`` listener makes its socket with mode 0660, group of its directory: access is
+    given by the directory's group and mode."""
+
+    def __init__(self, listen: str, collector: FlowpacerCollector, *, web_config=None,
+                 max_connections: int = MAX_CONNECTIONS, head_timeout_s: float = HEAD_TIMEOUT_S,
+                 send_timeout_s: float = SEND_TIMEOUT_S, clock: Callable[[], float] = time.monotonic):
+        self.listen = Listen(listen)
         from prometheus_client import CollectorRegistry
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(collector)
-        server_cls = type("MetricsHTTPServer", (ThreadingHTTPServer,), {
-            "address_family": socket.AF_INET6 if ":" in host else socket.AF_INET,
-            "daemon_threads": True})
-        self.httpd = server_cls((host, port), _handler(self.registry))
-        self.address = f"{host}:{self.httpd.server_address[1]}"
-        self._thread: Optional[threading.Thread] = threading.Thread(
-            target=self.httpd.serve_forever, name="metrics", daemon=True)
-        self._thread.start()
-        log.info("metrics on http://%s/metrics", self.address)
+        self.web = web_config
+        self.max_connections = max_connections
+        self.head_timeout_s = head_timeout_s
+        self.send_timeout_s = send_timeout_s
+        self.clock = clock
+        self.refused = {"full": 0, "timeout": 0}
+        self._body: Optional[Tuple[float, bytes]] = None     # (rendered at, exposition)
+        if self.listen.path:
+            self.sock = self._unix_socket(self.listen.path)
+            self.address = f"unix:{self.listen.path}"
+        else:
+            host, port = self.listen.host, self.listen.port
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            self.sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            try:
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                self.sock.bind((host, port))
+            except OSError:
+                self.sock.close()
+                raise
+            shown = f"[{host}]" if family == socket.AF_INET6 else host
+            self.address = f"{shown}:{self.sock.getsockname()[1]}"
+        self.sock.listen(128)
+        self.sock.setblocking(False)
+        scheme = "https" if self.web is not None and self.web.tls is not None else "http"
+        log.info("metrics on %s://%s/metrics%s", scheme, self.address,
+                 " (basic auth)" if self.web is not None and self.web.auth else "")
+
+    @staticmethod
+    def _unix_socket(path: str) -> socket.socket:
+        import stat
+        d = os.path.dirname(path)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            pass
+        else:
+            if not stat.S_ISSOCK(st.st_mode):
+                raise ValueError(f"{path} exists and is not a socket")
+            os.unlink(path)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        old = os.umask(0o117)
+        try:
+            s.bind(path)
+            os.chown(path, -1, os.stat(d).st_gid)
+            os.chmod(path, 0o660)
+        except OSError:
+            s.close()
+            raise
+        finally:
+            os.umask(old)
+        return s
+
+    # ------------------------------------------------------------------ the stage
+    def run(self, ctx) -> None:
+        sel = selectors.DefaultSelector()
+        conns: Dict[int, _Conn] = {}
+        sel.register(self.sock, selectors.EVENT_READ, None)
+        listening = True
+        resume_at = 0.0
+        try:
+            while not ctx.stopping():
+                now = self.clock()
+                timeout = TICK_S
+                if conns:
+                    timeout = max(0.0, min(timeout, min(c.deadline for c in conns.values()) - now))
+                for key, _ev in sel.select(timeout):
+                    if key.data is None:
+                        if not self._accept(sel, conns):      # out of fds: pause accepting
+                            sel.unregister(self.sock)
+                            listening, resume_at = False, self.clock() + 0.5
+                    else:
+                        self._service(sel, conns, key.data)
+                now = self.clock()
+                for c in [c for c in conns.values() if now >= c.deadline]:
+                    self.refused["timeout"] += 1
+                    log.debug("metrics: %s: %s timed out", c.peer,
+                              "answer" if c.out is not None else "request")
+                    self._close(sel, conns, c)
+                if not listening and now >= resume_at:
+                    sel.register(self.sock, selectors.EVENT_READ, None)
+                    listening = True
+                ctx.beat()
+        finally:
+            for c in list(conns.values()):
+                self._close(sel, conns, c)
+            sel.close()
+
+    def _accept(self, sel, conns: Dict[int, _Conn]) -> bool:
+        for _ in range(64):
+            try:
+                conn, addr = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return True
+            except OSError as e:
+                log.warning("metrics: accept: %s", e)
+                return False
+            if len(conns) >= self.max_connections:
+                self.refused["full"] += 1
+                if self.refused["full"] in (1, 10, 100, 1000) or self.refused["full"] % 10000 == 0:
+                    log.info("metrics: %d connections open already: closed %d so far at once",
+                             len(conns), self.refused["full"])
+                conn.close()
+                continue
+            conn.setblocking(False)
+            peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else "unix"
+            tls = self.web is not None and self.web.tls is not None
+            if tls:
+                try:
+                    conn = self.web.tls.wrap_socket(conn, server_side=True,
+                                                    do_handshake_on_connect=False)
+                except (OSError, ValueError) as e:
+                    log.debug("metrics: %s: TLS: %s", peer, e)
+                    conn.close()
+                    continue
+            c = _Conn(conn, self.clock() + self.head_timeout_s, tls, peer)
+            conns[conn.fileno()] = c
+            sel.register(conn, selectors.EVENT_READ, c)
+        return True
+
+    def _want(self, sel, c: _Conn, events: int) -> None:
+        if sel.get_key(c.sock).events != events:
+            sel.modify(c.sock, events, c)
+
+    def _service(self, sel, conns, c: _Conn) -> None:
+        try:
+            if c.handshake:
+                c.sock.do_handshake()
+                c.handshake = False
+                self._want(sel, c, selectors.EVENT_READ)
+            if c.out is None:
+                self._read(sel, conns, c)
+            if c.out is not None:
+                self._write(sel, conns, c)
+        except ssl.SSLWantReadError:
+            self._want(sel, c, selectors.EVENT_READ)
+        except ssl.SSLWantWriteError:
+            self._want(sel, c, selectors.EVENT_WRITE)
+        except (BlockingIOError, InterruptedError):
+            pass
+        except (ssl.SSLError, OSError) as e:       # the client left or spoke nonsense
+            log.debug("metrics: %s: %s", c.peer, e)
+            self._close(sel, conns, c)
+
+    def _read(self, sel, conns, c: _Conn) -> None:
+        while True:
+            chunk = c.sock.recv(MAX_HEAD + 1 - len(c.head))
+            if not chunk:
+                raise ConnectionResetError("closed before the request's end")
+            c.head += chunk
+            end = c.head.find(b"\r\n\r\n")
+            if end < 0:
+                end = c.head.find(b"\n\n")
+            if end >= 0:
+                self._respond(sel, conns, c, c.head[:end])
+                return
+            if len(c.head) > MAX_HEAD:
+                self._respond(sel, conns, c, None)
+                return
+
+    def _respond(self, sel, conns, c: _Conn, head: Optional[bytes]) -> None:
+        code, body, extra = self._route(head, conns)
+        lines = [f"HTTP/1.1 {code} {REASONS[code]}", f"Content-Length: {len(body)}",
+                 "Connection: close", "Server: flowpacer"] + extra
+        if code == 200:
+            from prometheus_client.exposition import CONTENT_TYPE_LATEST
+            lines.append(f"Content-Type: {CONTENT_TYPE_LATEST}")
+        else:
+            lines.append("Content-Type: text/plain; charset=utf-8")
+        method = head.split(b" ", 1)[0] if head else b""
+        c.out = [memoryview(("\r\n".join(lines) + "\r\n\r\n").encode())]
+        if method != b"HEAD":
+            c.body = body          # shared, not copied: one rendering serves many answers
+            c.out.append(memoryview(body))
+        c.head = b""
+        c.deadline = self.clock() + self.send_timeout_s
+        self._want(sel, c, selectors.EVENT_WRITE)
+
+    def _route(self, head: Optional[bytes], conns):
+        if head is None:
+            return 431, b"request head too large\n", []
+        try:
+            text = head.decode("latin-1")
+            request, *header_lines = text.replace("\r\n", "\n").split("\n")
+            method, target, version = request.split(" ")
+            if not version.startswith("HTTP/1."):
+                raise ValueError(version)
+        except ValueError:
+            return 400, b"bad request\n", []
+        if self.web is not None and self.web.auth:
+            auth = None
+            for h in header_lines:
+                name, _, value = h.partition(":")
+                if name.strip().lower() == "authorization":
+                    auth = value.strip()
+            if not self.web.check(auth):
+                return 401, b"unauthorized\n", ['WWW-Authenticate: Basic realm="flowpacer"']
+        if method not in ("GET", "HEAD"):
+            return 405, b"only GET and HEAD\n", ["Allow: GET, HEAD"]
+        if target.split("?", 1)[0] != "/metrics":
+            return 404, b"only /metrics is served here\n", []
+        try:
+            return 200, self._render(conns), []
+        except Exception as e:            # never take the daemon down from a scrape
+            log.warning("metrics: scrape failed: %s", e)
+            return 500, b"scrape failed\n", []
+
+    def _render(self, conns) -> bytes:
+        """The exposition: rendered now, or the last one when it is under ``REUSE_S`` old or
+        when ``MAX_BODIES`` renderings are still being sent to slow readers (memory stays
+        bounded by a few renderings whatever the clients do)."""
+        now = self.clock()
+        if self._body is not None:
+            sending = {id(c.body) for c in conns.values() if c.body is not None}
+            if now - self._body[0] < REUSE_S or len(sending) >= MAX_BODIES:
+                return self._body[1]
+        from prometheus_client.exposition import generate_latest
+        out = generate_latest(self.registry)
+        self._body = (now, out)
+        trim_heap()        # a 10 000-flow exposition is ~8 MB of short-lived strings
+        return out
+
+    def _write(self, sel, conns, c: _Conn) -> None:
+        step = 16384 if isinstance(c.sock, ssl.SSLSocket) else 1 << 18
+        while c.out:
+            part = c.out[0]
+            n = c.sock.send(part[c.pos:c.pos + step])
+            if n <= 0:
+                return
+            c.pos += n
+            if c.pos >= len(part):
+                c.out.pop(0)
+                c.pos = 0
+        c.body = None
+        self._close(sel, conns, c, answered=True)
+
+    def _close(self, sel, conns, c: _Conn, answered: bool = False) -> None:
+        try:
+            sel.unregister(c.sock)
+        except (KeyError, ValueError, OSError):
+            pass
+        for k in [k for k, v in conns.items() if v is c]:
+            del conns[k]
+        if answered and not isinstance(c.sock, ssl.SSLSocket):
+            try:
+                c.sock.recv(MAX_HEAD)               # unread bytes would turn FIN into RST
+            except OSError:
+                pass
+            try:
+                c.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+        c.out = c.body = None
+        c.sock.close()
 
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.sock.close()
+        if self.listen.path:
+            try:
+                os.unlink(self.listen.path)
+            except OSError:
+                pass

@@ -71,8 +71,8 @@ def test_collector_bounds_series_and_counts_overflow():
     assert value(m, "flowpacer_rule_flows", rule="r") == 10           # totals include all flows
     assert value(m, "flowpacer_rule_sent_bytes_total", rule="r") == 1000
     assert value(m, "flowpacer_rule_flows", rule="s") == 0
-    # untrusted process names come out escaped, the exposition stays parseable
-    assert m["flowpacer_flow_sent_bytes_total"][0].labels["process"] == "srv\n\x1b[31m"
+    # untrusted process names: control characters (newline, ESC) replaced by their \xNN text
+    assert m["flowpacer_flow_sent_bytes_total"][0].labels["process"] == "srv\\x0a\\x1b[31m"
 
 
 def test_rule_totals_are_counters_across_flow_ends_and_rule_changes():

@@ -9,7 +9,7 @@ PKGS=(
   linux-headers-amd64 linux-image-amd64 kmod busybox-static qemu-system-x86
   iproute2 iperf3 ethtool tshark tcpdump curl netcat-openbsd tmux
   build-essential dkms prometheus systemd python3-seccomp vim-tiny
-  nginx-light apache2-utils nghttp2-client rsync
+  nginx-light apache2-utils nghttp2-client rsync python3-bcrypt
 )
 missing=()
 for p in "${PKGS[@]}"; do
@@ -29,7 +29,7 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import bcc' 2>/dev/null; 
   rm -rf .venv
   /usr/bin/python3 -m venv --system-site-packages .venv
 fi
-if ! .venv/bin/python -c 'import flowpacer, pyroute2, yaml, click, pytest, hypothesis, prometheus_client, matplotlib, numpy' 2>/dev/null \
+if ! .venv/bin/python -c 'import flowpacer, pyroute2, yaml, click, pytest, hypothesis, prometheus_client, matplotlib, numpy, bcrypt' 2>/dev/null \
    || [ pyproject.toml -nt .venv/.installed ]; then
   .venv/bin/pip install -q --disable-pip-version-check -e '.[test]' prometheus-client matplotlib numpy
   touch .venv/.installed
