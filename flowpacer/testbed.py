@@ -1,6 +1,11 @@
-"""A two-host network-namespace testbed (used by ``make demo`` and the tests).
+"""A two-host network-namespace testbed (used by ``make demo``, the tests and the benchmarks,
+which reach it through the ``harness`` package; this is the project's one Testbed class).
 
     namespace SERVER  [ifname 10.77.x.1/24 fd77:x::1/64] ==veth== [peer 10.77.x.2 fd77:x::2]  namespace CLIENT
+
+The pacing tools of the test VM see the same two namespaces as a sender (the server's side,
+whose veth gets the qdisc under test) and a receiver: ``sender_ns``, ``sender_dev``,
+``sender_addr``, ``receiver_*``, ``s(...)``/``r(...)`` to run a command on either side.
 
 Only these addresses are used, every process started here is bounded in time, and everything
 is deleted on exit (also on an exception or Ctrl-C).
@@ -37,7 +42,24 @@ def wait_for(cond: Callable[[], object], timeout: float, interval: float = 0.02,
         time.sleep(interval)
 
 
+class TestbedError(Exception):
+    """A testbed command failed; one line with the command and its stderr."""
+    __test__ = False
+
+
+def modprobe(*names: str) -> None:
+    """Load modules. Where the kernel has no modules directory (a host kernel with everything
+    built in) a failure is left to the command that needs the feature."""
+    strict = os.path.exists(f"/lib/modules/{os.uname().release}/modules.dep")
+    for n in names:
+        p = subprocess.run(["modprobe", n], capture_output=True, text=True, timeout=30)
+        if strict and p.returncode != 0:
+            raise TestbedError(f"modprobe {n}: exit {p.returncode}: {p.stderr.strip()}")
+
+
 class Testbed:
+    __test__ = False  # not a pytest test class
+
     def __init__(self, server_if: Optional[str] = None, tag: Optional[str] = None,
                  subnet: Optional[int] = None, gso: bool = True):
         tag = tag or secrets.token_hex(3)
@@ -67,6 +89,7 @@ class Testbed:
         self.destroy()
 
     def create(self) -> None:
+        modprobe("veth")
         for ns in (self.server_ns, self.client_ns):
             sh("ip", "netns", "del", ns, check=False)
             sh("ip", "netns", "add", ns)
@@ -80,6 +103,9 @@ class Testbed:
             sh("ip", "-n", ns, "link", "set", ifn, "up")
             if not self.gso:
                 sh("ip", "-n", ns, "link", "set", ifn, "gso_max_segs", "1", check=False)
+        # the kernel only passes traffic once both ends are up: wait for the carrier
+        wait_for(lambda: "LOWER_UP" in sh("ip", "-n", self.server_ns, "-o", "link", "show",
+                                          self.server_if).stdout, 10, 0.02, "veth carrier")
 
     def destroy(self) -> None:
         for p in self._procs:
@@ -101,12 +127,77 @@ class Testbed:
         for ns in (self.server_ns, self.client_ns):
             sh("ip", "netns", "del", ns, check=False)
 
+    close = destroy
+
+    # ------------------------------------------- the pacing tools' names: sender = server
+    @property
+    def suffix(self) -> str:
+        return self.tag
+
+    @property
+    def sender_ns(self) -> str:
+        return self.server_ns
+
+    @property
+    def receiver_ns(self) -> str:
+        return self.client_ns
+
+    @property
+    def sender_dev(self) -> str:
+        return self.server_if
+
+    @property
+    def receiver_dev(self) -> str:
+        return self.client_if
+
+    @property
+    def sender_addr(self) -> str:
+        return str(self.server_v4)
+
+    @property
+    def receiver_addr(self) -> str:
+        return str(self.client_v4)
+
+    def _ns_cmd(self, ns: str, args: Sequence, timeout: float = 30,
+                check: bool = True) -> subprocess.CompletedProcess:
+        argv = ["ip", "netns", "exec", ns] + [str(a) for a in args]
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise TestbedError(f"{' '.join(argv)}: no answer in {timeout:.0f} s") from None
+        if check and proc.returncode != 0:
+            raise TestbedError(f"{' '.join(argv)}: exit {proc.returncode}: "
+                               f"{proc.stderr.strip() or proc.stdout.strip()}")
+        return proc
+
+    def s(self, *args, **kw) -> subprocess.CompletedProcess:
+        """Run a command in the sender's (server's) namespace; TestbedError when it fails."""
+        return self._ns_cmd(self.server_ns, args, **kw)
+
+    def r(self, *args, **kw) -> subprocess.CompletedProcess:
+        """Run a command in the receiver's (client's) namespace; TestbedError when it fails."""
+        return self._ns_cmd(self.client_ns, args, **kw)
+
+    def set_gso(self, on: bool) -> None:
+        """GSO/TSO on the sender's veth on (the default) or off. Off also sets gso_max_segs 1:
+        ethtool alone still lets TCP hand the qdisc ~64 KB skbs."""
+        state = "on" if on else "off"
+        self.s("ethtool", "-K", self.sender_dev, "tso", state, "gso", state)
+        self.s("ip", "link", "set", self.sender_dev, "gso_max_segs", "65535" if on else "1")
+
+    def clear_qdisc(self) -> None:
+        self.s("tc", "qdisc", "del", "dev", self.sender_dev, "root", check=False)
+
+    def qdisc_show(self) -> str:
+        return self.s("tc", "-s", "qdisc", "show", "dev", self.sender_dev).stdout
+
     # --------------------------------------------------------------- running
-    def popen(self, ns: str, argv: Sequence[str], **kw) -> subprocess.Popen:
+    def popen(self, ns: str, argv: Sequence, **kw) -> subprocess.Popen:
         """Start a process inside a namespace, in its own process group (killed on destroy)."""
         kw.setdefault("stdout", subprocess.DEVNULL)
         kw.setdefault("stderr", subprocess.DEVNULL)
-        p = subprocess.Popen(["ip", "netns", "exec", ns, *argv], start_new_session=True, **kw)
+        p = subprocess.Popen(["ip", "netns", "exec", ns, *[str(a) for a in argv]],
+                             start_new_session=True, **kw)
         self._procs.append(p)
         return p
 

@@ -1,2 +1,13 @@
-"""The one test harness that tests and benchmarks import (testbed, daemon runner, clients,
-capture, VM runner, in-memory fakes)."""
+"""The one test and benchmark harness of flowpacer (tests/ and bench/ both import it; it imports
+neither). Run from the repository root (``python -m pytest``, ``python -m bench.run``, and the
+same inside the test VM), so it needs no installation.
+
+- ``harness.testbed``: the network-namespace testbed (``Testbed``, ``wait_for``, ``in_netns``);
+- ``harness.daemon``: the daemon runner (``Daemon``: start, ready, status, stop);
+- ``harness.servers``: real servers (nginx, iperf3, rsync) and flowpacer's own;
+- ``harness.traffic``: clients (blaster fetch, iperf3, ab, h2load, curl, socket clients), rates
+  measured at the receiver;
+- ``harness.capture``: what the kernel holds (classes, filters, connections);
+- ``harness.scenarios``: the reliability scenarios (crash/restart, churn soak);
+- ``harness.vm``: the qemu test VM runner.
+"""

@@ -1,3 +1,4 @@
+"""Fixtures of the host tests; the harness they use is the top-level ``harness`` package."""
 import os
 
 import pytest
@@ -17,6 +18,32 @@ def root():
 
 @pytest.fixture
 def testbed(root):
-    from flowpacer.testbed import Testbed
+    """A fresh two-namespace testbed (``harness.testbed.Testbed``), deleted after the test."""
+    from harness.testbed import Testbed
     with Testbed() as tb:
         yield tb
+
+
+@pytest.fixture(scope="module")
+def module_testbed(root):
+    """One testbed shared by the tests of a module (a suite that sets up real servers once)."""
+    from harness.testbed import Testbed
+    with Testbed() as tb:
+        yield tb
+
+
+@pytest.fixture
+def make_daemon(tmp_path):
+    """``make_daemon(tb, rules_text, *extra, **kw)``: a ``harness.daemon.Daemon`` (not started)
+    in the test's tmp_path (a second one in a sub-directory); stopped after the test."""
+    from harness.daemon import Daemon
+    made = []
+
+    def make(tb, rules=None, *extra, **kw):
+        d = tmp_path if not made else tmp_path / f"daemon{len(made)}"
+        d.mkdir(exist_ok=True)
+        made.append(Daemon(tb, d, rules, *extra, **kw))
+        return made[-1]
+    yield make
+    for d in made:
+        d.stop()

@@ -77,7 +77,7 @@ def serve(ports, v6: bool, name: str) -> None:
 
 
 def fetch(host: str, port: int, seconds: float, warmup: float, name: str, nbytes=None,
-          local_port: int = 0, interval: float = 0.0) -> dict:
+          local_port: int = 0, interval: float = 0.0, path: str = "") -> dict:
     set_comm(name)
     fam = socket.AF_INET6 if ":" in host else socket.AF_INET
     s = socket.socket(fam, socket.SOCK_STREAM)
@@ -88,7 +88,8 @@ def fetch(host: str, port: int, seconds: float, warmup: float, name: str, nbytes
     t0 = time.monotonic()
     s.connect((host, port))
     local = s.getsockname()
-    s.sendall(b"GET /%s HTTP/1.0\r\n\r\n" % (str(nbytes).encode() if nbytes else b""))
+    target = path.encode() if path else b"/%s" % (str(nbytes).encode() if nbytes else b"")
+    s.sendall(b"GET %s HTTP/1.0\r\n\r\n" % target)
     buf = bytearray(1 << 16)
     total = measured = 0
     t_start = None
@@ -235,6 +236,8 @@ def main(argv=None) -> int:
     b.add_argument("--name", default="fp-client")
     b.add_argument("--bytes", type=int, default=None)
     b.add_argument("--local-port", type=int, default=0)
+    b.add_argument("--path", default="",
+                   help="ask for this path (another HTTP server's big file) instead of /BYTES")
     b.add_argument("--interval", type=float, default=0.0,
                    help="also record (seconds, bytes so far) every INTERVAL seconds")
     h = sub.add_parser("hold-serve")
@@ -274,7 +277,7 @@ def main(argv=None) -> int:
         return 0
     try:
         r = fetch(args.host, args.port, args.seconds, args.warmup, args.name, args.bytes,
-                  args.local_port, args.interval)
+                  args.local_port, args.interval, args.path)
     except OSError as e:
         print(json.dumps({"error": str(e)}))
         return 1

@@ -1,0 +1,107 @@
+"""What the kernel holds and what went over the wire, read from the test's own namespaces.
+
+- ``kernel_objects(tb)``: (flow classes, flow filters) under flowpacer's qdisc, via ``tc``;
+- ``NlProbe(tb)``: the same and the live target flows over netlink sockets made in the server
+  namespace (no ``tc``/``ss`` processes: under TCG those cost more than the daemon measured);
+- ``qdisc_kind``, ``established``: the root qdisc's kind, the established TCP connections.
+
+Packet captures with kernel timestamps (AF_PACKET, GSO segments counted) are in
+``tests/guest/pacing.py`` (``Capture``), which runs in the VM.
+"""
+from __future__ import annotations
+
+import socket
+from typing import List, Set, Tuple
+
+from flowpacer.testbed import in_netns
+
+BASE_CLASSES = ("f1f0:1", "f1f0:2")   # flowpacer's link class and default class
+
+
+def tc_show(tb, what: str, stats: bool = False) -> str:
+    """``tc [-s] {qdisc|class|filter} show dev <server_if>`` in the server namespace."""
+    return tb.run(tb.server_ns, ["tc", *(["-s"] if stats else []), what, "show", "dev",
+                                 tb.server_if]).stdout
+
+
+def kernel_objects(tb) -> Tuple[int, int]:
+    """(flow classes, flow filters) of flowpacer's qdisc on the server interface."""
+    cls = tc_show(tb, "class").splitlines()
+    flt = tc_show(tb, "filter").splitlines()
+    flow_classes = [c for c in cls if c.startswith("class ") and c.split()[2] not in BASE_CLASSES]
+    return len(flow_classes), sum("flowid" in line for line in flt)
+
+
+def qdisc_kind(tb) -> str:
+    """The kind of the server interface's root qdisc (``noqueue`` when there is none)."""
+    out = tc_show(tb, "qdisc")
+    return out.split()[1] if out.strip() else ""
+
+
+def established(tb, ns: str = "", filt: str = "") -> List[Tuple[str, str]]:
+    """(local, peer) of the established TCP connections in ``ns`` (default: the server's),
+    with an optional ``ss`` filter expression."""
+    out = tb.run(ns or tb.server_ns, ["ss", "-Htn", "state", "established", *([filt] if filt else [])]).stdout
+    return [(ln.split()[-2], ln.split()[-1]) for ln in out.splitlines() if ln.strip()]
+
+
+def live_target_flows(tb, ports=(7000, 7100)) -> Set[str]:
+    """Remote ports of the established connections to the server's ``ports``, as the kernel
+    lists them."""
+    expr = "( " + " or ".join(f"sport = :{p}" for p in ports) + " )"
+    return {peer.rsplit(":", 1)[1] for _local, peer in established(tb, filt=expr)}
+
+
+class NlProbe:
+    """``kernel_objects`` and ``live_target_flows`` read in-process over netlink sockets made in
+    the server namespace: no ``tc``/``ss`` processes. The same answers as the two functions."""
+
+    def __init__(self, tb, ports=(7000, 7100)):
+        from flowpacer.sockdiag import NETLINK_SOCK_DIAG
+        from flowpacer.tc.nl import RtnlSocket
+        self.ports = tuple(ports)
+        with in_netns(tb.server_ns):
+            self.ifindex = socket.if_nametoindex(tb.server_if)
+            self.rt = RtnlSocket()
+            self.diag = RtnlSocket(NETLINK_SOCK_DIAG)
+
+    def objects(self) -> Tuple[int, int]:
+        from flowpacer.backend.tc import MAJOR, QDISC_HANDLE
+        from flowpacer.errors import NetlinkError
+        from flowpacer.tc import nl, u32
+        ncls = nflt = 0
+        try:
+            for mtype, body in self.rt.dump(nl.RTM_GETTCLASS, nl.tcmsg(self.ifindex)):
+                o = nl.parse_tcmsg(mtype, body)
+                if o.ifindex == self.ifindex and o.handle >> 16 == MAJOR and o.handle & 0xFFFF > 2:
+                    ncls += 1
+            for mtype, body in self.rt.dump(nl.RTM_GETTFILTER,
+                                            nl.tcmsg(self.ifindex, 0, QDISC_HANDLE)):
+                o = nl.parse_tcmsg(mtype, body)
+                if o.kind == "u32" and u32.TCA_U32_CLASSID in o.options:
+                    nflt += 1
+        except NetlinkError:        # no qdisc of ours: nothing under it
+            pass
+        return ncls, nflt
+
+    def live(self) -> Set[str]:
+        from flowpacer.sockdiag import PORTS, REQ, SOCK_DIAG_BY_FAMILY, TCP_ESTABLISHED
+        out = set()
+        for fam in (socket.AF_INET, socket.AF_INET6):
+            for _t, body in self.diag.dump(SOCK_DIAG_BY_FAMILY,
+                                           REQ.pack(fam, socket.IPPROTO_TCP, 0,
+                                                    1 << TCP_ESTABLISHED)):
+                sport, dport = PORTS.unpack_from(body, 4)
+                if body[1] == TCP_ESTABLISHED and sport in self.ports:
+                    out.add(str(dport))
+        return out
+
+    def close(self) -> None:
+        self.rt.close()
+        self.diag.close()
+
+    def __enter__(self) -> "NlProbe":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

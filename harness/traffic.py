@@ -1,0 +1,245 @@
+"""Traffic clients for tests and benchmarks, every one bounded in time and count.
+
+Rates are measured at the receiver (the client namespace) in bytes per second of TCP payload;
+a flow paced at ``rate_bps`` on the wire carries at most ``rate_bps * wire(v6)`` of payload
+(1448 payload bytes per 1514-byte frame over IPv4 with timestamps, 1428 over IPv6).
+
+- ``fetch``/``fetch_result``: ``flowpacer.tools.blaster fetch`` (any HTTP server that sends a
+  big body: blaster's own ``serve``, nginx with ``path=``), its goodput after a warm-up;
+- ``iperf3``: ``iperf3 -c`` (``-R``: the server sends), its JSON report;
+- ``ab``, ``h2load``, ``curl``: ApacheBench, nghttp2's h2load and curl, their summaries;
+- ``keepalive_client``, ``reset_midway``, ``stalled_reader``: small socket clients run in a
+  thread of the test process with their sockets made in the client namespace.
+"""
+from __future__ import annotations
+
+import json
+import re
+import socket
+import struct
+import subprocess
+import threading
+import time
+from typing import List, Optional, Sequence
+
+from flowpacer.testbed import PY, client_argv, in_netns, server_argv  # noqa: F401 (re-exported)
+
+WIRE = 1448 / 1514       # TCP payload per full IPv4 frame (timestamps on)
+WIRE6 = 1428 / 1514      # the same over IPv6 (20 more bytes of IP header)
+
+
+def wire(v6: bool) -> float:
+    return WIRE6 if v6 else WIRE
+
+
+def url(host, port: int, path: str = "/") -> str:
+    h = str(host)
+    return f"http://[{h}]:{port}{path}" if ":" in h else f"http://{h}:{port}{path}"
+
+
+# ------------------------------------------------------------------ blaster fetch
+
+def fetch(tb, host, port: int, seconds: float, warmup: float = 1.0, path: Optional[str] = None,
+          name: str = "fp-client", local_port: int = 0, interval: float = 0.0) -> subprocess.Popen:
+    """Start a measuring download in the client namespace (``fetch_result`` reads it)."""
+    argv = client_argv(str(host), port, seconds, warmup, name, local_port)
+    if path:
+        argv += ["--path", path]
+    if interval:
+        argv += ["--interval", str(interval)]
+    return tb.popen(tb.client_ns, argv, stdout=subprocess.PIPE, text=True)
+
+
+def fetch_result(p: subprocess.Popen, timeout: float = 60) -> dict:
+    out, _ = p.communicate(timeout=timeout)
+    if p.returncode != 0 or not out.strip():
+        raise AssertionError(f"fetch client exited {p.returncode} without a result")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------ real programs
+
+def iperf3(tb, host, port: int = 5201, seconds: float = 4, parallel: int = 1,
+           reverse: bool = True, extra: Sequence[str] = ()) -> subprocess.Popen:
+    """``iperf3 -c`` in the client namespace, JSON output (``-R``: the server sends)."""
+    argv = ["iperf3", "-c", str(host), "-p", str(port), "-t", str(seconds), "-P", str(parallel),
+            "-J", *(["-R"] if reverse else []), *extra]
+    return tb.popen(tb.client_ns, argv, stdout=subprocess.PIPE, text=True)
+
+
+def iperf3_result(p: subprocess.Popen, timeout: float = 60) -> dict:
+    out, _ = p.communicate(timeout=timeout)
+    doc = json.loads(out) if out.strip() else {}
+    if p.returncode != 0 or "error" in doc:
+        raise AssertionError(f"iperf3 exited {p.returncode}: {doc.get('error', out[-500:])}")
+    return doc
+
+
+def _field(text: str, label: str) -> Optional[float]:
+    m = re.search(rf"^{re.escape(label)}:\s+([\d.]+)", text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def ab(tb, target: str, n: int, c: int, keepalive: bool = False, timeout_s: int = 20) -> subprocess.Popen:
+    """ApacheBench: ``n`` requests, ``c`` at a time (short connections unless ``keepalive``)."""
+    argv = ["ab", "-q", "-n", str(n), "-c", str(c), "-s", str(timeout_s), "-r",
+            *(["-k"] if keepalive else []), target]
+    return tb.popen(tb.client_ns, argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def ab_result(p: subprocess.Popen, timeout: float = 120) -> dict:
+    out, _ = p.communicate(timeout=timeout)
+    res = {"rc": p.returncode, "complete": _field(out, "Complete requests"),
+           "failed": _field(out, "Failed requests"), "non_2xx": _field(out, "Non-2xx responses") or 0,
+           "bytes": _field(out, "Total transferred"), "output": out[-1500:]}
+    return res
+
+
+def h2load(tb, target: str, n: int, c: int, streams: int = 1, h1: bool = False,
+           seconds_timeout: int = 20) -> subprocess.Popen:
+    """nghttp2's h2load: ``n`` requests over ``c`` connections (HTTP/2 over cleartext with prior
+    knowledge, or HTTP/1.1 with ``h1``)."""
+    argv = ["h2load", "-n", str(n), "-c", str(c), "-m", str(streams), "-T", str(seconds_timeout),
+            *(["--h1"] if h1 else []), target]
+    return tb.popen(tb.client_ns, argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def h2load_result(p: subprocess.Popen, timeout: float = 120) -> dict:
+    out, _ = p.communicate(timeout=timeout)
+    m = re.search(r"requests: (\d+) total, (\d+) started, (\d+) done, (\d+) succeeded, (\d+) failed, "
+                  r"(\d+) errored", out)
+    keys = ("total", "started", "done", "succeeded", "failed", "errored")
+    res = dict(zip(keys, map(int, m.groups()))) if m else {}
+    res.update(rc=p.returncode, output=out[-1500:])
+    return res
+
+
+def curl(tb, urls: Sequence[str], max_time: float = 20, limit_rate: Optional[str] = None,
+         extra: Sequence[str] = ()) -> subprocess.Popen:
+    """curl fetching ``urls`` in order (over one kept-alive connection where it can), bodies
+    thrown away; prints one line per URL: HTTP code, bytes, whether the connection was new."""
+    argv = ["curl", "-sS", "--max-time", str(max_time), *(["--limit-rate", limit_rate] if limit_rate else []),
+            *extra]
+    for u in urls:
+        argv += ["-o", "/dev/null", "-w", "%{http_code} %{size_download} %{num_connects}\\n", u]
+    return tb.popen(tb.client_ns, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def curl_result(p: subprocess.Popen, timeout: float = 120) -> dict:
+    out, err = p.communicate(timeout=timeout)
+    rows = [ln.split() for ln in out.splitlines() if ln.strip()]
+    return {"rc": p.returncode, "codes": [r[0] for r in rows], "bytes": [int(r[1]) for r in rows],
+            "connects": sum(int(r[2]) for r in rows), "stderr": err[-500:]}
+
+
+# ------------------------------------------------------------------ socket clients (threads)
+
+def client_socket(tb, host, port: int, timeout: float = 10) -> socket.socket:
+    """A TCP connection made from the client namespace (the socket stays in it)."""
+    fam = socket.AF_INET6 if ":" in str(host) else socket.AF_INET
+    with in_netns(tb.client_ns):
+        s = socket.socket(fam, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    s.connect((str(host), port))
+    return s
+
+
+def _read_response(s: socket.socket, buf: bytearray) -> int:
+    """Read one HTTP/1.1 response with a Content-Length; its body length."""
+    head = b""
+    while b"\r\n\r\n" not in head:
+        d = s.recv(4096)
+        if not d:
+            raise ConnectionError("closed before the response header")
+        head += d
+    hdr, _, rest = head.partition(b"\r\n\r\n")
+    m = re.search(rb"(?im)^content-length:\s*(\d+)", hdr)
+    if not m:
+        raise ConnectionError(f"no content-length in {hdr[:200]!r}")
+    left = int(m.group(1)) - len(rest)
+    while left > 0:
+        n = s.recv_into(buf, min(len(buf), left))
+        if not n:
+            raise ConnectionError("closed in the body")
+        left -= n
+    return int(m.group(1))
+
+
+def keepalive_client(tb, host, port: int, path: str, requests: int, idle_s: float) -> dict:
+    """One connection, ``requests`` HTTP/1.1 requests with ``idle_s`` of silence between them."""
+    buf = bytearray(1 << 16)
+    got = []
+    s = client_socket(tb, host, port)
+    try:
+        for i in range(requests):
+            if i:
+                time.sleep(idle_s)
+            s.sendall(f"GET {path} HTTP/1.1\r\nHost: t\r\n\r\n".encode())
+            got.append(_read_response(s, buf))
+    finally:
+        s.close()
+    return {"responses": len(got), "bytes": sum(got)}
+
+
+def reset_midway(tb, host, port: int, path: str, after_bytes: int) -> dict:
+    """Start a big download, read ``after_bytes``, then close with SO_LINGER 0 (a RST)."""
+    s = client_socket(tb, host, port)
+    got = 0
+    try:
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: t\r\n\r\n".encode())
+        while got < after_bytes:
+            d = s.recv(1 << 16)
+            if not d:
+                break
+            got += len(d)
+    finally:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()
+    return {"bytes": got}
+
+
+def stalled_reader(tb, host, port: int, path: str, hold_s: float) -> dict:
+    """Ask for a big file and do not read for ``hold_s`` (the server's send queue fills and its
+    window closes), then close."""
+    s = client_socket(tb, host, port)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: t\r\n\r\n".encode())
+        time.sleep(hold_s)
+        first = s.recv(1 << 16)
+    finally:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()
+    return {"bytes": len(first)}
+
+
+class Threads:
+    """Run socket clients in threads; ``join`` returns their results or raises the first error."""
+
+    def __init__(self):
+        self._t: List[threading.Thread] = []
+        self._res: List[object] = []
+        self._err: List[BaseException] = []
+
+    def start(self, fn, *args) -> None:
+        i = len(self._res)
+        self._res.append(None)
+
+        def run():
+            try:
+                self._res[i] = fn(*args)
+            except BaseException as e:          # reported by join
+                self._err.append(e)
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        self._t.append(t)
+
+    def join(self, timeout: float) -> list:
+        deadline = time.monotonic() + timeout
+        for t in self._t:
+            t.join(max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in self._t):
+            raise TimeoutError(f"socket clients still running after {timeout:.0f} s")
+        if self._err:
+            raise self._err[0]
+        return list(self._res)
