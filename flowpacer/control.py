@@ -9,7 +9,10 @@ and multiplexed with ``selectors`` under hard bounds:
 
 - ``RECV_DEADLINE_S`` to receive a whole request (a slow drip or a silent client is cut off
   then, whatever it does), ``SEND_DEADLINE_S`` to take the answer;
-- at most ``MAX_CLIENTS`` clients at once: one more gets ``{"error": "busy"}`` and is closed;
+- at most ``MAX_CLIENTS`` clients at once. One more takes the place of the oldest client that
+  has been sending its request for over ``EVICT_AGE_S`` (a local client sends its request at
+  once: one that has not is slow or silent, and is told so); when there is none it gets
+  ``{"error": "busy"}`` and is closed (``call`` tries again until its timeout);
 - ``MAX_REQUEST`` bytes per request and ``MAX_DEPTH`` levels of JSON nesting, the depth counted
   before ``json.loads`` sees the text (so a request of 100 000 ``[`` costs one regex pass and
   can never reach Python's recursion limit);
@@ -39,6 +42,7 @@ MAX_DEPTH = 32                 # nesting of JSON arrays/objects in one request
 MAX_CLIENTS = 16               # clients served at once
 RECV_DEADLINE_S = 1.0          # from accept to the request's last byte
 SEND_DEADLINE_S = 1.0          # from the answer being ready to its last byte taken
+EVICT_AGE_S = 0.1              # a client still sending after this may lose its place
 TICK_S = 0.25                  # the loop beats and looks at the stop flag at least this often
 
 _TOKEN = re.compile(rb'\\.|["\[\]{}]', re.S)
@@ -95,11 +99,25 @@ def _line(answer: dict) -> bytes:
     return json.dumps(answer).encode() + b"\n"
 
 
-class _Client:
-    __slots__ = ("sock", "data", "out", "deadline", "what")
+def _close(conn: socket.socket) -> None:
+    """Close after taking what the client sent and we did not read: closing a Unix socket with
+    unread bytes makes the peer's next read fail (ECONNRESET) before it sees our answer."""
+    try:
+        conn.setblocking(False)
+        for _ in range(4):                   # bounded: a client that keeps writing is cut
+            if not conn.recv(MAX_REQUEST):
+                break
+    except OSError:
+        pass
+    conn.close()
 
-    def __init__(self, sock: socket.socket, deadline: float):
+
+class _Client:
+    __slots__ = ("sock", "data", "out", "deadline", "what", "since")
+
+    def __init__(self, sock: socket.socket, since: float, deadline: float):
         self.sock = sock
+        self.since = since
         self.data = b""
         self.out = b""            # the answer, once there is one
         self.deadline = deadline
@@ -117,7 +135,7 @@ class ControlServer:
         self.recv_deadline_s = recv_deadline_s
         self.send_deadline_s = send_deadline_s
         self.clock = clock
-        self.refused = {"busy": 0, "timeout": 0, "bad": 0, "uid": 0}
+        self.refused = {"busy": 0, "timeout": 0, "evicted": 0, "bad": 0, "uid": 0}
         d = os.path.dirname(path) or "."
         os.makedirs(d, mode=0o700, exist_ok=True)
         try:
@@ -189,15 +207,24 @@ class ControlServer:
                 self.refused["uid"] += 1
                 log.warning("control: refused uid %d (pid %d)", uid, pid)
                 self._try_send(conn, _line({"error": "permission denied"}))
-                conn.close()
+                _close(conn)
                 continue
+            now = self.clock()
             if len(clients) >= self.max_clients:
-                self.refused["busy"] += 1
-                log.debug("control: %d clients already: pid %d told busy", len(clients), pid)
-                self._try_send(conn, _line({"error": "busy"}))
-                conn.close()
-                continue
-            c = _Client(conn, self.clock() + self.recv_deadline_s)
+                slow = [c for c in clients.values() if not c.out and now - c.since >= EVICT_AGE_S]
+                if not slow:
+                    self.refused["busy"] += 1
+                    log.debug("control: %d clients already: pid %d told busy", len(clients), pid)
+                    self._try_send(conn, _line({"error": "busy"}))
+                    _close(conn)
+                    continue
+                old = min(slow, key=lambda c: c.since)
+                self.refused["evicted"] += 1
+                log.debug("control: a client sending for %.2f s makes way for pid %d",
+                          now - old.since, pid)
+                self._try_send(old.sock, _line({"error": "request too slow"}))
+                self._drop(sel, clients, old)
+            c = _Client(conn, now, now + self.recv_deadline_s)
             clients[conn.fileno()] = c
             sel.register(conn, selectors.EVENT_READ, c)
 
@@ -273,7 +300,7 @@ class ControlServer:
             pass
         for k in [k for k, v in clients.items() if v is c]:
             del clients[k]
-        c.sock.close()
+        _close(c.sock)
 
     def close(self) -> None:
         self.sock.close()
@@ -284,15 +311,36 @@ class ControlServer:
 
 
 def call(path: str, request: Dict, timeout: float = 30.0) -> dict:
-    """Send one request to a running daemon; raises FlowpacerError with a one-line reason."""
+    """Send one request to a running daemon; raises FlowpacerError with a one-line reason.
+    A daemon that is busy with other clients is asked again until ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return _call_once(path, request, max(0.05, deadline - time.monotonic()))
+        except _Busy:
+            if time.monotonic() + 0.02 >= deadline:
+                raise FlowpacerError(f"control socket {path}: busy with other clients") from None
+            time.sleep(0.02)
+
+
+class _Busy(Exception):
+    pass
+
+
+def _call_once(path: str, request: Dict, timeout: float) -> dict:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     s.settimeout(timeout)
     try:
         try:
             s.connect(path)
+        except BlockingIOError:         # its backlog is full: as busy
+            raise _Busy() from None
         except OSError as e:
             raise FlowpacerError(f"no daemon answers on {path}: {e.strerror}") from None
-        s.sendall(json.dumps(request).encode() + b"\n")
+        try:
+            s.sendall(json.dumps(request).encode() + b"\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass                  # refused before it read: its one-line reason may still be there
         data = b""
         while True:
             chunk = s.recv(1 << 16)
@@ -307,6 +355,10 @@ def call(path: str, request: Dict, timeout: float = 30.0) -> dict:
         answer = json.loads(data.decode())
     except ValueError:
         raise FlowpacerError(f"control socket {path}: unreadable answer") from None
+    if not isinstance(answer, dict):
+        raise FlowpacerError(f"control socket {path}: unreadable answer")
+    if answer.get("error") == "busy":
+        raise _Busy()
     if "error" in answer:
         raise FlowpacerError(answer["error"])
     return answer

@@ -341,7 +341,8 @@ class FlowpacerCollector:
 
 # ------------------------------------------------------------------------ the server
 
-MAX_CONNECTIONS = 64          # open connections at once; one more is closed at once
+MAX_CONNECTIONS = 64          # open connections at once (see MetricsServer)
+EVICT_AGE_S = 0.5             # a connection without its request head after this may make way
 HEAD_TIMEOUT_S = 10.0         # from accept (TLS handshake included) to the request head's end
 SEND_TIMEOUT_S = 10.0         # from the answer being ready to its last byte taken
 MAX_HEAD = 8192               # bytes of request line and headers
@@ -380,10 +381,11 @@ def parse_listen(text: str) -> Tuple[str, int]:
 
 
 class _Conn:
-    __slots__ = ("sock", "head", "out", "body", "pos", "deadline", "handshake", "peer")
+    __slots__ = ("sock", "head", "out", "body", "pos", "deadline", "handshake", "peer", "since")
 
-    def __init__(self, sock, deadline: float, handshake: bool, peer: str):
+    def __init__(self, sock, since: float, deadline: float, handshake: bool, peer: str):
         self.sock = sock
+        self.since = since
         self.head = b""
         self.out: Optional[List[memoryview]] = None   # what is left to send: head, body
         self.body: Optional[bytes] = None              # the (shared) rendering being sent
@@ -396,10 +398,12 @@ class _Conn:
 class MetricsServer:
     """The Prometheus endpoint: ``GET``/``HEAD /metrics`` and nothing else, served by one
     event-loop thread (``run``, a supervised stage) with non-blocking sockets. Bounded whatever
-    the clients do: at most ``max_connections`` open (one more is closed at once), each must
-    deliver its request head (TLS handshake included) within ``head_timeout_s`` and take its
-    answer within ``send_timeout_s``; a connection is closed after its answer (no keep-alive).
-    Clients that leave early are logged at debug level only.
+    the clients do: at most ``max_connections`` open. One more takes the place of the oldest
+    connection that has not sent its request head within ``EVICT_AGE_S`` (a scraper sends it at
+    once; idle connections cannot lock it out); when there is none, the new one is closed at
+    once. Each must deliver its request head (TLS handshake included) within ``head_timeout_s``
+    and take its answer within ``send_timeout_s``; a connection is closed after its answer (no
+    keep-alive). Clients that leave early are logged at debug level only.
 
     ``web_config`` (``webconfig.WebConfig``) adds TLS and/or basic authentication. A
     ``unix:/PATH`` listener makes its socket with mode 0660, group of its directory: access is
@@ -417,7 +421,7 @@ class MetricsServer:
         self.head_timeout_s = head_timeout_s
         self.send_timeout_s = send_timeout_s
         self.clock = clock
-        self.refused = {"full": 0, "timeout": 0}
+        self.refused = {"full": 0, "evicted": 0, "timeout": 0}
         self._body: Optional[Tuple[float, bytes]] = None     # (rendered at, exposition)
         if self.listen.path:
             self.sock = self._unix_socket(self.listen.path)
@@ -509,13 +513,20 @@ class MetricsServer:
             except OSError as e:
                 log.warning("metrics: accept: %s", e)
                 return False
+            now = self.clock()
             if len(conns) >= self.max_connections:
-                self.refused["full"] += 1
-                if self.refused["full"] in (1, 10, 100, 1000) or self.refused["full"] % 10000 == 0:
-                    log.info("metrics: %d connections open already: closed %d so far at once",
-                             len(conns), self.refused["full"])
-                conn.close()
-                continue
+                idle = [c for c in conns.values()
+                        if c.out is None and now - c.since >= EVICT_AGE_S]
+                if not idle:
+                    self.refused["full"] += 1
+                    n = self.refused["full"]
+                    if n in (1, 10, 100, 1000) or n % 10000 == 0:
+                        log.info("metrics: %d connections open: %d closed at once so far",
+                                 len(conns), n)
+                    conn.close()
+                    continue
+                self.refused["evicted"] += 1
+                self._close(sel, conns, min(idle, key=lambda c: c.since))
             conn.setblocking(False)
             peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else "unix"
             tls = self.web is not None and self.web.tls is not None
@@ -527,7 +538,7 @@ class MetricsServer:
                     log.debug("metrics: %s: TLS: %s", peer, e)
                     conn.close()
                     continue
-            c = _Conn(conn, self.clock() + self.head_timeout_s, tls, peer)
+            c = _Conn(conn, now, now + self.head_timeout_s, tls, peer)
             conns[conn.fileno()] = c
             sel.register(conn, selectors.EVENT_READ, c)
         return True
