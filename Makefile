@@ -4,7 +4,7 @@ VENV  := .venv
 PY    := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: deps demo test test-vm bench bench-quick soak install kmod sim clean
+.PHONY: deps demo test test-vm bench bench-quick soak install kmod sim clean deb
 
 deps: .deps-stamp
 .deps-stamp: tools/setup.sh pyproject.toml
@@ -34,6 +34,21 @@ sim: deps
 
 install: deps
 	bash tools/install.sh
+
+# Debian packages flowpacer_*.deb and sch-psp-dkms_*.deb (debian/, docs/packaging.md), built with
+# dpkg-buildpackage from a copy of the checkout's files in $(DEB_OUT)/flowpacer (the .debs land in
+# $(DEB_OUT)), then checked by lintian: any error fails the target.
+DEB_OUT ?= build/deb
+# Debian's own python3 and tools, not whatever python3 comes first in PATH (pyenv, a venv)
+DEB_PATH := /usr/sbin:/usr/bin:/sbin:/bin
+deb: deps
+	rm -rf $(DEB_OUT) && mkdir -p $(DEB_OUT)/flowpacer
+	git ls-files -z --cached --others --exclude-standard | \
+	  (while IFS= read -r -d '' f; do [ -f "$$f" ] && printf '%s\0' "$$f"; done) | \
+	  tar --null -T - -cf - | tar -C $(DEB_OUT)/flowpacer -xf -
+	cd $(DEB_OUT)/flowpacer && PATH=$(DEB_PATH) dpkg-buildpackage -b -us -uc
+	PATH=$(DEB_PATH) lintian --fail-on error --display-info $(DEB_OUT)/*.changes
+	@ls -1 $(DEB_OUT)/*.deb
 
 soak: deps
 	$(PY) -m bench.reliability --cycles $${SOAK_CYCLES:-1000000}
