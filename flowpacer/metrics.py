@@ -342,7 +342,6 @@ class FlowpacerCollector:
 # ------------------------------------------------------------------------ the server
 
 MAX_CONNECTIONS = 64          # open connections at once (see MetricsServer)
-EVICT_AGE_S = 0.5             # a connection without its request head after this may make way
 HEAD_TIMEOUT_S = 10.0         # from accept (TLS handshake included) to the request head's end
 SEND_TIMEOUT_S = 10.0         # from the answer being ready to its last byte taken
 MAX_HEAD = 8192               # bytes of request line and headers
@@ -399,8 +398,9 @@ class MetricsServer:
     """The Prometheus endpoint: ``GET``/``HEAD /metrics`` and nothing else, served by one
     event-loop thread (``run``, a supervised stage) with non-blocking sockets. Bounded whatever
     the clients do: at most ``max_connections`` open. One more takes the place of the oldest
-    connection that has not sent its request head within ``EVICT_AGE_S`` (a scraper sends it at
-    once; idle connections cannot lock it out); when there is none, the new one is closed at
+    connection still without a whole request head, after what that one has sent so far is read
+    (a scraper sends its request at once, so it is answered, never pushed out; idle connections
+    cannot lock scrapes out); when every connection is being answered, the new one is closed at
     once. Each must deliver its request head (TLS handshake included) within ``head_timeout_s``
     and take its answer within ``send_timeout_s``; a connection is closed after its answer (no
     keep-alive). Clients that leave early are logged at debug level only.
@@ -438,7 +438,7 @@ class MetricsServer:
                 raise
             shown = f"[{host}]" if family == socket.AF_INET6 else host
             self.address = f"{shown}:{self.sock.getsockname()[1]}"
-        self.sock.listen(128)
+        self.sock.listen(1024)          # a burst of connections is taken, not dropped (SYN retries)
         self.sock.setblocking(False)
         scheme = "https" if self.web is not None and self.web.tls is not None else "http"
         log.info("metrics on %s://%s/metrics%s", scheme, self.address,
@@ -505,7 +505,7 @@ class MetricsServer:
             sel.close()
 
     def _accept(self, sel, conns: Dict[int, _Conn]) -> bool:
-        for _ in range(64):
+        for _ in range(256):
             try:
                 conn, addr = self.sock.accept()
             except (BlockingIOError, InterruptedError):
@@ -514,19 +514,14 @@ class MetricsServer:
                 log.warning("metrics: accept: %s", e)
                 return False
             now = self.clock()
-            if len(conns) >= self.max_connections:
-                idle = [c for c in conns.values()
-                        if c.out is None and now - c.since >= EVICT_AGE_S]
-                if not idle:
-                    self.refused["full"] += 1
-                    n = self.refused["full"]
-                    if n in (1, 10, 100, 1000) or n % 10000 == 0:
-                        log.info("metrics: %d connections open: %d closed at once so far",
-                                 len(conns), n)
-                    conn.close()
-                    continue
-                self.refused["evicted"] += 1
-                self._close(sel, conns, min(idle, key=lambda c: c.since))
+            if len(conns) >= self.max_connections and not self._make_room(sel, conns):
+                self.refused["full"] += 1
+                n = self.refused["full"]
+                if n in (1, 10, 100, 1000) or n % 10000 == 0:
+                    log.info("metrics: %d connections being answered: %d closed at once so far",
+                             len(conns), n)
+                conn.close()
+                continue
             conn.setblocking(False)
             peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else "unix"
             tls = self.web is not None and self.web.tls is not None
@@ -542,6 +537,19 @@ class MetricsServer:
             conns[conn.fileno()] = c
             sel.register(conn, selectors.EVENT_READ, c)
         return True
+
+    def _make_room(self, sel, conns) -> bool:
+        """Free one place: the oldest connection still waiting for its request head is read
+        first (a request it has sent is answered: it keeps its place), else closed."""
+        for c in sorted((c for c in conns.values() if c.out is None), key=lambda c: c.since):
+            self._service(sel, conns, c)
+            if len(conns) < self.max_connections:
+                return True                    # it had left
+            if c.out is None:
+                self.refused["evicted"] += 1
+                self._close(sel, conns, c)
+                return True
+        return False
 
     def _want(self, sel, c: _Conn, events: int) -> None:
         if sel.get_key(c.sock).events != events:
