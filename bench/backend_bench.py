@@ -17,20 +17,15 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
-import signal
 import subprocess
 import sys
-import tempfile
-import textwrap
 import time
 
 from flowpacer.backend import tc as tcb
 from flowpacer.backend.htb import HtbCodec
-from flowpacer.control import call
-from flowpacer.errors import FlowpacerError
 from flowpacer.model import FlowKey, Op, OpKind, Shape
-from flowpacer.testbed import PY, Testbed, in_netns, wait_for
+from harness.daemon import Daemon
+from harness.testbed import PY, Testbed, in_netns, wait_for
 
 from .common import RESULTS, percentiles, write
 
@@ -113,15 +108,6 @@ def classification(tb, n=10_000, runs=3) -> dict:
             "median_ratio": ratio, "target_class_bytes": st.bytes}
 
 
-def _rss(pid: int) -> dict:
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                out[line.split(":")[0]] = int(line.split()[1]) * 1024
-    return {"rss_bytes": out.get("VmRSS", 0), "peak_rss_bytes": out.get("VmHWM", 0)}
-
-
 def scrape(ns: str, port: int = 9717, timeout: float = 60) -> tuple:
     """(seconds, body bytes, flow series) of one GET /metrics inside namespace ``ns``."""
     with in_netns(ns):
@@ -141,39 +127,24 @@ def scrape(ns: str, port: int = 9717, timeout: float = 60) -> tuple:
     return dt, len(body), series
 
 
+HELD_RULES = """
+    interface: IFACE
+    backend: htb
+    link_rate: 10gbit
+    rules:
+      - name: held
+        match: {process: fp-hold-srv, local_port: 7000}
+        rate: 1mbit
+"""
+
+
 def daemon_scale(tb, steps=(100, 1000, 10_000), scrapes=5) -> dict:
     """One daemon; live shaped flows raised step by step (each step one more holder process)."""
-    tmp = tempfile.mkdtemp(prefix="fp-bench-")
-    rules = os.path.join(tmp, "rules.yaml")
-    with open(rules, "w") as f:
-        f.write(textwrap.dedent(f"""\
-            interface: {tb.server_if}
-            backend: htb
-            link_rate: 10gbit
-            rules:
-              - name: held
-                match: {{process: fp-hold-srv, local_port: 7000}}
-                rate: 1mbit
-            """))
-    os.chmod(rules, 0o600)
-    sock = os.path.join(tmp, "control.sock")
     tb.popen(tb.server_ns, [PY, "-m", "flowpacer.tools.blaster", "hold-serve", "--port", "7000"])
     tb.wait_listening(7000)
-    d = tb.popen(tb.server_ns, [PY, "-m", "flowpacer.cli", "run", "--rules", rules, "--socket", sock],
-                 stderr=open(os.path.join(tmp, "daemon.log"), "w"))
-
-    def ready():
-        if d.poll() is not None:
-            raise RuntimeError(open(os.path.join(tmp, "daemon.log")).read()[-3000:])
-        try:
-            return call(sock, {"cmd": "ping"}, timeout=2)
-        except FlowpacerError:
-            return None
-    wait_for(ready, 60, 0.1, "daemon")
-    pid = int(subprocess.run(["pgrep", "-f", f"flowpacer.cli run --rules {rules}"],
-                             capture_output=True, text=True).stdout.split()[0])
+    d = Daemon(tb, None, HELD_RULES, verbose=False, rules_mode=0o600).start(timeout=60)
     wait_for(lambda: _try_scrape(tb), 30, 0.2, "the metrics endpoint")
-    base = {"flows": 0, **_rss(pid), "scrape_s": percentiles([scrape(tb.server_ns)[0] for _ in range(scrapes)])}
+    base = {"flows": 0, **d.memory(), "scrape_s": percentiles([scrape(tb.server_ns)[0] for _ in range(scrapes)])}
     holders, out, have = [], [], 0
     try:
         for n in steps:
@@ -185,18 +156,18 @@ def daemon_scale(tb, steps=(100, 1000, 10_000), scrapes=5) -> dict:
                          stdout=subprocess.PIPE, text=True)
             holders.append(h)
             opened = json.loads(h.stdout.readline())
-            wait_for(lambda: call(sock, {"cmd": "status"}, timeout=60)["shaped_flows"] >= n, 180, 0.2,
+            wait_for(lambda: d.status(timeout=60)["shaped_flows"] >= n, 180, 0.2,
                      f"{n} shaped flows")
             shaped_s = time.monotonic() - t0
             have = n
             time.sleep(0.5)
             t1 = time.perf_counter()
-            st = call(sock, {"cmd": "status"}, timeout=60)
+            st = d.status(timeout=60)
             status_s = time.perf_counter() - t1
             sc = [scrape(tb.server_ns) for _ in range(scrapes)]
             step = {"flows": n, "new_flows": more, "client_open_s": opened["open_s"],
                     "open_to_all_shaped_s": shaped_s, "ms_per_new_flow": shaped_s * 1e3 / more,
-                    **_rss(pid), "status_call_s": status_s, "status_shaped_flows": st["shaped_flows"],
+                    **d.memory(), "status_call_s": status_s, "status_shaped_flows": st["shaped_flows"],
                     "scrape_s": percentiles([x[0] for x in sc]), "scrape_samples_s": [x[0] for x in sc],
                     "scrape_bytes": sc[-1][1], "scrape_flow_series": sc[-1][2],
                     "apply_us": st["counters"]["apply_latency_us"]}
@@ -205,15 +176,14 @@ def daemon_scale(tb, steps=(100, 1000, 10_000), scrapes=5) -> dict:
         t2 = time.monotonic()
         for h in holders:
             h.stdin.close()
-        wait_for(lambda: call(sock, {"cmd": "status"}, timeout=60)["shaped_flows"] == 0, 120, 0.2,
+        wait_for(lambda: d.status(timeout=60)["shaped_flows"] == 0, 120, 0.2,
                  "flows to be removed")
         removed_s = time.monotonic() - t2
     finally:
         for h in holders:
             if h.stdin and not h.stdin.closed:
                 h.stdin.close()
-        d.send_signal(signal.SIGTERM)
-        d.wait(timeout=60)
+        d.stop()
     res = {"steps": out, "idle": base, "close_all_to_all_removed_s": removed_s}
     last = out[-1]
     # the figures issue 2 named, at the largest step (10 000 in a full run)

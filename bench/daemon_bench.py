@@ -14,68 +14,32 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
-import textwrap
 import time
 
 from flowpacer.backend.tc import DEFAULT_MINOR, MAJOR
-from flowpacer.control import call
-from flowpacer.errors import FlowpacerError
 from flowpacer.tc import nl
-from flowpacer.testbed import PY, Testbed, in_netns, wait_for
+from harness.daemon import Daemon
+from harness.testbed import PY, Testbed, in_netns, wait_for
 
 from .common import RESULTS, percentiles, write
 
+RULES = """
+    interface: IFACE
+    backend: htb
+    link_rate: 10gbit
+    rules:
+      - name: burst
+        match: {process: fp-burst-srv, direction: inbound}
+        rate: RATE
+"""
 
-class BenchDaemon:
-    def __init__(self, tb, rate="50mbit"):
-        self.tb = tb
-        self.tmp = tempfile.mkdtemp(prefix="fp-dbench-")
-        self.rules = os.path.join(self.tmp, "rules.yaml")
-        with open(self.rules, "w") as f:
-            f.write(textwrap.dedent(f"""\
-                interface: {tb.server_if}
-                backend: htb
-                link_rate: 10gbit
-                rules:
-                  - name: burst
-                    match: {{process: fp-burst-srv, direction: inbound}}
-                    rate: {rate}
-                """))
-        self.sock = os.path.join(self.tmp, "control.sock")
-        self.proc = tb.popen(tb.server_ns, [PY, "-m", "flowpacer.cli", "run", "--rules", self.rules,
-                                            "--socket", self.sock, "--no-metrics"],
-                             stderr=open(os.path.join(self.tmp, "daemon.log"), "w"))
-        wait_for(self._ready, 90, 0.1, "the daemon")
 
-    def _ready(self):
-        if self.proc.poll() is not None:
-            raise RuntimeError(open(os.path.join(self.tmp, "daemon.log")).read()[-3000:])
-        try:
-            return call(self.sock, {"cmd": "ping"}, timeout=2)
-        except FlowpacerError:
-            return None
-
-    def status(self):
-        return call(self.sock, {"cmd": "status"}, timeout=60)
-
-    def pid(self):
-        out = subprocess.run(["pgrep", "-f", f"flowpacer.cli run --rules {self.rules}"], capture_output=True, text=True)
-        return int(out.stdout.split()[0])
-
-    def cpu_s(self):
-        with open(f"/proc/{self.pid()}/stat") as f:
-            parts = f.read().rsplit(")", 1)[1].split()
-        return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
-
-    def stop(self):
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(timeout=60)
+def bench_daemon(tb, rate="50mbit") -> Daemon:
+    """The daemon (tracer on, no metrics endpoint) with one rule for fp-burst-srv at ``rate``."""
+    return Daemon(tb, None, RULES.replace("RATE", rate), "--no-metrics", verbose=False).start()
 
 
 def churn(tb, rate, seconds, procs=1):
@@ -92,7 +56,7 @@ def time_to_shape(tb, seconds=5) -> dict:
     tb.popen(tb.server_ns, [PY, "-m", "flowpacer.tools.blaster", "burst-serve", "--port", "7100",
                             "--bytes", "65536"])
     tb.wait_listening(7100)
-    d = BenchDaemon(tb)
+    d = bench_daemon(tb)
     try:
         c = churn(tb, 200, seconds)
         wait_for(lambda: d.status()["shaped_flows"] == 0, 30, 0.2, "all classes gone")
@@ -108,7 +72,7 @@ def time_to_shape(tb, seconds=5) -> dict:
 def churn_ceiling(tb, rates=(500, 1000, 2000, 3000, 4000), seconds=5) -> dict:
     tb.popen(tb.server_ns, [PY, "-m", "flowpacer.tools.blaster", "burst-serve", "--port", "7100"])
     tb.wait_listening(7100)
-    d = BenchDaemon(tb)
+    d = bench_daemon(tb)
     steps = []
     try:
         for rate in rates:
@@ -144,7 +108,7 @@ def unshaped_bytes(tb, n=100) -> dict:
                             "--name", "fp-other-srv"])
     tb.wait_listening(7100)
     tb.wait_listening(7101)
-    d = BenchDaemon(tb, rate="20mbit")
+    d = bench_daemon(tb, rate="20mbit")
     with in_netns(tb.server_ns):
         rtnl = nl.RtnlSocket()
         ifindex = socket.if_nametoindex(tb.server_if)

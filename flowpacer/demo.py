@@ -19,7 +19,7 @@ from pathlib import Path
 from . import rules as rules_loader
 from .engine import first_match
 from .model import Direction, Flow, FlowKey, ProcessInfo
-from .testbed import PY, Testbed, client_argv, server_argv, wait_for
+from .testbed import Daemon, DaemonExited, Testbed, client_argv, server_argv
 from .units import format_bits
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,35 +42,25 @@ def main() -> int:
     for line in rules_loader.describe(rs):
         out(f"  {line}")
     tmp = tempfile.mkdtemp(prefix="flowpacer-demo-")
-    sock = os.path.join(tmp, "control.sock")
-    log_path = os.path.join(tmp, "daemon.log")
-    with Testbed(server_if=rs.interface, tag="demo", subnet=77) as tb, open(log_path, "w") as log:
+    with Testbed(server_if=rs.interface, tag="demo", subnet=77) as tb:
         out(f"testbed: {tb.server_ns} ({tb.server_v4}, {tb.server_if}) <-> "
             f"{tb.client_ns} ({tb.client_v4})")
         tb.popen(tb.server_ns, server_argv(PORTS, "fp-demo-srv"))
         for p in PORTS:
             tb.wait_listening(p)
-        daemon = tb.popen(tb.server_ns, [PY, "-m", "flowpacer.cli", "run", "--rules", str(RULES),
-                                         "--socket", sock], stderr=log)
-        from .control import call
-        from .errors import FlowpacerError
-
-        def ready():
-            if daemon.poll() is not None:
-                raise RuntimeError(f"flowpacer exited with {daemon.returncode}; see {log_path}:\n"
-                                   + Path(log_path).read_text()[-2000:])
-            try:
-                return call(sock, {"cmd": "ping"}, timeout=2)
-            except FlowpacerError:
-                return None
-        wait_for(ready, 60, 0.1, "the daemon's control socket")
-        st = call(sock, {"cmd": "status"})
+        daemon = Daemon(tb, tmp, rules_file=RULES, verbose=False)
+        log_path = str(daemon.log)
+        try:
+            daemon.start(timeout=60)
+        except DaemonExited as e:
+            raise RuntimeError(f"flowpacer did not start; see {log_path}: {e}") from None
+        st = daemon.status()
         out(f"daemon: backend {st['backend']} ({st['backend_reason']}); flows from {st['flow_source']}")
         out(f"{len(PORTS)} clients download for {SECONDS:.0f} s each, all at once ...")
         clients = [tb.popen(tb.client_ns, client_argv(str(tb.server_v4), p, SECONDS),
                             stdout=subprocess.PIPE, text=True) for p in PORTS]
         time.sleep(SECONDS / 2)
-        mid = call(sock, {"cmd": "status"})
+        mid = daemon.status()
         results = []
         for c in clients:
             o, _ = c.communicate(timeout=SECONDS + 30)
@@ -98,6 +88,7 @@ def main() -> int:
         out("")
         out(f"('of rate' = goodput / (rate x {WIRE_SHARE:.3f}): TCP payload per 1514-byte frame)")
         out(f"daemon log: {log_path}")
+        daemon.stop()
     out("testbed removed.")
     return 0
 

@@ -33,6 +33,15 @@ def module_testbed(root):
 
 
 @pytest.fixture
+def daemon(testbed, tmp_path):
+    """The daemon with ``harness.daemon.RULES`` in ``testbed`` (not started; stopped after)."""
+    from harness.daemon import RULES, Daemon
+    d = Daemon(testbed, tmp_path, RULES)
+    yield d
+    d.stop()
+
+
+@pytest.fixture
 def make_daemon(tmp_path):
     """``make_daemon(tb, rules_text, *extra, **kw)``: a ``harness.daemon.Daemon`` (not started)
     in the test's tmp_path (a second one in a sub-directory); stopped after the test."""

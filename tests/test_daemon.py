@@ -4,88 +4,16 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import textwrap
-import time
 
 import pytest
 
 from flowpacer.control import call
-from flowpacer.errors import FlowpacerError
-from flowpacer.testbed import PY, server_argv, wait_for
+from harness.capture import qdisc_kind
+from harness.daemon import RULES, Daemon
+from harness.testbed import PY, client_argv, server_argv, wait_for
+from harness.traffic import WIRE
 
 pytestmark = pytest.mark.kernel
-
-WIRE = 1448 / 1514
-
-
-class Daemon:
-    def __init__(self, tb, tmp_path, rules_text, *extra):
-        self.tb = tb
-        self.rules = tmp_path / "rules.yaml"
-        self.rules.write_text(textwrap.dedent(rules_text).replace("IFACE", tb.server_if))
-        self.sock = str(tmp_path / "control.sock")
-        self.log = tmp_path / "daemon.log"
-        self.extra = extra
-        self.proc = None
-
-    def start(self, wait=True):
-        self._logf = open(self.log, "w")
-        self.proc = self.tb.popen(self.tb.server_ns,
-                                  [PY, "-m", "flowpacer.cli", "run", "--rules", str(self.rules),
-                                   "--socket", self.sock, "-v", *self.extra], stderr=self._logf)
-        if wait:
-            wait_for(self._ready, 60, 0.05, "the daemon to answer")
-        return self
-
-    def _ready(self):
-        if self.proc.poll() is not None:
-            raise AssertionError(f"daemon exited {self.proc.returncode}:\n{self.log.read_text()}")
-        try:
-            return call(self.sock, {"cmd": "ping"}, timeout=2)
-        except FlowpacerError:
-            return None
-
-    def status(self):
-        return call(self.sock, {"cmd": "status"})
-
-    def flows(self):
-        return self.status()["flows"]
-
-    def stop(self):
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(timeout=20)
-        return self.proc.returncode
-
-
-RULES = """
-    interface: IFACE
-    backend: htb
-    link_rate: 1gbit
-    rules:
-      - name: slow
-        match: {process: fp-test-srv, direction: inbound, local_port: 9101}
-        rate: 10mbit
-      - name: fast
-        match: {process: fp-test-srv, direction: inbound, local_port: 9102}
-        rate: 100mbit
-      - name: out
-        match: {process: fp-test-cli, direction: outbound, remote_port: 9201}
-        rate: 20mbit
-"""
-
-
-@pytest.fixture
-def daemon(testbed, tmp_path):
-    d = Daemon(testbed, tmp_path, RULES)
-    yield d
-    d.stop()
-
-
-def qdisc_kind(tb):
-    out = tb.run(tb.server_ns, ["tc", "qdisc", "show", "dev", tb.server_if]).stdout
-    return out.split()[1]
 
 
 @pytest.mark.parametrize("v6", [False, True], ids=["ipv4", "ipv6"])
@@ -94,7 +22,6 @@ def test_flows_get_their_rule_rates_and_unmatched_is_unshaped(testbed, daemon, v
     testbed.wait_listening(9101)
     daemon.start()
     host = str(testbed.server_v6 if v6 else testbed.server_v4)
-    from flowpacer.testbed import client_argv
     clients = {p: testbed.popen(testbed.client_ns, client_argv(host, p, 6, warmup=1.5),
                                 stdout=subprocess.PIPE, text=True) for p in (9101, 9102, 9103)}
     res = {p: json.loads(c.communicate(timeout=60)[0].splitlines()[-1]) for p, c in clients.items()}
@@ -109,7 +36,6 @@ def test_status_shows_each_flow(testbed, daemon):
     testbed.popen(testbed.server_ns, server_argv([9101], "fp-test-srv"))
     testbed.wait_listening(9101)
     daemon.start()
-    from flowpacer.testbed import client_argv
     c = testbed.popen(testbed.client_ns, client_argv(str(testbed.server_v4), 9101, 4, local_port=45001),
                       stdout=subprocess.PIPE, text=True)
     flows = wait_for(lambda: [f for f in daemon.flows() if f["bytes"] > 0], 5, 0.05, "a shaped flow")
@@ -145,7 +71,6 @@ def test_outbound_flows_of_a_client_process(testbed, daemon):
 def test_daemon_started_after_flows_exist_shapes_them(testbed, tmp_path):
     testbed.popen(testbed.server_ns, server_argv([9101], "fp-test-srv"))
     testbed.wait_listening(9101)
-    from flowpacer.testbed import client_argv
     c = testbed.popen(testbed.client_ns, client_argv(str(testbed.server_v4), 9101, 8, warmup=4),
                       stdout=subprocess.PIPE, text=True)
     wait_for(lambda: "9101" in testbed.run(testbed.server_ns, ["ss", "-Htn", "state", "established"]).stdout,
@@ -166,7 +91,6 @@ def test_sighup_reload_rerates_in_place_and_bad_file_keeps_old_rules(testbed, da
     testbed.popen(testbed.server_ns, server_argv([9101], "fp-test-srv"))
     testbed.wait_listening(9101)
     daemon.start()
-    from flowpacer.testbed import client_argv
     c = testbed.popen(testbed.client_ns, client_argv(str(testbed.server_v4), 9101, 6, warmup=3),
                       stdout=subprocess.PIPE, text=True)
     f = wait_for(lambda: daemon.flows(), 5, 0.05, "a shaped flow")[0]

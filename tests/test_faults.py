@@ -5,9 +5,9 @@ import subprocess
 
 import pytest
 
-from flowpacer.testbed import PY, client_argv, server_argv, sh, wait_for
+from harness.testbed import PY, client_argv, server_argv, sh, wait_for
 
-from .test_daemon import RULES, Daemon
+from harness.daemon import RULES, Daemon
 
 pytestmark = pytest.mark.kernel
 
@@ -111,7 +111,7 @@ def _recreate_veth(tb):
 def _scrape(tb):
     from prometheus_client.parser import text_string_to_metric_families
     import urllib.request
-    from flowpacer.testbed import in_netns
+    from harness.testbed import in_netns
     with in_netns(tb.server_ns):
         text = urllib.request.urlopen("http://127.0.0.1:9717/metrics", timeout=5).read().decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value

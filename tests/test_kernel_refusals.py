@@ -12,7 +12,7 @@ from flowpacer.model import FlowKey, Op, OpKind, Shape
 from flowpacer.tc import nl, u32
 from flowpacer.testbed import client_argv, in_netns, server_argv, wait_for
 
-from .test_daemon import RULES, Daemon
+from harness.daemon import RULES, Daemon
 
 pytestmark = pytest.mark.kernel
 MBIT = 125_000

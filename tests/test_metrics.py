@@ -19,9 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from flowpacer.metrics import FlowpacerCollector, LatencyHistogram
 from flowpacer.model import (BackendHealth, ClassStats, DaemonView, Direction, FlowKey,
                              FlowSource, FlowView, StageState, StageView)
-from flowpacer.testbed import PY, client_argv, in_netns, server_argv, wait_for
+from harness.testbed import client_argv, in_netns, server_argv, wait_for
 
-from .test_daemon import Daemon
+from harness.daemon import Daemon
 
 
 def _flow(i, rule="r", rate=1000, process="srv\n\x1b[31m"):
@@ -93,7 +93,7 @@ def test_rule_totals_are_counters_across_flow_ends_and_rule_changes():
 
 @pytest.mark.kernel
 def test_daemon_endpoint_serves_flows_and_only_metrics(testbed, tmp_path):
-    from .test_daemon import RULES
+    from harness.daemon import RULES
     testbed.popen(testbed.server_ns, server_argv([9101], "fp-test-srv"))
     testbed.wait_listening(9101)
     d = Daemon(testbed, tmp_path, RULES).start()
@@ -131,7 +131,7 @@ def test_prometheus_rate_matches_rule(testbed, tmp_path):
     of its rule's rate."""
     prom = shutil.which("prometheus")
     assert prom, "Debian's prometheus package is needed (make deps installs it)"
-    from .test_daemon import RULES
+    from harness.daemon import RULES
     testbed.popen(testbed.server_ns, server_argv([9101], "fp-test-srv"))
     testbed.wait_listening(9101)
     d = Daemon(testbed, tmp_path, RULES.replace("rate: 10mbit", "rate: 20mbit")).start()

@@ -1,7 +1,7 @@
 """Crash and churn (issue 7): nothing left behind, live flows shaped again, resources flat."""
 import pytest
 
-from bench.reliability import churn_soak, crash_restart
+from harness.scenarios import churn_soak, crash_restart
 
 pytestmark = [pytest.mark.kernel, pytest.mark.heavy]
 

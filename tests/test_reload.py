@@ -7,12 +7,11 @@ import time
 import pytest
 
 from flowpacer.control import call
-from flowpacer.testbed import PY, server_argv, wait_for
-
-from .test_daemon import RULES, Daemon
+from harness.daemon import RULES, Daemon
+from harness.testbed import PY, server_argv, wait_for
+from harness.traffic import WIRE
 
 pytestmark = pytest.mark.kernel
-WIRE = 1448 / 1514
 
 
 def rate_between(samples, t0, a, b):

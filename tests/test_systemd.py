@@ -28,8 +28,8 @@ import urllib.request
 import pytest
 
 from flowpacer.control import call
-from flowpacer.errors import FlowpacerError
-from flowpacer.testbed import PY, client_argv, in_netns, server_argv, wait_for
+from harness.daemon import RULES, Daemon
+from harness.testbed import PY, client_argv, in_netns, server_argv, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNIT = os.path.join(ROOT, "systemd", "flowpacer.service")
@@ -233,24 +233,11 @@ def test_install_into_a_temp_prefix_twice_then_verify_the_unit(testbed, tmp_path
     assert m and float(m.group(1)) <= 3.5, sec.stdout[-3000:]
 
     # the installed ExecStart really runs the daemon (with the venv's dependencies)
-    rules2 = tmp_path / "test-rules.yaml"
-    rules2.write_text(f"interface: {testbed.server_if}\nbackend: htb\nlink_rate: 1gbit\nrules: []\n")
-    sock = str(tmp_path / "installed.sock")
-    log = open(tmp_path / "installed.log", "w")
-    p = testbed.popen(testbed.server_ns, [str(prefix / "bin/flowpacer"), "run", "--rules", str(rules2),
-                                          "--socket", sock, "--no-tracer"], stderr=log)
-
-    def up():
-        if p.poll() is not None:
-            raise AssertionError(f"the installed daemon exited {p.returncode}:\n"
-                                 f"{(tmp_path / 'installed.log').read_text()[-3000:]}")
-        try:
-            return call(sock, {"cmd": "status"}, timeout=2)
-        except FlowpacerError:
-            return None
-    assert wait_for(up, 30, 0.05, "the installed daemon")["backend"] == "htb"
-    p.send_signal(signal.SIGTERM)
-    assert p.wait(timeout=30) == 0
+    (tmp_path / "installed").mkdir()
+    d = Daemon(testbed, tmp_path / "installed", "interface: IFACE\nbackend: htb\nlink_rate: 1gbit\nrules: []\n",
+               "--no-tracer", verbose=False, command=[str(prefix / "bin/flowpacer")]).start(timeout=30)
+    assert d.status()["backend"] == "htb"
+    assert d.stop(timeout=30) == 0
 
     # again: nothing clobbered, the venv kept, the user's rules kept
     rules.write_text(rules.read_text() + "# mine\n")
@@ -463,11 +450,10 @@ def test_the_daemon_works_in_the_units_sandbox(testbed, tmp_path):
     run = f"/run/fp-test-{secrets.token_hex(3)}"
     os.mkdir(run, 0o700)
     try:
-        rules = os.path.join(run, "rules.yaml")
-        with open(rules, "w") as f:
-            f.write(SANDBOX_RULES.format(iface=testbed.server_if, rate="10mbit"))
-        os.chmod(rules, 0o644)
-        sock = os.path.join(run, "control.sock")
+        # the daemon's rules file, control socket and log in it
+        d = Daemon(testbed, run, SANDBOX_RULES.format(iface=testbed.server_if, rate="10mbit"),
+                   verbose=False)
+        rules, sock = str(d.rules), d.sock
         notify = Notify(os.path.join(run, "notify"))
         wrapper = tmp_path / "sandbox.py"
         wrapper.write_text(SANDBOX)
@@ -483,19 +469,15 @@ def test_the_daemon_works_in_the_units_sandbox(testbed, tmp_path):
                                                  ["ss", "-Htn", "state", "established"]).stdout,
                  10, 0.05, "the first flow")
 
-        log = open(tmp_path / "daemon.log", "w")
-        daemon = testbed.popen(
-            testbed.server_ns,
-            [PY, str(wrapper), json.dumps(cfg),
-             "setpriv", "--bounding-set=-all," + ",".join("+" + c[4:].lower() for c in caps),
-             "--inh-caps=-all", "--no-new-privs", "--",
-             PY, "-m", "flowpacer.cli", "run", "--rules", rules, "--socket", sock],
-            stderr=log, env=dict(os.environ, NOTIFY_SOCKET=notify.path, INVOCATION_ID="x"))
+        d.command = [PY, str(wrapper), json.dumps(cfg),
+                     "setpriv", "--bounding-set=-all," + ",".join("+" + c[4:].lower() for c in caps),
+                     "--inh-caps=-all", "--no-new-privs", "--", PY, "-m", "flowpacer.cli"]
+        d.env = dict(os.environ, NOTIFY_SOCKET=notify.path, INVOCATION_ID="x")
+        daemon = d.start(wait=False).proc
 
         def ready():
             if daemon.poll() is not None:
-                raise AssertionError(f"daemon exited {daemon.returncode}:\n"
-                                     f"{(tmp_path / 'daemon.log').read_text()}")
+                raise AssertionError(f"daemon exited {daemon.returncode}:\n{d.log_text()}")
             return notify.saw("READY=1")
         wait_for(ready, 60, 0.05, "READY=1 from the daemon")
 
@@ -540,9 +522,10 @@ def test_the_daemon_works_in_the_units_sandbox(testbed, tmp_path):
         assert notify.saw("READY=1", "STOPPING=1")
         qd = testbed.run(testbed.server_ns, ["tc", "qdisc", "show", "dev", testbed.server_if]).stdout
         assert "f1f0:" not in qd, qd
-        text = (tmp_path / "daemon.log").read_text()
+        text = d.log_text()
         assert "Traceback" not in text and "ERROR" not in text, text
     finally:
+        d.stop()
         shutil.rmtree(run, ignore_errors=True)
 
 
@@ -646,7 +629,6 @@ def test_dashboard_queries_against_prometheus_scraping_a_real_daemon(testbed, tm
     """A real Prometheus scrapes a real daemon shaping a real flow; every panel's query (Grafana
     variables substituted) must parse and return series, and the per-flow panel must show the
     flow at its rule's rate."""
-    from tests.test_daemon import RULES, Daemon
     testbed.popen(testbed.server_ns, server_argv([9101], "fp-test-srv"))
     testbed.wait_listening(9101)
     d = Daemon(testbed, tmp_path, RULES).start()

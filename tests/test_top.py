@@ -9,7 +9,7 @@ import pytest
 from flowpacer.testbed import PY, client_argv, server_argv, wait_for
 from flowpacer.top import Tracker, fmt_bits, render, term_safe
 
-from tests.test_daemon import Daemon
+from harness.daemon import Daemon
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

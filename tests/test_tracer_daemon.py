@@ -10,7 +10,7 @@ import pytest
 
 from flowpacer.testbed import PY, in_netns, server_argv, wait_for
 
-from .test_daemon import Daemon
+from harness.daemon import Daemon
 
 pytestmark = pytest.mark.kernel
 

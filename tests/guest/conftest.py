@@ -3,7 +3,9 @@
 - every test fails when the kernel logged a WARNING, BUG, Oops, ... while it ran
   (``@pytest.mark.allow_dmesg(REGEX)`` exempts matching lines);
 - with ``FLOWPACER_GUEST_REPORT=FILE`` the outcome of every test is written to FILE (JSON)
-  for the host-side bridge.
+  for the host-side bridge;
+- ``psp_module`` (sch_psp loaded), ``tb`` (a ``harness.testbed.Testbed`` with sch_psp loaded),
+  ``bed`` (that testbed and a psp netlink socket in its sender namespace), ``big_rmem``.
 """
 from __future__ import annotations
 
@@ -18,8 +20,43 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kmsg  # noqa: E402
+import psplib  # noqa: E402
 
 IN_VM = os.environ.get("FLOWPACER_IN_VM") == "1"
+
+
+@pytest.fixture
+def psp_module():
+    """sch_psp is loaded (insmod'ed if it was not): a test that needs it fails, never skips,
+    when the module file is missing or does not load."""
+    try:
+        psplib.ensure_loaded()
+    except psplib.PspError as e:
+        pytest.fail(str(e), pytrace=False)
+
+
+@pytest.fixture
+def tb(psp_module):
+    """A two-namespace testbed (``harness.testbed.Testbed``) with sch_psp loaded; the module is
+    loaded again after a test that unloaded it, as the next test expects."""
+    from harness.testbed import Testbed
+    with Testbed() as t:
+        yield t
+    psplib.ensure_loaded()
+
+
+@pytest.fixture
+def bed(tb):
+    """(testbed, PspNl in its sender namespace): deleted after the test."""
+    with psplib.PspNl(tb.sender_ns) as sock:
+        yield tb, sock
+
+
+@pytest.fixture
+def big_rmem():
+    """net.core.rmem_max at 4 MiB while the test runs (as on the project's host machines)."""
+    with psplib.rmem_max(psplib.BIG_RMEM_MAX):
+        yield
 
 
 def pytest_configure(config):

@@ -1,7 +1,7 @@
 """The daemon end to end with the psp backend, inside the VM where sch_psp is loaded.
 
 ``flowpacer run --no-tracer`` (finding flows by sock_diag; bcc would take minutes to compile
-under TCG) runs in the server namespace of a ``flowpacer.testbed.Testbed`` with a rules file;
+under TCG) runs in the server namespace of a ``harness.testbed.Testbed`` with a rules file;
 a real delivery server (``flowpacer.tools.blaster``) serves clients in the client namespace,
 which measure their goodput as they receive. Each shaped flow must be within 2 % of its rule's
 rate x 1448/1514 (TCP payload per full frame; 1428/1514 over IPv6), the unmatched one far
@@ -11,21 +11,15 @@ closes, and SIGTERM must remove the psp qdisc.
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
-import textwrap
 
 import pytest
 
 import psplib
-from flowpacer.control import call
-from flowpacer.errors import FlowpacerError
-from flowpacer import testbed as fptb
-from flowpacer.testbed import PY, client_argv, server_argv, wait_for
-from psplib import PspNl, psp_module  # noqa: F401
-
-WIRE = 1448 / 1514              # TCP payload per full IPv4 frame (timestamps on)
-WIRE6 = 1428 / 1514             # the same over IPv6 (20 more bytes of IP header)
+from harness.daemon import Daemon
+from harness.testbed import Testbed, client_argv, server_argv, wait_for
+from harness.traffic import WIRE, WIRE6
+from psplib import PspNl
 SLOW, FAST = 3_000_000, 8_000_000            # bit/s of the two rules
 RULES = """
     interface: IFACE
@@ -41,73 +35,18 @@ RULES = """
 """
 
 
-class Daemon:
-    """``flowpacer run`` in the testbed's server namespace."""
-
-    def __init__(self, tb: "fptb.Testbed", tmp_path, backend: str):
-        self.tb = tb
-        self.rules = tmp_path / "rules.yaml"
-        self.rules.write_text(textwrap.dedent(RULES).replace("IFACE", tb.server_if)
-                              .replace("BACKEND", backend))
-        self.rules.chmod(0o644)
-        self.sock = str(tmp_path / "control.sock")
-        self.log = tmp_path / "daemon.log"
-        self.proc = None
-
-    def start(self) -> "Daemon":
-        self._logf = open(self.log, "w")
-        self.proc = self.tb.popen(self.tb.server_ns,
-                                  [PY, "-m", "flowpacer.cli", "run", "--rules", str(self.rules),
-                                   "--socket", self.sock, "--no-tracer", "--no-metrics",
-                                   "--rescan", "0.5", "-v"], stderr=self._logf)
-        wait_for(self._ready, 90, 0.1, "the daemon to answer on its control socket")
-        return self
-
-    def _ready(self):
-        if self.proc.poll() is not None:
-            raise AssertionError(f"the daemon exited {self.proc.returncode}:\n"
-                                 f"{self.log.read_text()[-3000:]}")
-        try:
-            return call(self.sock, {"cmd": "ping"}, timeout=2)
-        except FlowpacerError:
-            return None
-
-    def status_cli(self) -> dict:
-        """``flowpacer status --json`` (the command line, as a user would run it)."""
-        r = self.tb.run(self.tb.server_ns, [PY, "-m", "flowpacer.cli", "status", "--json",
-                                            "--socket", self.sock], timeout=60)
-        return json.loads(r.stdout)
-
-    def flows(self) -> list:
-        return call(self.sock, {"cmd": "status"})["flows"]
-
-    def stop(self) -> int:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(timeout=60)
-        self._logf.close()
-        return self.proc.returncode
+def psp_daemon(tb, workdir, backend: str) -> Daemon:
+    """``flowpacer run`` in the testbed's server namespace (not started)."""
+    return Daemon(tb, workdir, RULES, "--no-tracer", "--no-metrics", "--rescan", "0.5",
+                  backend=backend)
 
 
-@pytest.fixture
-def big_rmem():
-    """net.core.rmem_max at 4 MiB while the test runs (as on the project's host machines)."""
-    with psplib.rmem_max(psplib.BIG_RMEM_MAX):
-        yield
-
-
-@pytest.fixture
-def tb(psp_module):
-    with fptb.Testbed() as t:
-        yield t
-
-
-def _kernel(tb: "fptb.Testbed"):
+def _kernel(tb: Testbed):
     with PspNl(tb.server_ns) as sock:
         return sock.root(tb.server_if), sock.classes(tb.server_if)
 
 
-def _fetch_all(tb: "fptb.Testbed", host: str, ports, seconds: float, warmup: float):
+def _fetch_all(tb: Testbed, host: str, ports, seconds: float, warmup: float):
     clients = {p: tb.popen(tb.client_ns, client_argv(host, p, seconds, warmup=warmup),
                            stdout=subprocess.PIPE, text=True) for p in ports}
     return clients
@@ -124,7 +63,7 @@ def _results(clients) -> dict:
 
 def test_daemon_starts_with_stock_rmem_max(tb, tmp_path):
     """A stock kernel's net.core.rmem_max (212992) must not stop the daemon's set-up."""
-    d = Daemon(tb, tmp_path, "psp")
+    d = psp_daemon(tb, tmp_path, "psp")
     with psplib.rmem_max(psplib.STOCK_RMEM_MAX):
         try:
             d.start()
@@ -138,7 +77,7 @@ def test_daemon_starts_with_stock_rmem_max(tb, tmp_path):
 def test_daemon_psp_backend_end_to_end(tb, tmp_path, big_rmem):
     tb.popen(tb.server_ns, server_argv([9101, 9102, 9103], "fp-psp-srv"))
     tb.wait_listening(9103)
-    d = Daemon(tb, tmp_path, "psp").start()
+    d = psp_daemon(tb, tmp_path, "psp").start()
     try:
         st = d.status_cli()
         assert st["backend"] == "psp", st
@@ -191,7 +130,7 @@ def test_daemon_auto_backend_chooses_psp(tb, tmp_path, big_rmem):
     """backend: auto picks psp because the module is loaded, and says so; IPv6 flows too."""
     tb.popen(tb.server_ns, server_argv([9101, 9103], "fp-psp-srv", v6=True))
     tb.wait_listening(9101)
-    d = Daemon(tb, tmp_path, "auto").start()
+    d = psp_daemon(tb, tmp_path, "auto").start()
     try:
         st = d.status_cli()
         assert st["backend"] == "psp", st

@@ -1,7 +1,7 @@
 """Issue 7 with the psp backend, inside the VM where sch_psp can be loaded and unloaded.
 
 1. kill -9 of the daemon while target flows are live and others churn, then a restart
-   (``bench.reliability.crash_restart``, the host test's scenario with ``backend: psp``).
+   (``harness.scenarios.crash_restart``, the host test's scenario with ``backend: psp``).
 2. The psp module going away under the running daemon: ``rmmod`` refused while our qdisc
    exists; then an admin deletes the root qdisc and unloads the module: counted, logged once,
    retried quietly, healed when the module is back (``backend: psp``), or a fall-back to htb
@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 
 import psplib
-from bench.reliability import NlProbe, Run, crash_restart
-from flowpacer import testbed as fptb
 from flowpacer.control import call
-from flowpacer.testbed import PY, in_netns, wait_for
-from psplib import PspNl, psp_module  # noqa: F401
+from harness.capture import NlProbe
+from harness.scenarios import crash_restart, daemon
+from harness.testbed import PY, in_netns, wait_for
+from psplib import PspNl
 
 # TCG runs ~10x slower than the host; the numbers it carries (measured, see docs/reliability.md)
 HELD = int(os.environ.get("FLOWPACER_REL_HELD", "500"))
@@ -36,18 +36,9 @@ CHURN = float(os.environ.get("FLOWPACER_REL_CHURN", "100"))
 HOST_LIMIT_S = 2.0              # issue 7: live flows shaped again within 2 s of the restart
 
 
-@pytest.fixture
-def big_rmem():
-    """net.core.rmem_max at 4 MiB (the host machines' value, as the daemon tests use)."""
-    with psplib.rmem_max(psplib.BIG_RMEM_MAX):
-        yield
-
-
-@pytest.fixture
-def tb(psp_module, big_rmem):
-    with fptb.Testbed() as t:
-        yield t
-    psplib.ensure_loaded()          # the next test finds the module as the fixture left it
+# net.core.rmem_max at 4 MiB (the host machines' value, as the daemon tests use); ``tb`` (the
+# testbed with sch_psp loaded, and loaded again after the test) is in conftest.py
+pytestmark = pytest.mark.usefixtures("big_rmem")
 
 
 def _root(tb):
@@ -129,8 +120,8 @@ def _daemon_with_held_flows(tb, backend):
     blaster = [PY, "-m", "flowpacer.tools.blaster"]
     tb.popen(tb.server_ns, blaster + ["hold-serve", "--port", "7000"])
     tb.wait_listening(7000, timeout=30)
-    d = Run(tb, tempfile.mkdtemp(prefix="fp-rmmod-"), ["--no-tracer", "--metrics", METRICS, "-v"],
-            backend)
+    d = daemon(tb, tempfile.mkdtemp(prefix="fp-rmmod-"), ["--no-tracer", "--metrics", METRICS, "-v"],
+               backend)
     d.wait_ready(timeout=120)
     holder = tb.popen(tb.client_ns, blaster + ["hold-connect", "--host", str(tb.server_v4),
                                                "--port", "7000", "--count", str(HELD_B),
@@ -138,7 +129,7 @@ def _daemon_with_held_flows(tb, backend):
                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     holder.stdout.readline()
     probe = NlProbe(tb)
-    wait_for(lambda: (d.status() or {}).get("shaped_flows") == HELD_B
+    wait_for(lambda: (d.try_status() or {}).get("shaped_flows") == HELD_B
              and probe.objects() == (HELD_B, HELD_B), 60, 0.1, "the held flows shaped")
     return d, holder, probe
 
@@ -203,7 +194,7 @@ def test_rmmod_under_the_daemon_psp_counted_quiet_and_healed(tb):
 
         _delete_qdisc_and_unload(tb, d)
         st = wait_for(lambda: (lambda s: s if s and s["counters"]["backend_rebuild_failures"] >= 6
-                               else None)(d.status()), 120, 0.2, "six failed rebuilds")
+                               else None)(d.try_status()), 120, 0.2, "six failed rebuilds")
         assert st["backend"] == "psp" and st["backend_state"] == "lost", st
         assert "create root psp qdisc" in st["backend_problem"], st
         assert st["live_flows"] == HELD_B and st["shaped_flows"] == 0, st
@@ -223,7 +214,7 @@ def test_rmmod_under_the_daemon_psp_counted_quiet_and_healed(tb):
 
         psplib.load()
         wait_for(lambda: (lambda s: s and s["backend_state"] == "ok"
-                          and s["shaped_flows"] == HELD_B)(d.status()), 60, 0.2,
+                          and s["shaped_flows"] == HELD_B)(d.try_status()), 60, 0.2,
                  "the qdisc rebuilt and the flows shaped again")
         assert probe.objects() == (HELD_B, HELD_B)
         assert _root(tb) is not None
@@ -239,7 +230,7 @@ def test_rmmod_under_the_daemon_auto_falls_back_to_htb_and_reload_returns(tb):
         assert d.status()["backend"] == "psp"
         _delete_qdisc_and_unload(tb, d)
         st = wait_for(lambda: (lambda s: s if s and s["backend"] == "htb"
-                               and s["shaped_flows"] == HELD_B else None)(d.status()), 120, 0.2,
+                               and s["shaped_flows"] == HELD_B else None)(d.try_status()), 120, 0.2,
                       "htb shaping the flows")
         assert st["backend_state"] == "ok", st
         assert st["backend_reason"].startswith("auto: psp unavailable since it was lost"), st
