@@ -10,5 +10,6 @@ same inside the test VM), so it needs no installation.
 - ``harness.capture``: what the kernel holds (classes, filters, connections);
 - ``harness.fakes``: in-memory backend and flow sources for in-process daemon tests;
 - ``harness.scenarios``: the reliability scenarios (crash/restart, churn soak);
+- ``harness.terminal``: a private tmux server for full-screen commands;
 - ``harness.vm``: the qemu test VM runner.
 """

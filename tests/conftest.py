@@ -56,3 +56,12 @@ def make_daemon(tmp_path):
     yield make
     for d in made:
         d.stop()
+
+
+@pytest.fixture
+def tmux(tmp_path):
+    """A private tmux server (``harness.terminal.Tmux``), killed after the test."""
+    from harness.terminal import Tmux
+    t = Tmux(tmp_path)
+    yield t
+    t.close()

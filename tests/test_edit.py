@@ -15,7 +15,6 @@ from flowpacer.edit import EditError, editor_argv
 from flowpacer.testbed import PY, client_argv, server_argv, wait_for
 
 from harness.daemon import RULES, Daemon
-from tests.test_top import tmux  # noqa: F401  (the fixture: a private tmux server)
 
 EDITOR = r'''
 import os, sys, time
