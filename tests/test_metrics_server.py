@@ -499,7 +499,7 @@ RULES_ESC = """
 
 @pytest.mark.kernel
 def test_a_process_name_with_an_escape_is_escaped_everywhere(testbed, tmp_path):
-    from tests.test_top import Tmux
+    from harness.terminal import Tmux
     testbed.popen(testbed.server_ns, server_argv([9105], ESC_NAME))
     testbed.wait_listening(9105)
     d = Daemon(testbed, tmp_path, RULES_ESC, "-v").start()          # -v -v: debug lines too
