@@ -6,7 +6,11 @@ socket and renders them. The number of per-flow series is bounded; flows past th
 counted in ``flowpacer_flow_series_overflow``, never silently cut. Per-rule totals keep the
 bytes of flows that have ended, so they are real counters.
 
-The HTTP server answers ``GET /metrics`` (and HEAD) and nothing else.
+Every label value has its control characters replaced (``label_safe``); the per-flow address
+labels are ``full``, ``prefix`` or ``none`` (``AddressLabels``). The HTTP server
+(``MetricsServer``) answers ``GET /metrics`` (and HEAD) and nothing else, from one event-loop
+thread with a connection cap and timeouts, optionally with TLS and basic auth (``webconfig``)
+or on a Unix socket.
 """
 from __future__ import annotations
 
@@ -457,7 +461,7 @@ class MetricsServer:
                 raise ValueError(f"{path} exists and is not a socket")
             os.unlink(path)
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        old = os.umask(0o117)
+        old = os.umask(0o177)                  # 0600 until it has its directory's group
         try:
             s.bind(path)
             os.chown(path, -1, os.stat(d).st_gid)
