@@ -30,7 +30,7 @@ import selectors
 import socket
 import struct
 import time
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict
 
 from .errors import FlowpacerError
 

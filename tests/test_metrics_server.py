@@ -305,6 +305,46 @@ def test_clients_that_leave_mid_answer_leave_no_trace(serve, caplog):
     assert not any(r.exc_info for r in caplog.records)
 
 
+class Counting:
+    """~10 MB per scrape (more than the sockets buffer), and which scrape it was."""
+
+    def __init__(self):
+        self.n = 0
+
+    def collect(self):
+        self.n += 1
+        g = GaugeMetricFamily("fp_big", "test", labels=["pad"])
+        for i in range(50_000):
+            g.add_metric([f"{i:0200d}"], self.n)
+        yield g
+
+
+def test_slow_readers_hold_at_most_two_renderings(serve):
+    now = [1000.0]
+    c = Counting()
+    srv = serve(c, clock=lambda: now[0])
+    readers = []
+    for k in range(4):                           # one slow reader per (fake) second
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.settimeout(30)
+        s.connect(("127.0.0.1", _port(srv)))
+        s.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
+        wait_for(lambda: c.n == min(k + 1, 2) and s.recv(1, socket.MSG_PEEK), 30, 0.02,
+                 "the answer to start")
+        readers.append(s)
+        now[0] += 1.0
+    assert c.n == 2             # the 3rd and 4th were given the 2nd rendering, not a new one
+
+    def value(s):
+        out = b""
+        while chunk := s.recv(1 << 20):
+            out += chunk
+        s.close()
+        return int(float(out.rsplit(b" ", 1)[1]))
+    assert [value(s) for s in readers] == [1, 2, 2, 2]
+
+
 def _cert(tmp_path):
     key, crt = tmp_path / "key.pem", tmp_path / "cert.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
@@ -396,7 +436,7 @@ def test_unix_socket_listener(serve, tmp_path):
     d.mkdir(mode=0o750)
     os.chown(d, 0, 65534)
     path = str(d / "metrics.sock")
-    srv = serve(listen=f"unix:{path}")
+    serve(listen=f"unix:{path}")
     st = os.stat(path)
     assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o660
     assert st.st_gid == 65534                      # the directory's group may scrape
