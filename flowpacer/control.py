@@ -255,11 +255,15 @@ class ControlServer:
             self.refused["bad"] += 1
             answer = {"error": f"bad request: {e}"}
         else:
+            t0 = self.clock()
             try:
                 answer = self.handler(req)
             except Exception as e:       # a handler bug: logged once here, the socket lives on
                 log.exception("control: request %r failed", req.get("cmd"))
                 answer = {"error": f"internal error: {type(e).__name__}: {e}"}
+            spent = self.clock() - t0
+            for other in clients.values():      # a slow reload is not the others' fault
+                other.deadline += spent
         c.data = b""
         c.out = _line(answer)
         c.what = "answer"

@@ -127,6 +127,8 @@ def server(tmp_path):
         seen.append(req)
         if req.get("cmd") == "boom":
             raise RuntimeError("handler bug")
+        if req.get("cmd") == "slow":            # e.g. a reload of a big rules file
+            time.sleep(1.5)
         return {"ok": True, "cmd": req.get("cmd")}
     srv = ControlServer(str(tmp_path / "c.sock"), handler)
     ctx = Ctx()
@@ -167,6 +169,20 @@ def test_a_silent_or_dripping_client_is_cut_off_after_its_deadline(server):
     t0 = time.monotonic()
     assert call(server.path, {"cmd": "ping"}, timeout=2)["ok"]
     assert time.monotonic() - t0 < 0.2
+
+
+def test_time_spent_in_the_handler_is_not_counted_against_waiting_clients(server):
+    a = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    a.settimeout(5)
+    a.connect(server.path)
+    b0 = server.ctx.beats
+    a.sendall(b'{"cmd"')                         # half a request, the rest comes later
+    # the loop went round a few times: a is accepted, its 1 s deadline running
+    wait_for(lambda: server.ctx.beats >= b0 + 2, 2, 0.01, "the server loop to take a in")
+    assert call(server.path, {"cmd": "slow"}, timeout=5)["cmd"] == "slow"     # 1.5 s
+    a.sendall(b': "ping"}\n')
+    assert json.loads(a.recv(1000)) == {"ok": True, "cmd": "ping"}
+    a.close()
 
 
 def test_more_clients_than_the_cap_slow_ones_make_way(server):
