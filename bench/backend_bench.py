@@ -7,7 +7,9 @@
    client port (``bench.classify_bench`` measures the whole curve, hashed and linear);
 3. ``daemon``: one daemon, live shaped flows raised to 100, 1 000 and 10 000: time to shape each
    step, the daemon's RSS (goal at 10 000: <= 150 MB), the status call and the Prometheus scrape
-   (``GET http://127.0.0.1:9717/metrics`` inside the server's namespace; goal at 10 000: < 1 s).
+   (``GET http://127.0.0.1:9717/metrics`` inside the server's namespace; goal at 10 000: < 1 s);
+4. ``daemon_mixed``: 3 with half of the held flows over IPv6 (``install`` mixes the families
+   already: every other flow key is IPv6).
 
 Writes bench/results/backend.json (parts not run keep their previous figures unless ``--fresh``).
 Run: ``.venv/bin/python -m bench.backend_bench [--quick] [--fresh] [part ...]``.
@@ -138,8 +140,9 @@ HELD_RULES = """
 """
 
 
-def daemon_scale(tb, steps=(100, 1000, 10_000), scrapes=5) -> dict:
-    """One daemon; live shaped flows raised step by step (each step one more holder process)."""
+def daemon_scale(tb, steps=(100, 1000, 10_000), scrapes=5, mixed=False) -> dict:
+    """One daemon; live shaped flows raised step by step (each step one more holder process;
+    with ``mixed`` two, one over IPv4 and one over IPv6, half of the new flows each)."""
     tb.popen(tb.server_ns, [PY, "-m", "flowpacer.tools.blaster", "hold-serve", "--port", "7000"])
     tb.wait_listening(7000)
     d = Daemon(tb, None, HELD_RULES, verbose=False, rules_mode=0o600).start(timeout=60)
@@ -150,12 +153,14 @@ def daemon_scale(tb, steps=(100, 1000, 10_000), scrapes=5) -> dict:
         for n in steps:
             more = n - have
             t0 = time.monotonic()
-            h = tb.popen(tb.client_ns, [PY, "-m", "flowpacer.tools.blaster", "hold-connect", "--host",
-                                        str(tb.server_v4), "--port", "7000", "--count", str(more),
-                                        "--seconds", "600"], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
-            holders.append(h)
-            opened = json.loads(h.stdout.readline())
+            parts = ([(tb.server_v4, more - more // 2), (tb.server_v6, more // 2)] if mixed
+                     else [(tb.server_v4, more)])
+            hs = [tb.popen(tb.client_ns, [PY, "-m", "flowpacer.tools.blaster", "hold-connect", "--host",
+                                          str(host), "--port", "7000", "--count", str(count),
+                                          "--seconds", "600"], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True) for host, count in parts if count]
+            holders.extend(hs)
+            opened = {"open_s": max(json.loads(h.stdout.readline())["open_s"] for h in hs)}
             wait_for(lambda: d.status(timeout=60)["shaped_flows"] >= n, 180, 0.2,
                      f"{n} shaped flows")
             shaped_s = time.monotonic() - t0
@@ -184,7 +189,8 @@ def daemon_scale(tb, steps=(100, 1000, 10_000), scrapes=5) -> dict:
             if h.stdin and not h.stdin.closed:
                 h.stdin.close()
         d.stop()
-    res = {"steps": out, "idle": base, "close_all_to_all_removed_s": removed_s}
+    res = {"steps": out, "idle": base, "close_all_to_all_removed_s": removed_s,
+           "ipv6_share": 0.5 if mixed else 0.0}
     last = out[-1]
     # the figures issue 2 named, at the largest step (10 000 in a full run)
     res.update({"flows": last["flows"], "daemon_rss_bytes": last["rss_bytes"],
@@ -199,7 +205,8 @@ def _try_scrape(tb):
         return None
 
 
-PARTS = {"install": "bnch1", "classification": "bnch2", "daemon": "bnch3"}
+# daemon_mixed: the daemon part with half of the flows over IPv6 (issue 12), beside IPv4 only
+PARTS = {"install": "bnch1", "classification": "bnch2", "daemon": "bnch3", "daemon_mixed": "bnch4"}
 ALIASES = {"daemon_10k": "daemon"}
 
 
@@ -235,7 +242,8 @@ def main(argv=None) -> int:
             elif name == "classification":
                 figures[name] = classification(tb, runs=1 if args.quick else 3)
             else:
-                figures[name] = daemon_scale(tb, dsteps, scrapes=3 if args.quick else 5)
+                figures[name] = daemon_scale(tb, dsteps, scrapes=3 if args.quick else 5,
+                                             mixed=name == "daemon_mixed")
         if name != "install":
             print(json.dumps({name: figures[name]}, indent=2, default=str), flush=True)
     goals = {}

@@ -6,6 +6,7 @@
    to zero, tracer losses), and its CPU use (goal: >= 2000 flows/s sustained);
 3. bytes that leave unshaped before the filter is in place, per flow (the default class's byte
    counter around each of 100 sequential flows whose server writes 256 KB at once).
+1 and 2 again as ``time_to_shape_mixed`` and ``churn_mixed`` with half of the flows over IPv6.
 
 Writes bench/results/daemon.json (parts not run keep their previous figures unless ``--fresh``).
 Run: ``.venv/bin/python -m bench.daemon_bench [--quick] [--fresh] [part ...]``.
@@ -42,34 +43,43 @@ def bench_daemon(tb, rate="50mbit") -> Daemon:
     return Daemon(tb, None, RULES.replace("RATE", rate), "--no-metrics", verbose=False).start()
 
 
-def churn(tb, rate, seconds, procs=1):
+def churn(tb, rate, seconds, procs=1, mixed=False):
+    """``procs`` churn clients sharing ``rate`` open+read+close per second; with ``mixed`` every
+    other client connects over IPv6 (half of the flows IPv6 when ``procs`` is even)."""
+    hosts = [tb.server_v6 if mixed and i % 2 else tb.server_v4 for i in range(procs)]
     ps = [tb.popen(tb.client_ns, [PY, "-m", "flowpacer.tools.blaster", "churn", "--host",
-                                  str(tb.server_v4), "--port", "7100", "--rate", str(rate / procs),
+                                  str(h), "--port", "7100", "--rate", str(rate / procs),
                                   "--seconds", str(seconds)], stdout=subprocess.PIPE, text=True)
-          for _ in range(procs)]
+          for h in hosts]
     outs = [json.loads(p.communicate(timeout=seconds + 60)[0].splitlines()[-1]) for p in ps]
-    return {"flows": sum(o["flows"] for o in outs), "errors": sum(o["errors"] for o in outs),
-            "rate": sum(o["rate"] for o in outs)}
+    res = {"flows": sum(o["flows"] for o in outs), "errors": sum(o["errors"] for o in outs),
+           "rate": sum(o["rate"] for o in outs)}
+    if mixed:
+        res["ipv6_flows"] = sum(o["flows"] for h, o in zip(hosts, outs) if h == tb.server_v6)
+    return res
 
 
-def time_to_shape(tb, seconds=5) -> dict:
+def time_to_shape(tb, seconds=5, mixed=False) -> dict:
+    """200 new flows/s from 2 client processes (with ``mixed``: one of them over IPv6)."""
     tb.popen(tb.server_ns, [PY, "-m", "flowpacer.tools.blaster", "burst-serve", "--port", "7100",
                             "--bytes", "65536"])
     tb.wait_listening(7100)
     d = bench_daemon(tb)
     try:
-        c = churn(tb, 200, seconds)
+        c = churn(tb, 200, seconds, procs=2, mixed=mixed)
         wait_for(lambda: d.status()["shaped_flows"] == 0, 30, 0.2, "all classes gone")
         st = d.status()
     finally:
         d.stop()
-    return {"offered_flows_per_s": 200, "client": c,
+    return {"offered_flows_per_s": 200, "client_procs": 2, "ipv6_share": 0.5 if mixed else 0.0,
+            "client": c,
             "time_to_shape_us": st["counters"]["shape_latency_us"],
             "apply_us": st["counters"]["apply_latency_us"],
             "tracer": {k: st["tracer"][k] for k in ("lost", "unattributed", "missed")}}
 
 
-def churn_ceiling(tb, rates=(500, 1000, 2000, 3000, 4000), seconds=5) -> dict:
+def churn_ceiling(tb, rates=(500, 1000, 2000, 3000, 4000), seconds=5, mixed=False) -> dict:
+    """Rising open+close rates from 2 client processes (with ``mixed``: one over IPv6)."""
     tb.popen(tb.server_ns, [PY, "-m", "flowpacer.tools.blaster", "burst-serve", "--port", "7100"])
     tb.wait_listening(7100)
     d = bench_daemon(tb)
@@ -78,7 +88,7 @@ def churn_ceiling(tb, rates=(500, 1000, 2000, 3000, 4000), seconds=5) -> dict:
         for rate in rates:
             st0 = d.status()
             cpu0, t0 = d.cpu_s(), time.monotonic()
-            c = churn(tb, rate, seconds, procs=2)
+            c = churn(tb, rate, seconds, procs=2, mixed=mixed)
             t_end = time.monotonic()
             wait_for(lambda: d.status()["shaped_flows"] == 0, 60, 0.1, "the daemon to drain")
             lag = time.monotonic() - t_end
@@ -98,7 +108,8 @@ def churn_ceiling(tb, rates=(500, 1000, 2000, 3000, 4000), seconds=5) -> dict:
     finally:
         d.stop()
     ok = [s["achieved_per_s"] for s in steps if s["drain_after_s"] < 2 and s["lost_events"] == 0]
-    return {"steps": steps, "sustained_flows_per_s": max(ok) if ok else 0}
+    return {"steps": steps, "sustained_flows_per_s": max(ok) if ok else 0,
+            "ipv6_share": 0.5 if mixed else 0.0}
 
 
 def unshaped_bytes(tb, n=100) -> dict:
@@ -150,7 +161,9 @@ def unshaped_bytes(tb, n=100) -> dict:
             "flows_with_any_unshaped_payload": sum(1 for x in per_flow if x > 0)}
 
 
-PARTS = {"time_to_shape": "dbn1", "churn": "dbn2", "unshaped": "dbn3"}
+# *_mixed: the same with half of the flows over IPv6 (issue 12), reported beside IPv4 only
+PARTS = {"time_to_shape": "dbn1", "churn": "dbn2", "unshaped": "dbn3",
+         "time_to_shape_mixed": "dbn4", "churn_mixed": "dbn5"}
 
 
 def main(argv=None) -> int:
@@ -167,11 +180,13 @@ def main(argv=None) -> int:
     figures = json.loads(prev.read_text()).get("figures", {}) if prev.exists() and not args.fresh else {}
     for name in names:
         with Testbed(tag=PARTS[name]) as tb:
-            if name == "time_to_shape":
-                figures[name] = time_to_shape(tb, 3 if args.quick else 5)
-            elif name == "churn":
+            mixed = name.endswith("_mixed")
+            if name.startswith("time_to_shape"):
+                figures[name] = time_to_shape(tb, 3 if args.quick else 5, mixed)
+            elif name.startswith("churn"):
                 figures[name] = churn_ceiling(tb, (500, 2000, 4000) if args.quick else
-                                              (500, 1000, 2000, 3000, 4000), 3 if args.quick else 5)
+                                              (500, 1000, 2000, 3000, 4000), 3 if args.quick else 5,
+                                              mixed)
             else:
                 figures[name] = unshaped_bytes(tb, 30 if args.quick else 100)
         print(json.dumps({name: figures[name]}, indent=2), flush=True)

@@ -683,9 +683,15 @@ def section_daemon(R: Results) -> str:
         out.append(f"**Time-to-shape** (accept() return in the target, as the tracer stamps it, to the netlink "
                    f"ack of the flow's filter) at {g(d, 'time_to_shape', 'offered_flows_per_s')} new flows/s, "
                    f"{tts.get('n')} flows (the daemon keeps percentiles of its last 4 096 samples):\n")
-        out.append(table(["", "p50", "p90", "p99", "max"],
-                         [["time-to-shape", *(num(tts.get(k, 0) / 1000, "ms", 2) for k in ("p50", "p90", "p99", "max"))],
-                          ["of which the netlink apply", *(num(ap.get(k, 0) / 1000, "ms", 2) for k in ("p50", "p90", "p99", "max"))]]))
+        rows = [["time-to-shape", *(num(tts.get(k, 0) / 1000, "ms", 2) for k in ("p50", "p90", "p99", "max"))],
+                ["of which the netlink apply", *(num(ap.get(k, 0) / 1000, "ms", 2) for k in ("p50", "p90", "p99", "max"))]]
+        mx = g(d, "time_to_shape_mixed", "time_to_shape_us")
+        if mx:      # the same with half of the flows over IPv6 (issue 12)
+            mxa = g(d, "time_to_shape_mixed", "apply_us") or {}
+            rows += [["time-to-shape, half IPv6", *(num(mx.get(k, 0) / 1000, "ms", 2) for k in ("p50", "p90", "p99", "max"))],
+                     ["of which the netlink apply, half IPv6",
+                      *(num(mxa.get(k, 0) / 1000, "ms", 2) for k in ("p50", "p90", "p99", "max"))]]
+        out.append(table(["", "p50", "p90", "p99", "max"], rows))
         ks = ("p50", "p90", "p99", "max")
         fig, ax = plt.subplots(figsize=(6, 3))
         xs = range(len(ks))
@@ -716,6 +722,14 @@ def section_daemon(R: Results) -> str:
         ax.set_ylabel("achieved per s")
         ax.legend(loc="upper left", fontsize=8)
         out.append(savefig(fig, "daemon_churn.png"))
+    mixed = g(d, "churn_mixed", "steps")
+    if mixed:
+        out.append("**Churn with half of the flows over IPv6** (the same, one of the two client processes "
+                   f"connecting over IPv6; sustained {g(d, 'churn_mixed', 'sustained_flows_per_s') or 0:.0f}/s, "
+                   f"IPv4 only {g(d, 'churn', 'sustained_flows_per_s') or 0:.0f}/s):\n")
+        out.append(table(["offered /s", "achieved /s", "daemon CPU", "drain after", "lost events", "op errors"],
+                         [[s["offered_per_s"], num(s["achieved_per_s"], "", 0), share(s["daemon_cpu_share"], 0),
+                           num(s["drain_after_s"], "s", 2), s["lost_events"], s["op_errors"]] for s in mixed]))
     un = g(d, "unshaped")
     if un:
         u = un["unshaped_bytes"]
@@ -777,6 +791,21 @@ def section_daemon(R: Results) -> str:
         h2, l2 = ax2.get_legend_handles_labels()
         ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper left")
         out.append(savefig(fig, "daemon_scale.png"))
+    msteps = {s["flows"]: s for s in g(b, "daemon_mixed", "steps", default=[]) or []}
+    if steps and msteps:
+        rows = []
+        for s in steps:
+            m = msteps.get(s["flows"])
+            if m:
+                rows.append([f"{s['flows']:,}".replace(",", " "), num(s["open_to_all_shaped_s"], "s", 2),
+                             num(m["open_to_all_shaped_s"], "s", 2), num(s["rss_bytes"] / 1e6, "MB"),
+                             num(m["rss_bytes"] / 1e6, "MB"), num(s["status_call_s"], "s", 3),
+                             num(m["status_call_s"], "s", 3), num(s["scrape_s"]["p50"], "s", 3),
+                             num(m["scrape_s"]["p50"], "s", 3)])
+        out.append("**Daemon at scale, IPv4 only vs half of the flows over IPv6** (the same steps, one "
+                   "IPv4 and one IPv6 holder process per step):\n")
+        out.append(table(["flows", "shaped in, IPv4", "half IPv6", "RSS, IPv4", "half IPv6",
+                          "status call, IPv4", "half IPv6", "scrape, IPv4", "half IPv6"], rows))
     return "\n".join(out)
 
 
