@@ -1,7 +1,8 @@
 """Per-packet cost of psp's scheduling core at 10 ... 100 000 classes (issue 4).
 
-The module's scheduling code (flowpacer/kmod/psp_sched.h) runs unchanged in the userspace
-simulator (flowpacer/kmod/sim), where the rbtrees are replaced by a 4-ary heap with the same order.
+The module's scheduling code (flowpacer/kmod/psp_sched.h) and its trees (psp_tree.h: rbtrees with
+sorted runs) run unchanged in the userspace simulator (flowpacer/kmod/sim), on a userspace rbtree
+with the kernel's interface (sim/kshim.h).
 Every class is backlogged all the time (an endless source of 1514-byte packets) and the rates are
 equal and add up to 90 % of a 100 Gbit/s link, so each packet is one select + one charge + the
 requeue of its class among N. Two ways the classes start:

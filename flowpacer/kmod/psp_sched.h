@@ -8,10 +8,11 @@
  * tests.  The includer provides, before including this file:
  *
  *   u32, u64, s64, bool, likely(), unlikely(), container_of()
- *   struct psp_tnode   a tree node with members u64 key and seq (a counter;
- *                      a tree that compares it with wrap-around may keep
- *                      only its low 32 bits)
+ *   struct psp_tnode   a tree node with members u64 key and seq (a counter)
  *   struct psp_tree    a container ordered by (key, seq), smallest first
+ *   (both includers take these and the tree operations below from
+ *   psp_tree.h, the same source, on the kernel's rbtree or the simulator's
+ *   userspace one with the same interface, sim/kshim.h)
  *   psp_tree_init(tree)
  *   psp_tree_insert(tree, node), psp_tree_erase(tree, node),
  *   psp_tree_requeue(tree, node)  node's (key, seq) grew: move it back

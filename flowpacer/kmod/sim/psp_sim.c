@@ -8,12 +8,11 @@
  * tests/test_psp_sim.py and bench/psp_sim.py.  Time only moves when the
  * caller says so, so every run is exactly reproducible.
  *
- * The kernel keeps backlogged classes in rbtrees, each with a few sorted
- * runs for in-order inserts; here a 4-ary min-heap ordered by the same
- * (key, seq) pair stands in for the rbtree, beside the same kind of runs.
- * Both return the same smallest element, so the simulator makes the same
- * choices as the module.
- * The classes live in one array, hot fields first, cache-line aligned.
+ * The backlogged classes are kept in the module's own trees (../psp_tree.h:
+ * rbtrees, each with a few sorted runs for in-order inserts) on a userspace
+ * rbtree with the kernel's interface (kshim.h).  Each class is allocated on
+ * its own, cache-line aligned, hot fields first: tree nodes point at each
+ * other, so a class never moves.
  *
  * A class is either fed packet by packet (psp_sim_enqueue) or "greedy": an
  * endless source of packets of one size that keeps it backlogged.
@@ -25,6 +24,8 @@
 #include <string.h>
 
 #include "../uapi/pkt_sch_psp.h"
+
+#define static_assert _Static_assert
 
 typedef uint32_t u32;
 typedef uint64_t u64;
@@ -38,489 +39,22 @@ typedef int64_t s64;
 /* ------------------------------------------------- psp_sched.h shims */
 
 /*
- * A tree is PSP_RUNS runs and a heap, sorted by the same (key, seq):
- *
- * The runs, FIFOs.  In a pacer most inserts come in order per rate: a
- * class's next departure, and the deadline of a class that falls due, grow
- * in service order among classes of the same rate (flowpacer gives all
- * flows of a rule one rate).  An insert goes to the run with the largest
- * tail that sorts at or before it (best fit, as in patience sorting: a few
- * rates take a run each), else to an empty run, in O(PSP_RUNS); taking a
- * node out of a run, from anywhere, is O(1) and keeps it sorted.  A run is
- * doubly linked through the nodes by id (prev/next beside the key: the
- * node's lines are touched anyway); the head's prev and the tail's next are
- * PSP_END(run), prev == PSP_IN_HEAP marks a node in the heap.  The tree
- * keeps each run's head and tail ids and their (key, seq), and a mask of
- * the runs in use, so choosing a run or the first node touches no node.
- *
- * The heap, for the other inserts: O(log N).  The smallest node is the
- * smallest of the runs' heads and the heap's root.  This is exact: the same
- * order as a heap alone, so the same choices (and the kernel's rbtrees give
- * the same).  Worst case, no insert comes in order: everything is in the
- * heap, as before, plus O(PSP_RUNS) compares per operation.
- *
- * The heap: 4-ary, 16-byte entries, so the four children of a node share
- * one 64-byte cache line (the array is offset by HEAP_PAD entries to align
- * the groups).  The slot of each node lives in a dense array indexed by the
- * node's id, not in the node, so moving entries does not touch the classes.
- * A node is found from its id by arithmetic (the classes are one array), as
- * the kernel's rbtree hands out node pointers without a lookup table.
- * Entries keep the low 32 bits of the insertion sequence number, compared
- * with wrap-around (the run compares them the same way): ties are broken
- * exactly like the kernel's u64 as long as a node waits fewer than 2^31
- * insertions.
+ * The trees are the module's own code: ../psp_tree.h (an rbtree plus a few
+ * sorted runs, ordered by (key, seq) with the 64-bit sequence), compiled
+ * against kshim.h, a userspace red-black tree and list with the kernel's
+ * interface.  So the simulator makes the module's choices with the module's
+ * ordering code.
  */
-#define PSP_RUNS	4		/* as the kernel's; <= 16 */
-#define PSP_NIL		0xffffffffU	/* no node: an empty run */
-#define PSP_IN_HEAP	0xfffffffeU	/* prev of a node in the heap */
-#define PSP_END(r)	(0xffffff00U + (r))	/* prev of run r's head, next
-						 * of its tail
-						 */
-#define PSP_IS_END(x)	(((x) >> 4) == 0x0ffffff0U)
+#include "kshim.h"
+#include "../psp_tree.h"
 
-struct psp_tnode {
-	u64	key;
-	u32	seq;		/* compared 32 bits with wrap-around */
-	u32	id;		/* index in the slot table and node array */
-	u32	prev;		/* run: previous id or PSP_END(run);
-				 * PSP_IN_HEAP: in the heap
-				 */
-	u32	next;		/* run: next id or PSP_END(run) */
-};
-
-struct psp_hent {
-	u64	key;
-	u32	seq;
-	u32	id;
-};
-
-struct psp_tree {
-	struct psp_hent		*a;	/* HEAP_PAD + n entries */
-	u32			*slot;	/* id -> heap index */
-	char			*base;	/* node of id i: base + i * stride */
-	size_t			stride;
-	u32			n;	/* in the heap */
-	u32			cap;
-	u32			used;	/* bit r: run r is not empty */
-	/* the runs: ids of head and tail (PSP_NIL: empty), and their keys */
-	u32			rhead[PSP_RUNS];
-	u32			rtail[PSP_RUNS];
-	u32			hseq[PSP_RUNS];
-	u32			tseq[PSP_RUNS];
-	u64			hkey[PSP_RUNS];
-	u64			tkey[PSP_RUNS];
-};
-
-#define HEAP_ARITY	4
-#define HEAP_PAD	3		/* a[HEAP_PAD + 4i + 1 ..] is 64-byte aligned */
-#define HENT(t, i)	((t)->a[HEAP_PAD + (i)])
-
-static inline struct psp_tnode *psp_tnode_of(const struct psp_tree *t, u32 id)
-{
-	return (struct psp_tnode *)(t->base + (size_t)id * t->stride);
-}
-
-/* (ka, sa) < (kb, sb).  Branch-free: in the heap, which child is smallest
- * is a coin toss the CPU cannot predict.
- */
-static inline bool psp_kless(u64 ka, u32 sa, u64 kb, u32 sb)
-{
-	return (ka < kb) | ((ka == kb) & ((int32_t)(sa - sb) < 0));
-}
-
-static inline bool psp_hless(const struct psp_hent *x, const struct psp_hent *y)
-{
-	return psp_kless(x->key, x->seq, y->key, y->seq);
-}
-
-static inline bool psp_nless(const struct psp_tnode *x,
-			     const struct psp_tnode *y)
-{
-	return psp_kless(x->key, x->seq, y->key, y->seq);
-}
-
-/* Index of the smallest of the children c .. c + HEAP_ARITY - 1 (< n). */
-static inline __attribute__((always_inline))
-u32 psp_min_child(const struct psp_tree *t, u32 c, u32 n)
-{
-	u32 a, b, j, best;
-
-	if (likely(c + HEAP_ARITY <= n)) {
-		a = psp_hless(&HENT(t, c + 1), &HENT(t, c)) ? c + 1 : c;
-		b = psp_hless(&HENT(t, c + 3), &HENT(t, c + 2)) ? c + 3 : c + 2;
-		return psp_hless(&HENT(t, b), &HENT(t, a)) ? b : a;
-	}
-	best = c;
-	for (j = c + 1; j < n; j++)
-		best = psp_hless(&HENT(t, j), &HENT(t, best)) ? j : best;
-	return best;
-}
-
-static inline void psp_hset(struct psp_tree *t, u32 i, struct psp_hent e)
-{
-	HENT(t, i) = e;
-	t->slot[e.id] = i;
-}
-
-/* The grandchildren of a node whose children start at @c: one line each. */
-static inline void psp_prefetch_below(const struct psp_tree *t, u32 c, u32 n)
-{
-	u32 j;
-
-	if (HEAP_ARITY * c + 1 < n)
-		for (j = 0; j < HEAP_ARITY; j++)
-			__builtin_prefetch(&HENT(t, HEAP_ARITY * (c + j) + 1));
-}
-
-static void psp_sift_up(struct psp_tree *t, u32 i, struct psp_hent e)
-{
-	while (i) {
-		u32 p = (i - 1) / HEAP_ARITY;
-
-		if (!psp_hless(&e, &HENT(t, p)))
-			break;
-		psp_hset(t, i, HENT(t, p));
-		i = p;
-	}
-	psp_hset(t, i, e);
-}
-
-static void psp_sift_down(struct psp_tree *t, u32 i, struct psp_hent e)
-{
-	u32 n = t->n;
-
-	for (;;) {
-		u32 c = HEAP_ARITY * i + 1, best;
-
-		if (c >= n)
-			break;
-		psp_prefetch_below(t, c, n);
-		best = psp_min_child(t, c, n);
-		if (!psp_hless(&HENT(t, best), &e))
-			break;
-		psp_hset(t, i, HENT(t, best));
-		i = best;
-	}
-	psp_hset(t, i, e);
-}
-
-static inline void psp_tree_init(struct psp_tree *t)
-{
-	int r;
-
-	t->n = 0;
-	t->used = 0;
-	for (r = 0; r < PSP_RUNS; r++) {
-		t->rhead[r] = PSP_NIL;
-		t->rtail[r] = PSP_NIL;
-	}
-}
-
-/* Room for @cap nodes with ids < @cap: insert never allocates. */
-static int psp_tree_reserve(struct psp_tree *t, u32 cap)
-{
-	struct psp_hent *a;
-	u32 *slot;
-
-	if (cap <= t->cap)
-		return 0;
-	if (posix_memalign((void **)&a, 64, (HEAP_PAD + (size_t)cap) * sizeof(*a)))
-		return -1;
-	slot = realloc(t->slot, (size_t)cap * sizeof(*slot));
-	if (!slot) {
-		free(a);
-		return -1;
-	}
-	t->slot = slot;
-	if (t->a)
-		memcpy(a, t->a, (HEAP_PAD + (size_t)t->n) * sizeof(*a));
-	free(t->a);
-	t->a = a;
-	t->cap = cap;
-	return 0;
-}
-
-static void psp_tree_free(struct psp_tree *t)
-{
-	free(t->a);
-	free(t->slot);
-}
-
-static inline struct psp_hent psp_hent_of(const struct psp_tnode *n)
-{
-	struct psp_hent e = { n->key, n->seq, n->id };
-
-	return e;
-}
-
-/* The hot head of struct psp_sclass: 112 bytes here (a 24-byte rnode),
- * three lines at most.
+/* The hot head of struct psp_sclass is two cache lines (a 40-byte rnode,
+ * as in the kernel).
  */
 static inline void psp_prefetch(const void *p)
 {
 	__builtin_prefetch(p);
 	__builtin_prefetch((const char *)p + 64);
-	__builtin_prefetch((const char *)p + 111);
-}
-
-/* ---- the runs */
-
-static inline void psp_run_append(struct psp_tree *t, int r,
-				  struct psp_tnode *n)
-{
-	n->next = PSP_END(r);
-	if (t->rhead[r] == PSP_NIL) {
-		n->prev = PSP_END(r);
-		t->used |= 1U << r;
-		t->rhead[r] = n->id;
-		t->hkey[r] = n->key;
-		t->hseq[r] = n->seq;
-	} else {
-		n->prev = t->rtail[r];
-		psp_tnode_of(t, t->rtail[r])->next = n->id;
-	}
-	t->rtail[r] = n->id;
-	t->tkey[r] = n->key;
-	t->tseq[r] = n->seq;
-}
-
-static inline void psp_run_unlink(struct psp_tree *t, struct psp_tnode *n)
-{
-	u32 p = n->prev, x = n->next;
-	struct psp_tnode *pn = PSP_IS_END(p) ? NULL : psp_tnode_of(t, p);
-	struct psp_tnode *xn = PSP_IS_END(x) ? NULL : psp_tnode_of(t, x);
-
-	if (pn) {
-		pn->next = x;
-	} else {		/* the head */
-		u32 r = p - PSP_END(0);
-
-		t->rhead[r] = xn ? x : PSP_NIL;
-		if (xn) {
-			t->hkey[r] = xn->key;
-			t->hseq[r] = xn->seq;
-			/* read when the new head leaves */
-			if (!PSP_IS_END(xn->next))
-				__builtin_prefetch(psp_tnode_of(t, xn->next));
-		}
-	}
-	if (xn) {
-		xn->prev = p;
-	} else {		/* the tail */
-		u32 r = x - PSP_END(0);
-
-		t->rtail[r] = pn ? p : PSP_NIL;
-		if (!pn)
-			t->used &= ~(1U << r);
-		if (pn) {
-			t->tkey[r] = pn->key;
-			t->tseq[r] = pn->seq;
-		}
-	}
-}
-
-/* The run @n may be appended to: of those whose tail sorts at or before
- * it, the one with the largest tail; else an empty one; else -1.
- */
-static inline int psp_run_fit(const struct psp_tree *t,
-			      const struct psp_tnode *n)
-{
-	u32 m, full = (1U << PSP_RUNS) - 1;
-	int r, best = -1;
-
-	for (m = t->used; m; m &= m - 1) {
-		r = __builtin_ctz(m);
-		if (psp_kless(n->key, n->seq, t->tkey[r], t->tseq[r]))
-			continue;
-		if (best < 0 || psp_kless(t->tkey[best], t->tseq[best],
-					  t->tkey[r], t->tseq[r]))
-			best = r;
-	}
-	if (best < 0 && t->used != full)
-		best = __builtin_ctz(~t->used);
-	return best;
-}
-
-/* The run with the smallest head, or -1 if all are empty. */
-static inline int psp_run_min(const struct psp_tree *t)
-{
-	int r, best = -1;
-	u32 m;
-
-	for (m = t->used; m; m &= m - 1) {
-		r = __builtin_ctz(m);
-		if (best < 0 || psp_kless(t->hkey[r], t->hseq[r],
-					  t->hkey[best], t->hseq[best]))
-			best = r;
-	}
-	return best;
-}
-
-/* ---- the heap */
-
-static inline void psp_heap_insert(struct psp_tree *t, struct psp_tnode *n)
-{
-	n->prev = PSP_IN_HEAP;
-	psp_sift_up(t, t->n++, psp_hent_of(n));
-}
-
-/* Remove the root: walk the hole down along the smallest children to a
- * leaf, then put the last entry there and let it rise (Floyd): fewer
- * comparisons than sifting the last entry down from the top.
- */
-static void psp_heap_pop(struct psp_tree *t)
-{
-	u32 i = 0, n = --t->n;
-
-	if (!n)
-		return;
-	for (;;) {
-		u32 c = HEAP_ARITY * i + 1, best;
-
-		if (c >= n)
-			break;
-		psp_prefetch_below(t, c, n);
-		best = psp_min_child(t, c, n);
-		psp_hset(t, i, HENT(t, best));
-		i = best;
-	}
-	psp_sift_up(t, i, HENT(t, n));
-}
-
-static inline void psp_heap_erase(struct psp_tree *t, struct psp_tnode *n)
-{
-	u32 i = t->slot[n->id], last;
-	struct psp_hent e;
-
-	if (i == 0) {
-		psp_heap_pop(t);
-		return;
-	}
-	last = --t->n;
-	if (i == last)
-		return;
-	e = HENT(t, last);
-	if (psp_hless(&e, &HENT(t, (i - 1) / HEAP_ARITY)))
-		psp_sift_up(t, i, e);
-	else
-		psp_sift_down(t, i, e);
-}
-
-/* ---- the tree */
-
-static inline void psp_tree_insert(struct psp_tree *t, struct psp_tnode *n)
-{
-	int r = psp_run_fit(t, n);
-
-	if (likely(r >= 0))
-		psp_run_append(t, r, n);
-	else
-		psp_heap_insert(t, n);
-}
-
-static inline void psp_tree_erase(struct psp_tree *t, struct psp_tnode *n)
-{
-	if (n->prev == PSP_IN_HEAP)
-		psp_heap_erase(t, n);
-	else
-		psp_run_unlink(t, n);
-}
-
-/* (key, seq) grew: move the node back. */
-static inline void psp_tree_requeue(struct psp_tree *t, struct psp_tnode *n)
-{
-	int r;
-
-	if (n->prev == PSP_IN_HEAP) {
-		r = psp_run_fit(t, n);
-		if (r >= 0) {
-			psp_heap_erase(t, n);
-			psp_run_append(t, r, n);
-		} else {
-			/* sink it from where it is */
-			psp_sift_down(t, t->slot[n->id], psp_hent_of(n));
-		}
-		return;
-	}
-	if (PSP_IS_END(n->next) ||
-	    psp_nless(n, psp_tnode_of(t, n->next))) {
-		/* still sorted: it stays, its run's keys follow */
-		if (PSP_IS_END(n->next)) {
-			r = n->next - PSP_END(0);
-			t->tkey[r] = n->key;
-			t->tseq[r] = n->seq;
-		}
-		if (PSP_IS_END(n->prev)) {
-			r = n->prev - PSP_END(0);
-			t->hkey[r] = n->key;
-			t->hseq[r] = n->seq;
-		}
-		return;
-	}
-	psp_run_unlink(t, n);
-	psp_tree_insert(t, n);
-}
-
-static inline struct psp_tnode *psp_tree_first(struct psp_tree *t)
-{
-	int r = psp_run_min(t);
-
-	if (t->n && (r < 0 || psp_kless(HENT(t, 0).key, HENT(t, 0).seq,
-					t->hkey[r], t->hseq[r])))
-		return psp_tnode_of(t, HENT(t, 0).id);
-	return r < 0 ? NULL : psp_tnode_of(t, t->rhead[r]);
-}
-
-/* The node that is first once first is gone: the smallest of the other
- * runs' heads and the successor of first in its run or heap.  Only the
- * successor in a run is read from its node.
- */
-static inline struct psp_tnode *psp_tree_second(struct psp_tree *t, u64 *key)
-{
-	int r, f = psp_run_min(t);
-	bool hfirst = t->n && (f < 0 || psp_kless(HENT(t, 0).key,
-						  HENT(t, 0).seq,
-						  t->hkey[f], t->hseq[f]));
-	u32 m, bid = PSP_NIL, bseq = 0;
-	u64 bkey = 0;
-
-#define PSP_CAND(k, s, i)						\
-	do {								\
-		if (bid == PSP_NIL || psp_kless(k, s, bkey, bseq)) {	\
-			bkey = (k);					\
-			bseq = (s);					\
-			bid = (i);					\
-		}							\
-	} while (0)
-
-	for (m = t->used; m; m &= m - 1) {
-		r = __builtin_ctz(m);
-		if (hfirst || r != f)
-			PSP_CAND(t->hkey[r], t->hseq[r], t->rhead[r]);
-	}
-	if (hfirst) {
-		if (t->n >= 2) {
-			const struct psp_hent *e =
-				&HENT(t, psp_min_child(t, 1, t->n));
-
-			PSP_CAND(e->key, e->seq, e->id);
-		}
-	} else if (f >= 0) {
-		u32 x = psp_tnode_of(t, t->rhead[f])->next;
-
-		if (t->n)
-			PSP_CAND(HENT(t, 0).key, HENT(t, 0).seq, HENT(t, 0).id);
-		if (!PSP_IS_END(x)) {
-			const struct psp_tnode *xn = psp_tnode_of(t, x);
-
-			PSP_CAND(xn->key, xn->seq, x);
-		}
-	}
-#undef PSP_CAND
-	if (bid == PSP_NIL)
-		return NULL;
-	*key = bkey;
-	return psp_tnode_of(t, bid);
 }
 
 static inline u64 psp_div_rem(u64 a, u64 b, u64 *rem)
@@ -551,12 +85,13 @@ struct sim_class {
 	u32			*ring;		/* queued packet lengths */
 	u32			limit;
 	u32			used;
+	u32			id;		/* index in psp_sim.cls */
 	u64			drops;
 } __attribute__((aligned(64)));
 
 struct psp_sim {
 	struct psp_sched	s;
-	struct sim_class	*cls;		/* one array: cap classes */
+	struct sim_class	**cls;		/* ncls classes, cap slots */
 	u32			ncls, cap;
 	u64			armed;		/* last wake time handed out */
 	u64			timer_fires;
@@ -590,12 +125,13 @@ int psp_sim_class_xstats(struct psp_sim *sim, int cls, u64 now,
 			 struct tc_psp_class_xstats *xs);
 int psp_sim_class_counts(struct psp_sim *sim, int cls, u64 out[4]);
 u32 psp_sim_sizeof(int which);
+long psp_sim_tree_check(u64 seed, u32 nodes, u32 ops);
 
 static struct sim_class *sim_get(struct psp_sim *sim, int cls)
 {
-	if (cls < 0 || (u32)cls >= sim->ncls || !sim->cls[cls].used)
+	if (cls < 0 || (u32)cls >= sim->ncls || !sim->cls[cls]->used)
 		return NULL;
-	return &sim->cls[cls];
+	return sim->cls[cls];
 }
 
 struct psp_sim *psp_sim_new(u64 link_rate, u32 overhead)
@@ -617,13 +153,11 @@ void psp_sim_free(struct psp_sim *sim)
 
 	if (!sim)
 		return;
-	for (i = 0; i < sim->ncls; i++)
-		free(sim->cls[i].ring);
+	for (i = 0; i < sim->ncls; i++) {
+		free(sim->cls[i]->ring);
+		free(sim->cls[i]);
+	}
 	free(sim->cls);
-	psp_tree_free(&sim->s.wtree);
-	psp_tree_free(&sim->s.etree);
-	psp_tree_free(&sim->s.utree);
-	psp_tree_free(&sim->s.btree);
 	free(sim);
 }
 
@@ -638,21 +172,6 @@ void psp_sim_set_catchup(struct psp_sim *sim, u64 catchup_ns)
 	psp_sched_set_catchup(&sim->s, catchup_ns);
 }
 
-/* The trees find nodes by id in the class array: point them at it. */
-static void sim_tree_bases(struct psp_sim *sim)
-{
-	char *base = (char *)sim->cls;
-
-	sim->s.wtree.base = base + offsetof(struct sim_class, sc.rnode);
-	sim->s.etree.base = sim->s.wtree.base;
-	sim->s.utree.base = sim->s.wtree.base;
-	sim->s.btree.base = base + offsetof(struct sim_class, sc.bnode);
-	sim->s.wtree.stride = sizeof(struct sim_class);
-	sim->s.etree.stride = sizeof(struct sim_class);
-	sim->s.utree.stride = sizeof(struct sim_class);
-	sim->s.btree.stride = sizeof(struct sim_class);
-}
-
 int psp_sim_add_class(struct psp_sim *sim, u64 rate, u64 ceil, u32 limit)
 {
 	struct sim_class *c;
@@ -660,30 +179,23 @@ int psp_sim_add_class(struct psp_sim *sim, u64 rate, u64 ceil, u32 limit)
 	if (ceil && ceil < rate)
 		return -1;
 	if (sim->ncls == sim->cap) {
-		/* the classes move: nothing but the trees' bases points at them */
 		u32 cap = sim->cap ? 2 * sim->cap : 16;
-		struct sim_class *a;
+		struct sim_class **a = realloc(sim->cls, (size_t)cap * sizeof(*a));
 
-		if (posix_memalign((void **)&a, 64, (size_t)cap * sizeof(*a)))
+		if (!a)
 			return -1;
-		if (sim->ncls)
-			memcpy(a, sim->cls, (size_t)sim->ncls * sizeof(*a));
-		memset(a + sim->ncls, 0, (size_t)(cap - sim->ncls) * sizeof(*a));
-		free(sim->cls);
 		sim->cls = a;
 		sim->cap = cap;
-		sim_tree_bases(sim);
 	}
-	if (psp_tree_reserve(&sim->s.wtree, sim->cap) ||
-	    psp_tree_reserve(&sim->s.etree, sim->cap) ||
-	    psp_tree_reserve(&sim->s.utree, sim->cap) ||
-	    psp_tree_reserve(&sim->s.btree, sim->cap))
+	if (posix_memalign((void **)&c, 64, sizeof(*c)))
 		return -1;
-	c = &sim->cls[sim->ncls];
+	memset(c, 0, sizeof(*c));
 	c->limit = limit ? limit : PSP_DEFAULT_LIMIT;
 	c->used = 1;
-	c->sc.rnode.id = sim->ncls;
-	c->sc.bnode.id = sim->ncls;
+	c->id = sim->ncls;
+	RB_CLEAR_NODE(&c->sc.rnode.rb);		/* in no tree, as the module's */
+	RB_CLEAR_NODE(&c->sc.bnode.rb);
+	sim->cls[sim->ncls] = c;
 	psp_class_set(&sim->s, &c->sc, rate, ceil ? ceil : rate, 0);
 	return (int)sim->ncls++;
 }
@@ -796,7 +308,7 @@ int psp_sim_dequeue(struct psp_sim *sim, u64 now, struct psp_sim_pkt *out)
 	c->pkts++;
 	c->bytes += len;
 	out->t = now;
-	out->cls = (u32)(c - sim->cls);
+	out->cls = c->id;
 	out->len = len;
 	out->kind = (u32)kind;
 	return 1;
@@ -829,7 +341,7 @@ void psp_sim_xstats(struct psp_sim *sim, struct tc_psp_xstats *st)
 	u32 i, n = 0;
 
 	for (i = 0; i < sim->ncls; i++)
-		n += sim->cls[i].used;
+		n += sim->cls[i]->used;
 	memset(st, 0, sizeof(*st));
 	st->link_rate = sim->s.link_rate;
 	st->rate_sum = sim->s.rate_sum;
@@ -876,7 +388,7 @@ int psp_sim_class_counts(struct psp_sim *sim, int cls, u64 out[4])
 
 	if (cls < 0 || (u32)cls >= sim->ncls)
 		return -1;
-	c = &sim->cls[cls];
+	c = sim->cls[cls];
 	out[0] = c->pkts;
 	out[1] = c->bytes;
 	out[2] = c->drops;
@@ -894,4 +406,110 @@ u32 psp_sim_sizeof(int which)
 	case 3: return sizeof(struct sim_class);
 	default: return 0;
 	}
+}
+
+/* ------------------------------------------------------ tree self-test */
+
+/* Red-black shape of the subtree at @n: its black height, or -1 if a rule
+ * is broken (a red node with a red child, unequal black heights, a wrong
+ * parent pointer, keys out of order).
+ */
+static int tree_check_rb(const struct rb_node *n, const struct rb_node *parent)
+{
+	int l, r;
+
+	if (!n)
+		return 1;
+	if (krb_parent(n) != parent)
+		return -1;
+	if (krb_color(n) == RB_RED &&
+	    (krb_color(n->rb_left) == RB_RED || krb_color(n->rb_right) == RB_RED))
+		return -1;
+	if (n->rb_left && psp_tnode_less((struct rb_node *)n, n->rb_left))
+		return -1;
+	if (n->rb_right && psp_tnode_less(n->rb_right, n))
+		return -1;
+	l = tree_check_rb(n->rb_left, n);
+	r = tree_check_rb(n->rb_right, n);
+	if (l < 0 || r < 0 || l != r)
+		return -1;
+	return l + (krb_color(n) == RB_BLACK);
+}
+
+static u64 tree_rand(u64 *x)
+{
+	*x ^= *x << 13;
+	*x ^= *x >> 7;
+	*x ^= *x << 17;
+	return *x;
+}
+
+/* @ops random inserts, erases and requeues (key grows) on one psp_tree of
+ * up to @nodes nodes, keys from a narrow range (many ties) and from
+ * in-order streams (the runs): after each, psp_tree_first and
+ * psp_tree_second must name the smallest and second smallest (key, seq)
+ * of a brute-force scan, and the rbtree must be a valid red-black tree
+ * with the right leftmost node.  Returns 0, or the 1-based number of the
+ * operation that went wrong (-1: no memory).
+ */
+long psp_sim_tree_check(u64 seed, u32 nodes, u32 ops)
+{
+	struct psp_tnode *nd = calloc(nodes ? nodes : 1, sizeof(*nd));
+	bool *in = calloc(nodes ? nodes : 1, sizeof(*in));
+	struct psp_tree t;
+	u64 x = seed | 1, seq = 0, stream = 0;
+	long bad = 0;
+	u32 i, k;
+
+	if (!nd || !in) {
+		free(nd);
+		free(in);
+		return -1;
+	}
+	psp_tree_init(&t);
+	for (i = 0; i < nodes; i++)
+		RB_CLEAR_NODE(&nd[i].rb);
+	for (k = 0; k < ops && !bad; k++) {
+		u64 r = tree_rand(&x), key2 = 0;
+		struct psp_tnode *n = &nd[r % nodes], *f, *s, *m1 = NULL, *m2 = NULL;
+		const struct rb_node *lm;
+
+		r >>= 32;
+		if (!in[n - nd]) {
+			n->key = (r & 1) ? (stream += r % 3) : (r >> 1) % 64;
+			n->seq = seq++;
+			psp_tree_insert(&t, n);
+			in[n - nd] = true;
+		} else if (r % 3 == 0) {
+			psp_tree_erase(&t, n);
+			in[n - nd] = false;
+		} else {
+			n->key += (r >> 2) % 8;
+			n->seq = seq++;
+			psp_tree_requeue(&t, n);
+		}
+		for (i = 0; i < nodes; i++) {
+			if (!in[i])
+				continue;
+			if (!m1 || psp_tnode_before(&nd[i], m1)) {
+				m2 = m1;
+				m1 = &nd[i];
+			} else if (!m2 || psp_tnode_before(&nd[i], m2)) {
+				m2 = &nd[i];
+			}
+		}
+		f = psp_tree_first(&t);
+		s = psp_tree_second(&t, &key2);
+		lm = t.root.rb_root.rb_node;
+		while (lm && lm->rb_left)
+			lm = lm->rb_left;
+		if (f != m1 || s != m2 || (s && key2 != s->key) ||
+		    tree_check_rb(t.root.rb_root.rb_node, NULL) < 0 ||
+		    krb_color(t.root.rb_root.rb_node) != RB_BLACK ||
+		    t.root.rb_leftmost != lm)
+			bad = k + 1;
+	}
+	free(nd);
+	free(in);
+	return bad;
 }

@@ -1,4 +1,5 @@
-"""ctypes driver of the psp scheduling simulator (``psp_sim.c`` + ``../psp_sched.h``).
+"""ctypes driver of the psp scheduling simulator (``psp_sim.c`` + ``../psp_sched.h`` +
+``../psp_tree.h``, the module's own scheduling and ordering code).
 
 The simulator is the kernel module's scheduling core compiled for userspace and run on a virtual
 clock: time only moves when the caller says so, so every run is exactly reproducible. ``Sim``
@@ -25,7 +26,8 @@ log = logging.getLogger(__name__)
 
 SIM_DIR = Path(__file__).resolve().parent
 KMOD_DIR = SIM_DIR.parent
-SOURCES = (SIM_DIR / "psp_sim.c", KMOD_DIR / "psp_sched.h", KMOD_DIR / "uapi" / "pkt_sch_psp.h")
+SOURCES = (SIM_DIR / "psp_sim.c", KMOD_DIR / "psp_sched.h", KMOD_DIR / "psp_tree.h",
+           SIM_DIR / "kshim.h", KMOD_DIR / "uapi" / "pkt_sch_psp.h")
 LIB_PATH = SIM_DIR / "build" / "libpspsim.so"
 CFLAGS = ("-O2", "-g", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared")
 
@@ -120,6 +122,7 @@ def load() -> ctypes.CDLL:
         "psp_sim_class_xstats": (ip, [vp, ip, u64, ctypes.POINTER(ClassXStats)]),
         "psp_sim_class_counts": (ip, [vp, ip, ctypes.POINTER(u64 * 4)]),
         "psp_sim_sizeof": (u32, [ip]),
+        "psp_sim_tree_check": (lp, [u64, u32, u32]),
     }
     for name, (res, args) in sig.items():
         f = getattr(lib, name)
@@ -131,6 +134,16 @@ def load() -> ctypes.CDLL:
                            f"ctypes {ctypes.sizeof(struct)}")
     _lib = lib
     return lib
+
+
+def tree_check(seed: int, nodes: int, ops: int) -> int:
+    """Random inserts, erases and requeues on one of the module's trees (``psp_tree.h`` on the
+    simulator's rbtree), each checked against a brute-force minimum and the red-black rules:
+    0, or the 1-based number of the first operation that went wrong."""
+    r = load().psp_sim_tree_check(seed, nodes, ops)
+    if r < 0:
+        raise SimError("tree check: out of memory")
+    return r
 
 
 class Sim:
