@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 GUEST_DIR = REPO / "tests" / "guest"
-KMOD_SOURCES = ("Kbuild", "Makefile", "sch_psp.c", "psp_sched.h", "uapi")
+KMOD_SOURCES = ("Kbuild", "Makefile", "sch_psp.c", "psp_sched.h", "psp_tree.h", "uapi")
 
 log = logging.getLogger("bench.vm_sharing")
 
