@@ -163,6 +163,14 @@ class Rule:
     rate_bps: int                        # bytes/s per flow
     ceil_bps: Optional[int] = None       # bytes/s, >= rate_bps
     line: int = field(default=0, compare=False)   # where it was declared (for messages)
+    # aggregates (issue 15): all flows of this rule from one client / all flows of this rule
+    client_rate_bps: Optional[int] = None     # bytes/s, rate <= client_rate <= total_rate
+    total_rate_bps: Optional[int] = None      # bytes/s
+    client_prefix: Tuple[int, int] = (32, 64)  # (IPv4, IPv6) prefix lengths that make a client
+
+    @property
+    def has_groups(self) -> bool:
+        return self.client_rate_bps is not None or self.total_rate_bps is not None
 
 
 class BackendKind(str, enum.Enum):
@@ -178,6 +186,9 @@ class RuleSet:
     link_rate_bps: Optional[int] = None  # None: ask the interface
     rules: Tuple[Rule, ...] = ()
     path: str = field(default="", compare=False)
+    # problems that do not stop the file from loading (e.g. total rates oversubscribing the link),
+    # as errors.RuleProblem: FILE:LINE:COL lines like the errors
+    warnings: tuple = field(default=(), compare=False)
 
     def rule(self, name: str) -> Optional[Rule]:
         for r in self.rules:
@@ -188,12 +199,43 @@ class RuleSet:
 
 # ------------------------------------------------------------ engine/backend
 
+class GroupKind(str, enum.Enum):
+    """The levels of aggregate rates above a flow (issue 15)."""
+    RULE = "rule"          # all flows of one rule (total_rate)
+    CLIENT = "client"      # all flows of one rule from one client (client_rate)
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """A cap shared by several flows: a rule's total or one client's flows of a rule.
+
+    ``id`` names it across flows (``"downloads"``, ``"downloads/192.0.2.7/32"``); ``ceil_bps`` is
+    how far the group may borrow from its parent (== rate_bps: a group never exceeds its rate)."""
+    kind: GroupKind
+    id: str
+    rate_bps: int
+    ceil_bps: int
+
+
 @dataclass(frozen=True, slots=True)
 class Shape:
     """What one flow should get from the backend."""
     rule: str
     rate_bps: int
     ceil_bps: int                        # == rate_bps when the rule has no ceil
+    groups: Tuple[Group, ...] = ()       # outermost first (rule, then client); () without aggregates
+
+    @property
+    def rates(self) -> tuple:
+        """What the kernel sees: the flow's rates and its groups' levels and rates (not names)."""
+        return (self.rate_bps, self.ceil_bps,
+                tuple((g.kind, g.rate_bps, g.ceil_bps) for g in self.groups))
+
+    def group(self, kind: "GroupKind") -> Optional[Group]:
+        for g in self.groups:
+            if g.kind is kind:
+                return g
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,6 +330,7 @@ class FlowView:
     uid: int = -1
     direction: Optional[Direction] = None
     source: Optional[FlowSource] = None
+    groups: Tuple[Group, ...] = ()       # its rule and client groups (issue 15), outermost first
 
 
 @dataclass(frozen=True, slots=True)

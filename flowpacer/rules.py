@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import ipaddress
+import logging
 import os
 import pwd
 import re
@@ -43,6 +44,8 @@ except ImportError:  # pragma: no cover
 from . import units
 from .errors import RuleProblem, RulesError
 from .model import BackendKind, Direction, Match, PortSet, Rule, RuleSet
+
+log = logging.getLogger(__name__)
 
 MAX_BYTES = 1 << 20          # a rules file larger than 1 MiB is refused
 MAX_PROBLEMS = 100           # reported at once; then one "... and N more" line
@@ -78,6 +81,12 @@ class _Collector:
     def __init__(self, path: str):
         self.path = path
         self.problems: List[RuleProblem] = []
+        self.warnings: List[RuleProblem] = []   # reported, but the file still loads
+
+    def warn(self, node: Node, where: str, message: str) -> None:
+        m = node.start_mark
+        text = f"{where}: warning: {message}" if where else f"warning: {message}"
+        self.warnings.append(RuleProblem(self.path, m.line + 1, m.column + 1, text))
 
     def add(self, line: int, col: int, where: str, message: str) -> None:
         text = f"{where}: {message}" if where else message
@@ -435,6 +444,38 @@ def _p_match(node: Node, env: _Env, name: str) -> Match:
     return m
 
 
+DEFAULT_CLIENT_PREFIX = (32, 64)
+
+
+def _prefix_len(bits: int) -> Callable[[Node, "_Env", str], int]:
+    def parse(node: Node, env: _Env, name: str) -> int:
+        s = _scalar(node, f"a prefix length 0..{bits}")
+        t = s.strip().lstrip("/")
+        if not (t.isascii() and t.isdigit()) or len(t) > 3 or int(t) > bits:
+            raise _Invalid(node, f"{_show(s)} is not a prefix length (0..{bits})")
+        return int(t)
+    return parse
+
+
+CLIENT_PREFIX_FIELDS: Tuple[Field, ...] = (
+    Field("ipv4", _prefix_len(32), DEFAULT_CLIENT_PREFIX[0], False,
+          "IPv4 clients are grouped by this prefix length", "32"),
+    Field("ipv6", _prefix_len(128), DEFAULT_CLIENT_PREFIX[1], False,
+          "IPv6 clients are grouped by this prefix length (a /64 keeps privacy addresses together)",
+          "64"),
+)
+
+
+def _p_client_prefix(node: Node, env: _Env, name: str) -> Tuple[int, int]:
+    if not isinstance(node, MappingNode) or node.tag != _T + "map":
+        raise _Invalid(node, f"expected a mapping like {{ipv4: 32, ipv6: 64}}, found {_kind(node)}")
+    sub = dataclasses.replace(env, prefix=env.prefix + name + ".")
+    values, ok = _mapping(node, CLIENT_PREFIX_FIELDS, sub)
+    if not ok:
+        raise _Reported()
+    return (values["ipv4"], values["ipv6"])
+
+
 RULE_FIELDS: Tuple[Field, ...] = (
     Field("name", _p_name, None, True,
           "unique name of the rule: letters, digits, '_', '.', '-'", "streaming"),
@@ -446,6 +487,16 @@ RULE_FIELDS: Tuple[Field, ...] = (
     Field("ceil", _p_rate, None, False,
           "optional: a flow may borrow idle capacity up to this rate (>= rate)", "600mbit",
           "none (no borrowing)"),
+    Field("client_rate", _p_rate, None, False,
+          "optional: all flows of this rule from one client together get at most this, shared in "
+          "proportion to their rates (rate <= client_rate <= total_rate)", "20mbit",
+          "none (no per-client cap)"),
+    Field("total_rate", _p_rate, None, False,
+          "optional: all flows of this rule together get at most this, shared in proportion to "
+          "their rates", "600mbit", "none (no total cap)"),
+    Field("client_prefix", _p_client_prefix, DEFAULT_CLIENT_PREFIX, False,
+          "what makes one client for client_rate: the remote address masked to these prefix "
+          "lengths", "{ipv4: 32, ipv6: 64}", "{ipv4: 32, ipv6: 64}"),
 )
 
 
@@ -454,6 +505,7 @@ def _p_rules(node: Node, env: _Env, name: str) -> Tuple[Rule, ...]:
         raise _Invalid(node, f"expected a list of rules, found {_kind(node)}")
     rules: List[Rule] = []
     seen: Dict[str, int] = {}
+    totals: List[tuple] = []
     bad = False
     for i, item in enumerate(node.value, 1):
         label = f"rule #{i}"
@@ -491,14 +543,84 @@ def _p_rules(node: Node, env: _Env, name: str) -> Tuple[Rule, ...]:
                         f"{units.format_bits(ceil)} is below rate {units.format_bits(rate)} "
                         "(ceil must be >= rate)")
             ok = False
+        if not _check_aggregates(item, values, renv, link):
+            ok = False
         if not ok:
             bad = True
             continue
+        if values.get("total_rate") is not None:
+            totals.append((values["total_rate"], _lookup(item, "total_rate"), renv))
         rules.append(Rule(name=rname, match=values["match"], rate_bps=rate, ceil_bps=ceil,
-                          line=item.start_mark.line + 1))
+                          line=item.start_mark.line + 1,
+                          client_rate_bps=values.get("client_rate"),
+                          total_rate_bps=values.get("total_rate"),
+                          client_prefix=values.get("client_prefix", DEFAULT_CLIENT_PREFIX)))
     if bad:
         raise _Reported()
+    _warn_oversubscribed(totals, env)
     return tuple(rules)
+
+
+def _check_aggregates(item: MappingNode, values: Dict[str, Any], renv: _Env,
+                      link: Optional[int]) -> bool:
+    """rate <= client_rate <= total_rate, ceil within them, each within the link; client_prefix
+    only with client_rate. Reports every problem; True when there was none."""
+    rate, ceil = values.get("rate"), values.get("ceil")
+    client, total = values.get("client_rate"), values.get("total_rate")
+    ok = True
+    for key, val in (("client_rate", client), ("total_rate", total)):
+        if val is not None and link is not None and val > link:
+            renv.report(_lookup(item, key), key,
+                        f"{units.format_bits(val)} is above link_rate "
+                        f"{units.format_bits(link)}: the flows together can never get it")
+            ok = False
+    b = units.format_bits
+    if client is not None and rate is not None and client < rate:
+        renv.report(_lookup(item, "client_rate"), "client_rate",
+                    f"{b(client)} is below rate {b(rate)} (one flow alone would exceed it; "
+                    "client_rate must be >= rate)")
+        ok = False
+    if total is not None and rate is not None and total < rate:
+        renv.report(_lookup(item, "total_rate"), "total_rate",
+                    f"{b(total)} is below rate {b(rate)} (total_rate must be >= rate)")
+        ok = False
+    if total is not None and client is not None and total < client:
+        renv.report(_lookup(item, "total_rate"), "total_rate",
+                    f"{b(total)} is below client_rate {b(client)} "
+                    "(total_rate must be >= client_rate)")
+        ok = False
+    if ceil is not None and rate is not None and ceil >= rate:
+        for key, cap in (("client_rate", client), ("total_rate", total)):
+            if cap is not None and ceil > cap:
+                renv.report(_lookup(item, "ceil"), "ceil",
+                            f"{b(ceil)} is above {key} {b(cap)} (a flow cannot borrow past "
+                            f"its {key.split('_')[0]}'s cap; ceil must be <= {key})")
+                ok = False
+                break
+    cp = _lookup(item, "client_prefix")
+    if cp is not None and client is None and "client_rate" not in {
+            k.value for k, _ in item.value if isinstance(k, ScalarNode)}:
+        renv.report(cp, "client_prefix", "has no effect without client_rate "
+                                         "(it says what one client is for client_rate)")
+        ok = False
+    return ok
+
+
+def _warn_oversubscribed(totals, env: _Env) -> None:
+    """A warning (the file still loads) when the rules' total_rate values add up to more than
+    link_rate: each rule's total is then a cap, not a guarantee."""
+    link = env.link_bps
+    if link is None:
+        return
+    run = 0
+    for total, node, renv in totals:
+        run += total
+        if run > link:
+            env.col.warn(node, renv.where("total_rate"),
+                         f"the total_rate of the rules up to here add up to "
+                         f"{units.format_bits(run)}, above link_rate {units.format_bits(link)}: "
+                         "the link is oversubscribed, a total is a cap but not a guarantee")
+            return
 
 
 TOP_FIELDS: Tuple[Field, ...] = (
@@ -716,8 +838,12 @@ def _build(text: str, path: str) -> RuleSet:
     values, ok = _mapping(root, TOP_FIELDS, env)
     if not ok or col.problems:
         raise RulesError(_capped(col.problems))
+    warnings = tuple(_capped(col.warnings)) if col.warnings else ()
+    for w in warnings:
+        log.warning("%s", w)
     return RuleSet(interface=values["interface"], backend=values["backend"],
-                   link_rate_bps=values["link_rate"], rules=values["rules"], path=path)
+                   link_rate_bps=values["link_rate"], rules=values["rules"], path=path,
+                   warnings=warnings)
 
 
 # ------------------------------------------------------------------- the API
@@ -799,6 +925,12 @@ def dump(rs: RuleSet) -> str:
                              "rate": units.format_rate(r.rate_bps)}
         if r.ceil_bps is not None:
             d["ceil"] = units.format_rate(r.ceil_bps)
+        if r.client_rate_bps is not None:
+            d["client_rate"] = units.format_rate(r.client_rate_bps)
+        if r.total_rate_bps is not None:
+            d["total_rate"] = units.format_rate(r.total_rate_bps)
+        if tuple(r.client_prefix) != DEFAULT_CLIENT_PREFIX:
+            d["client_prefix"] = {"ipv4": int(r.client_prefix[0]), "ipv6": int(r.client_prefix[1])}
         rules.append(d)
     doc["rules"] = rules
     return yaml.safe_dump(doc, sort_keys=False, default_flow_style=False,
@@ -852,11 +984,24 @@ def describe(rs: RuleSet) -> List[str]:
         ceil = units.format_bits(r.ceil_bps) if r.ceil_bps is not None else "none"
         at = f" (line {r.line})" if r.line else ""
         lines.append(f"  {i}. {r.name}{at}: rate {units.format_bits(r.rate_bps)} per flow, "
-                     f"ceil {ceil}; match {_match_summary(r.match)}")
+                     f"ceil {ceil}{_aggregates_summary(r)}; match {_match_summary(r.match)}")
+    lines.extend(str(w) for w in rs.warnings)     # "FILE:LINE:COL: ...: warning: ..."
     return lines
 
 
-_SECTIONS = (("top level", TOP_FIELDS), ("rule", RULE_FIELDS), ("match", MATCH_FIELDS))
+def _aggregates_summary(r: Rule) -> str:
+    out = ""
+    if r.client_rate_bps is not None:
+        v4, v6 = r.client_prefix
+        out += (f", client_rate {units.format_bits(r.client_rate_bps)} per client "
+                f"(/{v4} IPv4, /{v6} IPv6)")
+    if r.total_rate_bps is not None:
+        out += f", total_rate {units.format_bits(r.total_rate_bps)}"
+    return out
+
+
+_SECTIONS = (("top level", TOP_FIELDS), ("rule", RULE_FIELDS), ("match", MATCH_FIELDS),
+             ("client_prefix", CLIENT_PREFIX_FIELDS))
 
 
 def field_docs() -> List[Tuple[str, str, str, str, str]]:

@@ -55,7 +55,10 @@ def test_example_file():
     assert rs.interface == "eth0"
     assert rs.backend is BackendKind.AUTO
     assert rs.link_rate_bps == 125_000_000
-    s, m = rs.rules
+    s, m, d = rs.rules
+    assert (d.rate_bps, d.ceil_bps, d.client_rate_bps, d.total_rate_bps, d.client_prefix) == (
+        1_000_000, 2_000_000, 2_500_000, 75_000_000, (32, 64))
+    assert not rs.warnings
     assert s == Rule("streaming", Match(process=("musicd",), direction=Direction.INBOUND,
                                         local_port=PortSet(((8443, 8443),))),
                      rate_bps=1_000_000, ceil_bps=None, line=s.line)
@@ -563,6 +566,15 @@ def test_dump_example_round_trip():
             - 2001:db8::/32
           rate: 200mbit
           ceil: 600mbit
+        - name: downloads
+          match:
+            process: nginx
+            direction: inbound
+            local_port: 443
+          rate: 8mbit
+          ceil: 16mbit
+          client_rate: 20mbit
+          total_rate: 600mbit
         """)
     back = rules.loads(text, rs.path)
     assert rules.without_provenance(back) == rules.without_provenance(rs)
@@ -588,11 +600,14 @@ def test_describe_example():
         "interface: eth0",
         "backend: auto",
         "link_rate: 1 Gbit/s",
-        "rules: 2 (first match wins; unmatched flows are not shaped)",
+        "rules: 3 (first match wins; unmatched flows are not shaped)",
         f"  1. streaming (line {rs.rules[0].line}): rate 8 Mbit/s per flow, ceil none; match "
         "process=musicd direction=inbound local_port=8443",
         f"  2. mirror-sync (line {rs.rules[1].line}): rate 200 Mbit/s per flow, ceil 600 Mbit/s; "
         "match process=rsync remote=192.0.2.0/24,2001:db8::/32",
+        f"  3. downloads (line {rs.rules[2].line}): rate 8 Mbit/s per flow, ceil 16 Mbit/s, "
+        "client_rate 20 Mbit/s per client (/32 IPv4, /64 IPv6), total_rate 600 Mbit/s; "
+        "match process=nginx direction=inbound local_port=443",
     ]
     bare = RuleSet(interface="", rules=(Rule("u", Match(user=(0,), local_port=PortSet(
         ((1, 2),))), rate_bps=125),))
@@ -615,7 +630,7 @@ def test_field_table_is_documented():
         seen.add(name)
     assert {"interface", "backend", "link_rate", "rules", "name", "match", "rate", "ceil",
             "process", "exe", "user", "direction", "local_port", "remote_port",
-            "remote"} == seen
+            "remote", "client_rate", "total_rate", "client_prefix", "ipv4", "ipv6"} == seen
     for unit in ("kbit", "mibit", "bps", "kibps", "tbps"):
         assert f"`{unit}`" in doc, unit
 
@@ -655,3 +670,122 @@ def test_pure_python_parser_same_nodes():
                     for x in n.value]
         return (n.tag, n.value, n.start_mark.line, n.start_mark.column)
     assert shape(a) == shape(b)
+
+
+# ------------------------------------------------------- aggregate rates (issue 15)
+
+def agg(extra: str, head: str = "link_rate: 1gbit\n", rate: str = "8mbit") -> str:
+    """A one-rule file (link_rate on line 1) with the extra rule fields from line 6 on."""
+    return rule("{process: nginx}", textwrap.indent(textwrap.dedent(extra), "    "), rate=rate,
+                head=head)
+
+
+def test_aggregates_load_with_their_units():
+    rs = ok(agg("""\
+        ceil: 16mbit
+        client_rate: 20mbit
+        total_rate: 75%
+        client_prefix: {ipv4: 24, ipv6: 48}
+    """))
+    (r,) = rs.rules
+    assert (r.rate_bps, r.ceil_bps, r.client_rate_bps, r.total_rate_bps) == (
+        1_000_000, 2_000_000, 2_500_000, 93_750_000)
+    assert r.client_prefix == (24, 48) and r.has_groups and not rs.warnings
+
+
+def test_aggregate_defaults_and_partial_prefix():
+    (plain,) = ok(rule("{process: nginx}")).rules
+    assert (plain.client_rate_bps, plain.total_rate_bps, plain.client_prefix) == (None, None, (32, 64))
+    assert not plain.has_groups
+    (r,) = ok(agg("client_rate: 8mbit\nclient_prefix: {ipv6: 56}\n")).rules
+    assert r.client_prefix == (32, 56) and r.client_rate_bps == r.rate_bps
+    (t,) = ok(agg("total_rate: 8mbit\n")).rules        # equal to rate is allowed
+    assert t.total_rate_bps == 1_000_000 and t.client_rate_bps is None
+
+
+def test_aggregate_order_errors():
+    assert errs(agg("client_rate: 4mbit\ntotal_rate: 2mbit\n")) == [
+        "r.yaml:6:18: rule 'r': client_rate: 4 Mbit/s is below rate 8 Mbit/s (one flow alone "
+        "would exceed it; client_rate must be >= rate)",
+        "r.yaml:7:17: rule 'r': total_rate: 2 Mbit/s is below rate 8 Mbit/s (total_rate must be "
+        ">= rate)",
+        "r.yaml:7:17: rule 'r': total_rate: 2 Mbit/s is below client_rate 4 Mbit/s (total_rate "
+        "must be >= client_rate)",
+    ]
+    assert err(agg("client_rate: 20mbit\ntotal_rate: 10mbit\n")) == (
+        "r.yaml:7:17: rule 'r': total_rate: 10 Mbit/s is below client_rate 20 Mbit/s "
+        "(total_rate must be >= client_rate)")
+
+
+def test_ceil_within_the_caps():
+    assert err(agg("ceil: 30mbit\nclient_rate: 20mbit\n")) == (
+        "r.yaml:6:11: rule 'r': ceil: 30 Mbit/s is above client_rate 20 Mbit/s (a flow cannot "
+        "borrow past its client's cap; ceil must be <= client_rate)")
+    assert err(agg("ceil: 30mbit\ntotal_rate: 20mbit\n")) == (
+        "r.yaml:6:11: rule 'r': ceil: 30 Mbit/s is above total_rate 20 Mbit/s (a flow cannot "
+        "borrow past its total's cap; ceil must be <= total_rate)")
+    # a ceil below rate is reported once, as before
+    assert err(agg("ceil: 1mbit\nclient_rate: 20mbit\n")) == (
+        "r.yaml:6:11: rule 'r': ceil: 1 Mbit/s is below rate 8 Mbit/s (ceil must be >= rate)")
+
+
+def test_aggregates_above_the_link_are_errors():
+    assert errs(agg("client_rate: 2gbit\ntotal_rate: 3gbit\n")) == [
+        "r.yaml:6:18: rule 'r': client_rate: 2 Gbit/s is above link_rate 1 Gbit/s: the flows "
+        "together can never get it",
+        "r.yaml:7:17: rule 'r': total_rate: 3 Gbit/s is above link_rate 1 Gbit/s: the flows "
+        "together can never get it",
+    ]
+
+
+def test_client_prefix_errors():
+    assert errs(agg("client_rate: 20mbit\nclient_prefix: {ipv4: 33, ipv6: x, ipv5: 1}\n")) == [
+        "r.yaml:7:27: rule 'r': client_prefix.ipv4: '33' is not a prefix length (0..32)",
+        "r.yaml:7:37: rule 'r': client_prefix.ipv6: 'x' is not a prefix length (0..128)",
+        "r.yaml:7:40: rule 'r': client_prefix.ipv5: unknown key; did you mean 'ipv6'?",
+    ]
+    assert err(agg("client_rate: 20mbit\nclient_prefix: 64\n")) == (
+        "r.yaml:7:20: rule 'r': client_prefix: expected a mapping like {ipv4: 32, ipv6: 64}, "
+        "found '64'")
+    assert err(agg("client_prefix: {ipv4: 24}\ntotal_rate: 20mbit\n")) == (
+        "r.yaml:6:20: rule 'r': client_prefix: has no effect without client_rate (it says what "
+        "one client is for client_rate)")
+    assert err(agg("client_rate:\n")) == (
+        "r.yaml:6:17: rule 'r': client_rate: no value (expected a rate like '8mbit'; remove "
+        "the key to use the default)")
+
+
+def test_oversubscribed_totals_are_a_warning():
+    text = textwrap.dedent("""\
+        link_rate: 100mbit
+        rules:
+          - {name: a, match: {process: a}, rate: 8mbit, total_rate: 60mbit}
+          - {name: b, match: {process: b}, rate: 8mbit}
+          - {name: c, match: {process: c}, rate: 8mbit, total_rate: 50mbit}
+          - {name: d, match: {process: d}, rate: 8mbit, total_rate: 50mbit}
+    """)
+    rs = rules.loads(text, F)
+    assert len(rs.rules) == 4
+    assert [str(w) for w in rs.warnings] == [
+        "r.yaml:5:61: rule 'c': total_rate: warning: the total_rate of the rules up to here add "
+        "up to 110 Mbit/s, above link_rate 100 Mbit/s: the link is oversubscribed, a total is a "
+        "cap but not a guarantee"]
+    assert rules.describe(rs)[-1] == str(rs.warnings[0])
+    # warnings do not change what the rules mean; no link_rate: nothing to compare with
+    assert RuleSet(rs.interface, rs.backend, rs.link_rate_bps, rs.rules) == rs
+    assert not rules.loads(text.replace("50mbit", "20mbit"), F).warnings   # exactly the link
+    assert not rules.loads(text.split("\n", 1)[1], F).warnings
+
+
+def test_aggregates_dump_round_trip():
+    rs = ok(agg("""\
+        ceil: 16mbit
+        client_rate: 20mbit
+        total_rate: 600mbit
+        client_prefix: {ipv6: 56}
+    """))
+    text = rules.dump(rs)
+    assert "client_prefix:\n    ipv4: 32\n    ipv6: 56\n" in text
+    assert rules.without_provenance(rules.loads(text)) == rules.without_provenance(rs)
+    plain = ok(agg("client_rate: 20mbit\n"))
+    assert "client_prefix" not in rules.dump(plain)

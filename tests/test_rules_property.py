@@ -76,7 +76,14 @@ def rulesets(draw, max_rules=5, min_rules=0, list_size=3):
         rate = draw(st.integers(1, min(top, 10**10)) if draw(st.booleans())
                     else st.integers(1, top))
         ceil = draw(st.integers(rate, top)) if draw(st.booleans()) else None
-        rs.append(Rule(name=n, match=draw(MATCHES[list_size]), rate_bps=rate, ceil_bps=ceil))
+        # aggregates (issue 15): rate <= client_rate <= total_rate, ceil within them
+        lo = ceil if ceil is not None else rate
+        client = draw(st.integers(lo, top)) if draw(st.booleans()) else None
+        total = draw(st.integers(client or lo, top)) if draw(st.booleans()) else None
+        prefix = (draw(st.tuples(st.integers(0, 32), st.integers(0, 128)))
+                  if client is not None and draw(st.booleans()) else (32, 64))
+        rs.append(Rule(name=n, match=draw(MATCHES[list_size]), rate_bps=rate, ceil_bps=ceil,
+                       client_rate_bps=client, total_rate_bps=total, client_prefix=prefix))
     return RuleSet(interface=draw(ifnames), backend=draw(st.sampled_from(list(BackendKind))),
                    link_rate_bps=link, rules=tuple(rs))
 
@@ -116,7 +123,7 @@ def test_dump_load_round_trip(rs):
     assert rules.without_provenance(back) == rs
     assert back.path == PATH
     assert rules.dump(back) == text
-    assert len(rules.describe(back)) == 4 + len(rs.rules)
+    assert len(rules.describe(back)) == 4 + len(rs.rules) + len(back.warnings)
 
 
 @SETTINGS
