@@ -6,9 +6,11 @@ plain values.
 from __future__ import annotations
 
 import fnmatch
+import ipaddress
 from typing import Dict, FrozenSet, Iterable, List, Mapping, Optional, Tuple
 
-from .model import Direction, Flow, FlowKey, Op, OpKind, Rule, RuleSet, Shape
+from .model import (Direction, Flow, FlowKey, Group, GroupKind, IPAddress, Op, OpKind, Rule,
+                    RuleSet, Shape)
 
 COMM_LEN = 15      # TASK_COMM_LEN - 1: what the kernel reports of a process name
 
@@ -41,8 +43,29 @@ def first_match(rules: Iterable[Rule], flow: Flow) -> Optional[Rule]:
     return None
 
 
-def shape_of(rule: Rule) -> Shape:
-    return Shape(rule.name, rule.rate_bps, max(rule.ceil_bps or rule.rate_bps, rule.rate_bps))
+def client_of(rule: Rule, remote: IPAddress) -> str:
+    """The client a remote address is for ``rule``'s client_rate: the address masked to the
+    rule's prefix for its family (``FlowKey.wire`` already made IPv4-mapped addresses IPv4)."""
+    bits = rule.client_prefix[0] if remote.version == 4 else rule.client_prefix[1]
+    return str(ipaddress.ip_network((remote, bits), strict=False))
+
+
+def groups_of(rule: Rule, key: Optional[FlowKey]) -> Tuple[Group, ...]:
+    """A flow's groups, outermost first: its rule's total, then its client's share of the rule.
+    A group is a cap: its ceil is its rate."""
+    out = []
+    if rule.total_rate_bps is not None:
+        out.append(Group(GroupKind.RULE, rule.name, rule.total_rate_bps, rule.total_rate_bps))
+    if rule.client_rate_bps is not None and key is not None:
+        out.append(Group(GroupKind.CLIENT, f"{rule.name}/{client_of(rule, key.remote_addr)}",
+                         rule.client_rate_bps, rule.client_rate_bps))
+    return tuple(out)
+
+
+def shape_of(rule: Rule, key: Optional[FlowKey] = None) -> Shape:
+    """The shape of a flow of ``rule``; with aggregates, ``key`` says which client it is."""
+    return Shape(rule.name, rule.rate_bps, max(rule.ceil_bps or rule.rate_bps, rule.rate_bps),
+                 groups_of(rule, key) if rule.has_groups else ())
 
 
 def desired(flows: Mapping[FlowKey, Flow], ruleset: RuleSet) -> Dict[FlowKey, Shape]:
@@ -51,7 +74,7 @@ def desired(flows: Mapping[FlowKey, Flow], ruleset: RuleSet) -> Dict[FlowKey, Sh
     for key, flow in flows.items():
         r = first_match(ruleset.rules, flow)
         if r is not None:
-            out[key] = shape_of(r)
+            out[key] = shape_of(r, key)
     return out
 
 
@@ -60,7 +83,10 @@ def plan(want: Mapping[FlowKey, Shape], have: Mapping[FlowKey, Shape]) -> List[O
     changes (in place, the class and its queue stay), then additions; each group in key order
     (``FlowKey``'s total order: IPv4 and IPv6 keys mix). A flow whose rates are right but whose
     rule is not (adopted after a restart, or a rule renamed) is relabelled: nothing for the
-    kernel, but status and metrics name the rule that shapes it."""
+    kernel, but status and metrics name the rule that shapes it. The same goes for a flow whose
+    groups have the kernel's rates but other names (``Shape.rates`` is what the kernel sees).
+    Flows of rules with aggregates change when their groups' rates or levels change: the backend
+    moves them under their new parents."""
     removes = [Op(OpKind.REMOVE, k) for k in sorted(have.keys() - want.keys())]
     changes, relabels, adds = [], [], []
     for k in sorted(want):
@@ -68,9 +94,9 @@ def plan(want: Mapping[FlowKey, Shape], have: Mapping[FlowKey, Shape]) -> List[O
         cur = have.get(k)
         if cur is None:
             adds.append(Op(OpKind.ADD, k, s))
-        elif (cur.rate_bps, cur.ceil_bps) != (s.rate_bps, s.ceil_bps):
+        elif cur.rates != s.rates:
             changes.append(Op(OpKind.CHANGE, k, s))
-        elif cur.rule != s.rule:
+        elif cur != s:
             relabels.append(Op(OpKind.RELABEL, k, s))
     return removes + changes + relabels + adds
 

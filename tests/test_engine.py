@@ -2,7 +2,7 @@
 import ipaddress
 
 from flowpacer import engine
-from flowpacer.model import (Direction, Flow, FlowKey, Match, Op, OpKind, PortSet, ProcessInfo, Rule,
+from flowpacer.model import (Direction, Flow, FlowKey, Group, GroupKind, Match, Op, OpKind, PortSet, ProcessInfo, Rule,
                              RuleSet, Shape)
 
 A = ipaddress.ip_address
@@ -83,3 +83,62 @@ def test_watch_filter():
     assert engine.watch_filter(RuleSet("e", rules=(rule("g", process=("m*",), user=(5,)),))) == (
         frozenset(), frozenset({5}))
     assert engine.watch_filter(RuleSet("e")) == (frozenset(), frozenset())
+
+
+# ------------------------------------------------------- aggregate rates (issue 15)
+
+def agg_rule(name="dl", rate=1_000, ceil=None, client=4_000, total=10_000, prefix=(32, 64)):
+    return Rule(name, Match(process=("musicd",)), rate, ceil, client_rate_bps=client,
+                total_rate_bps=total, client_prefix=prefix)
+
+
+def test_rules_without_aggregates_have_no_groups():
+    rs = RuleSet("eth0", rules=(rule("a", 5, ceil=9, process=("musicd",)),))
+    f = flow()
+    assert engine.desired({f.key: f}, rs) == {f.key: Shape("a", 5, 9)}
+    assert Shape("a", 5, 9).groups == ()
+
+
+def test_a_flow_gets_its_rule_and_client_groups():
+    r = agg_rule(ceil=2_000)
+    rs = RuleSet("eth0", rules=(r,))
+    f1, f2 = flow(rport=1, remote="192.0.2.7"), flow(rport=2, remote="192.0.2.8")
+    want = engine.desired({f.key: f for f in (f1, f2)}, rs)
+    rule_g = Group(GroupKind.RULE, "dl", 10_000, 10_000)
+    assert want[f1.key] == Shape("dl", 1_000, 2_000, (
+        rule_g, Group(GroupKind.CLIENT, "dl/192.0.2.7/32", 4_000, 4_000)))
+    assert want[f2.key].groups == (rule_g, Group(GroupKind.CLIENT, "dl/192.0.2.8/32", 4_000, 4_000))
+    assert want[f1.key].group(GroupKind.RULE) == rule_g
+    only_client = agg_rule(total=None)
+    assert engine.shape_of(only_client, f1.key).groups == (
+        Group(GroupKind.CLIENT, "dl/192.0.2.7/32", 4_000, 4_000),)
+    only_total = agg_rule(client=None)
+    assert engine.shape_of(only_total, f1.key).groups == (rule_g,)
+
+
+def test_clients_by_prefix_ipv6_by_64_and_mapped_as_ipv4():
+    r = agg_rule()
+    k = lambda remote, local="2001:db8::1": FlowKey.wire(A(local), 80, A(remote), 4000)
+    # privacy addresses within one /64 are one client; another /64 is another
+    assert engine.client_of(r, k("2001:db8:0:1::aaaa").remote_addr) == "2001:db8:0:1::/64"
+    assert engine.client_of(r, k("2001:db8:0:1:ffff::1").remote_addr) == "2001:db8:0:1::/64"
+    assert engine.client_of(r, k("2001:db8:0:2::1").remote_addr) == "2001:db8:0:2::/64"
+    # an IPv4-mapped peer on a dual-stack socket is its IPv4 address, as on the wire
+    mapped = k("::ffff:192.0.2.7", "::ffff:198.51.100.1")
+    assert engine.shape_of(r, mapped).groups[-1].id == "dl/192.0.2.7/32"
+    wide = agg_rule(prefix=(24, 48))
+    assert engine.client_of(wide, A("192.0.2.200")) == "192.0.2.0/24"
+    assert engine.client_of(wide, A("2001:db8:1:ffff::1")) == "2001:db8:1::/48"
+
+
+def test_group_rate_change_is_a_change_and_a_group_rename_a_relabel():
+    k = flow().key
+    g = lambda gid, rate: (Group(GroupKind.CLIENT, gid, rate, rate),)
+    have = {k: Shape("dl", 1, 1, g("dl/192.0.2.7/32", 4))}
+    assert engine.plan({k: Shape("dl", 1, 1, g("dl/192.0.2.7/32", 5))}, have)[0].kind is OpKind.CHANGE
+    # a flow adopted after a restart: the kernel's groups have the right rates, no names yet
+    adopted = {k: Shape("", 1, 1, g("", 4))}
+    assert [o.kind for o in engine.plan(have, adopted)] == [OpKind.RELABEL]
+    # gaining or losing a level is a change (the flow moves under other parents)
+    assert engine.plan({k: Shape("dl", 1, 1)}, have)[0].kind is OpKind.CHANGE
+    assert engine.plan(have, have) == []
