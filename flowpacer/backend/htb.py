@@ -30,6 +30,7 @@ def quantum_for(rate_bps: int) -> int:
 class HtbCodec:
     kind = "htb"
     has_link_class = True
+    supports_groups = True       # rule and client classes above the flows (groups.py)
 
     def qdisc_options(self, link_rate_bps: int, default_minor: int) -> bytes:
         return enc.qdisc_options(default_minor)
@@ -43,6 +44,10 @@ class HtbCodec:
     def default_class_options(self, link_rate_bps: int) -> bytes:
         rate = max(1000, int(link_rate_bps * DEFAULT_SHARE))
         return self._class(rate, link_rate_bps, prio=1)
+
+    def group_class_options(self, rate_bps: int, ceil_bps: int, link_rate_bps: int) -> bytes:
+        """A rule's or a client's class: same prio as the flows, quantum by its rate."""
+        return self._class(rate_bps, min(max(ceil_bps, rate_bps), link_rate_bps))
 
     def flow_class_options(self, shape: Shape, link_rate_bps: int) -> bytes:
         return self._class(shape.rate_bps, min(max(shape.ceil_bps, shape.rate_bps), link_rate_bps))

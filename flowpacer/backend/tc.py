@@ -13,6 +13,7 @@ restart, ``teardown()`` deletes the root qdisc (the kernel restores the interfac
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import socket
@@ -28,6 +29,8 @@ from ..tc.nl import (NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE, RTM_DELQDISC, RTM_
                      RTM_NEWTCLASS, RTM_NEWTFILTER, TC_H_ROOT, Request, RtnlSocket, tc_handle)
 from .filters import (DIVISOR, GUARD, HMASK_LOCAL_PORT, HMASK_REMOTE_PORT, L1_HTID, PORTS_OFF,
                       PRIO, PROTO, Layout, LayoutFull, Placement, all_tables)
+from .groups import GroupKind, GroupTree, Member, Node, targets
+from .pool import PoolMixin
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,8 @@ class Installed:
     classid: int
     filter_handle: int
     shape: Shape
+    parent: Optional[int] = None     # the minor of its group class (issue 15); None: the link
+    kernel: Optional[tuple] = None   # (rate, ceil) in the kernel when it differs from the shape's
 
 
 def ifindex_of(interface: str) -> int:
@@ -83,7 +88,7 @@ def cleanup(interface: str) -> bool:
         return True
 
 
-class TcBackend:
+class TcBackend(PoolMixin):     # PoolMixin: first-byte pools (issue 16, pool.py)
     def __init__(self, codec, interface: str, link_rate_bps: Optional[int] = None,
                  take_over: bool = False, rtnl: Optional[RtnlSocket] = None):
         self.codec = codec
@@ -98,6 +103,8 @@ class TcBackend:
         self._free_minors: List[int] = []
         self._next_minor = FIRST_FLOW_MINOR
         self._layout = Layout()
+        self._groups = GroupTree()       # group classes of rules with aggregates (groups.py)
+        self._warned_groups = False
         self.adopted = 0
         self.removed_stale = 0
 
@@ -254,14 +261,22 @@ class TcBackend:
             self._flows[key] = Installed(classid, obj.handle, Shape("", rate, ceil))
             self._layout.adopt_leaf(obj.handle)
             bound.add(minor)
-        used = set(bound)
+        group_minors = self._adopt_groups(classes, bound)
+        used = set(bound) | group_minors
         self._next_minor = max([FIRST_FLOW_MINOR - 1] + list(classes)) + 1
         self._free_minors = [m for m in range(FIRST_FLOW_MINOR, self._next_minor) if m not in used]
         self._free_minors.reverse()
         for fam, handle in stale_filters:
             fix.append(self._filter_msg(RTM_DELTFILTER, 0, fam, handle, u32.kind_only(),
                                         f"delete stale filter {handle:x}"))
-        orphans = [m for m in classes if m >= FIRST_FLOW_MINOR and m not in bound]
+        orphans = [m for m in classes if m >= FIRST_FLOW_MINOR and m not in used]
+
+        def depth(m):          # children before parents (a group class with children is busy)
+            d, p = 0, classes[m].parent
+            while p >> 16 == MAJOR and (p & 0xFFFF) in classes and d < 8:
+                d, p = d + 1, classes[p & 0xFFFF].parent
+            return d
+        orphans.sort(key=depth, reverse=True)
         for m in orphans:
             fix.append(self._req(RTM_DELTCLASS, 0,
                                  nl.tcmsg(self.ifindex, tc_handle(MAJOR, m), self._parent_handle()),
@@ -302,8 +317,12 @@ class TcBackend:
             reqs.append(req)
             after.append(cb)
 
+        grouped: List[Op] = []
         for op in plan:
             inst = self._flows.get(op.key)
+            if self._is_grouped(op, inst):
+                grouped.append(op)
+                continue
             if op.kind is OpKind.REMOVE:
                 if inst is None:
                     continue
@@ -317,6 +336,8 @@ class TcBackend:
                 res.errors.append(OpError(op, f"{op.kind.value} of unknown flow {op.key}"))
             else:
                 self._queue_add(op, add, res)
+        if grouped:
+            self._queue_groups(grouped, add, res)
         if reqs:
             for cb, err in zip(after, self._rtnl.transact(reqs)):
                 cb(err)
@@ -346,9 +367,13 @@ class TcBackend:
         add(self._req(RTM_DELTCLASS, 0, nl.tcmsg(self.ifindex, inst.classid, self._parent_handle()),
                       lambda: f"delete class {nl.fmt_handle(inst.classid)} of {op.key}"), class_done)
 
-    def _queue_change(self, op: Op, inst: Installed, add, res: ApplyResult) -> None:
+    def _queue_change(self, op: Op, inst: Installed, add, res: ApplyResult,
+                      kernel: Optional[tuple] = None) -> None:
+        """``kernel``: the (rate, ceil) to give the class instead of the shape's (a flow under a
+        group gets its share, see groups.py)."""
         try:
-            options = self.codec.flow_class_options(op.shape, self.link_rate_bps)
+            options = self.codec.flow_class_options(self._kernel_shape(op.shape, kernel),
+                                                    self.link_rate_bps)
         except ValueError as e:
             res.errors.append(OpError(op, f"{op.key}: {e}"))
             return
@@ -358,19 +383,26 @@ class TcBackend:
                 res.errors.append(OpError(op, str(err)))
                 return
             inst.shape = op.shape
+            inst.kernel = kernel
             res.changed += 1
-        add(self._class_msg(inst.classid & 0xFFFF, self._flow_parent, options, False,
+        add(self._class_msg(inst.classid & 0xFFFF, inst.parent or self._flow_parent, options, False,
                             lambda: f"change class {nl.fmt_handle(inst.classid)} of {op.key}"), done)
 
-    def _queue_add(self, op: Op, add, res: ApplyResult) -> None:
+    def _queue_add(self, op: Op, add, res: ApplyResult, parent: Optional[int] = None,
+                   kernel: Optional[tuple] = None) -> None:
+        """``parent``: the minor of the flow's group class (None: the link); ``kernel`` as for
+        ``_queue_change``."""
         key = op.key
         try:
-            options = self.codec.flow_class_options(op.shape, self.link_rate_bps)
+            options = self.codec.flow_class_options(self._kernel_shape(op.shape, kernel),
+                                                    self.link_rate_bps)
         except ValueError as e:
             res.errors.append(OpError(op, f"{key}: {e}"))
             return
+        # issue 16: a socket that claimed a pool class already sends into it: that is its class
+        claimed = self._pool_take_claim(key) if parent is None else None
         try:
-            minor = self._alloc_minor()
+            minor = claimed or self._alloc_minor()
         except LayoutFull as e:
             res.errors.append(OpError(op, str(e)))
             return
@@ -395,7 +427,7 @@ class TcBackend:
 
         def filter_done(err):
             if err is None and state["ok"]:
-                self._flows[key] = Installed(classid, pl.handle, op.shape)
+                self._flows[key] = Installed(classid, pl.handle, op.shape, parent, kernel)
                 res.added += 1
                 return
             if err is not None:
@@ -418,13 +450,204 @@ class TcBackend:
             else:
                 self._free_minor(minor)
 
-        add(self._class_msg(minor, self._flow_parent, options, True,
+        add(self._class_msg(minor, parent or self._flow_parent, options, not claimed,
                             lambda: f"add class {nl.fmt_handle(classid)} for {key}"), class_done)
         add(self._filter_msg(RTM_NEWTFILTER, NLM_F_CREATE | NLM_F_EXCL, key.family, pl.handle,
                              u32.leaf_options(classid, u32.flow_keys(key.local_addr, key.local_port,
                                                                      key.remote_addr, key.remote_port),
                                               pl.in_table),
                              lambda: f"add filter for {key}"), filter_done)
+
+    # ------------------------------------------------- groups (issue 15, see groups.py)
+    @staticmethod
+    def _kernel_shape(shape: Shape, kernel: Optional[tuple]) -> Shape:
+        if kernel is None:
+            return shape
+        return dataclasses.replace(shape, rate_bps=kernel[0], ceil_bps=kernel[1])
+
+    def _is_grouped(self, op: Op, inst: Optional[Installed]) -> bool:
+        """Whether an op involves group classes: its flow gets groups or hangs under one."""
+        want = op.shape is not None and bool(op.shape.groups)
+        if not getattr(self.codec, "supports_groups", False):
+            if want and not self._warned_groups:
+                self._warned_groups = True
+                log.warning("%s: the %s backend has no group classes yet: client_rate and "
+                            "total_rate are not enforced, each flow is paced at its rate",
+                            self.interface, self.codec.kind)
+            return False
+        return want or (inst is not None and inst.parent is not None)
+
+    def groups_snapshot(self) -> List[tuple]:
+        """[(kind, id, classid, rate_bps, ceil_bps)] of the group classes (kernel rates)."""
+        out = []
+        for m, n in self._groups.nodes.items():
+            if n.kernel is not None:
+                out.append((n.kind, n.gid, tc_handle(MAJOR, m), n.kernel[0], n.kernel[1]))
+        return out
+
+    def _group_parent(self, groups, res: ApplyResult, op: Op, created: List[int]):
+        """The minor of the innermost group class for ``groups`` (made in the tree if missing,
+        appended to ``created``); None for no groups; False when no class id is left."""
+        tree = self._groups
+        parent = None
+        for g in groups:
+            m = tree.find(parent, g.id)
+            if m is None:
+                try:
+                    m = self._alloc_minor()
+                except LayoutFull as e:
+                    res.errors.append(OpError(op, str(e)))
+                    return False
+                tree.add(Node(m, parent, g.kind, g.id, g.rate_bps, g.ceil_bps))
+                created.append(m)
+            else:
+                n = tree.nodes[m]
+                n.rate_bps, n.ceil_bps, n.kind = g.rate_bps, g.ceil_bps, g.kind  # a reload's rates
+            parent = m
+        return parent
+
+    def _queue_groups(self, ops: Sequence[Op], add, res: ApplyResult) -> None:
+        """The ops of flows under groups, with their group classes: new groups first (parents
+        before children), the flows' own removes/moves/adds/changes, then the new shares of
+        their siblings and groups, then the groups left empty (children before parents)."""
+        tree = self._groups
+        where: Dict[FlowKey, Optional[int]] = {k: v.parent for k, v in self._flows.items()
+                                               if v.parent is not None}
+        rates: Dict[FlowKey, Shape] = {k: self._flows[k].shape for k in where}
+        created: List[int] = []
+        actions = []
+        for op in ops:
+            inst = self._flows.get(op.key)
+            if op.kind is OpKind.REMOVE:
+                if inst is not None:
+                    actions.append(("remove", op, inst, None))
+                    where.pop(op.key, None)
+                continue
+            if inst is None and op.kind in (OpKind.CHANGE, OpKind.RELABEL):
+                res.errors.append(OpError(op, f"{op.kind.value} of unknown flow {op.key}"))
+                continue
+            if inst is not None and tree.matches(inst.parent, op.shape.groups):
+                for m, g in zip(tree.chain(inst.parent), op.shape.groups):
+                    tree.bind(m, g)
+                    n = tree.nodes[m]
+                    n.rate_bps, n.ceil_bps = g.rate_bps, g.ceil_bps
+                actions.append(("change", op, inst, inst.parent))
+                where[op.key], rates[op.key] = inst.parent, op.shape
+                continue
+            parent = self._group_parent(op.shape.groups, res, op, created)
+            if parent is False:
+                continue
+            actions.append(("add" if inst is None else "move", op, inst, parent))
+            if parent is None:
+                where.pop(op.key, None)
+            else:
+                where[op.key], rates[op.key] = parent, op.shape
+        members = {k: Member(p, rates[k].rate_bps, rates[k].ceil_bps) for k, p in where.items()}
+        flow_t, node_t = targets(tree, members, self.link_rate_bps)
+        c = self.codec
+        for m in created:
+            self._queue_group_class(m, node_t.get(m), True, add)
+        for m, n in list(tree.nodes.items()):
+            if m not in created and m in node_t and n.kernel != node_t[m]:
+                self._queue_group_class(m, node_t[m], False, add)
+        touched = set()
+        for kind, op, inst, parent in actions:
+            touched.add(op.key)
+            if kind == "remove":
+                self._queue_remove(op, inst, add, res)
+            elif kind == "add":
+                self._queue_add(op, add, res, parent, flow_t.get(op.key))
+            elif kind == "move":        # htb cannot re-parent a class: a new class, a new filter
+                self._queue_remove(op, inst, add, res)
+                self._queue_add(op, add, res, parent, flow_t.get(op.key))
+            else:
+                kt = flow_t.get(op.key)
+                if kt == inst.kernel:
+                    inst.shape = op.shape
+                else:
+                    self._queue_change(op, inst, add, res, kt)
+        for k, kt in flow_t.items():      # siblings whose share changed
+            inst = self._flows.get(k)
+            if k in touched or inst is None or inst.kernel == kt:
+                continue
+            self._queue_change(Op(OpKind.CHANGE, k, inst.shape), inst, add, res, kt)
+        used = set()
+        for p in where.values():
+            used.update(tree.chain(p))
+        for m in tree.depth_first():
+            if m not in used:
+                self._queue_group_delete(m, add)
+
+    def _queue_group_class(self, minor: int, rates: Optional[tuple], create: bool, add) -> None:
+        n = self._groups.nodes[minor]
+        r = rates or (n.rate_bps, n.ceil_bps)
+        classid = tc_handle(MAJOR, minor)
+
+        def done(err):
+            if err is None:
+                n.kernel = r
+            elif create:
+                self._groups.drop(minor)
+                if err.errno != errno.EEXIST:
+                    self._free_minor(minor)
+        what = "add" if create else "change"
+        add(self._class_msg(minor, n.parent or self._flow_parent,
+                            self.codec.group_class_options(r[0], r[1], self.link_rate_bps), create,
+                            lambda: f"{what} group class {nl.fmt_handle(classid)} ({n.gid})"), done)
+
+    def _queue_group_delete(self, minor: int, add) -> None:
+        n = self._groups.nodes[minor]
+        classid = tc_handle(MAJOR, minor)
+
+        def done(err):
+            if err is None or err.errno == errno.ENOENT:
+                self._groups.drop(minor)
+                self._free_minor(minor)
+            else:
+                log.warning("%s: cannot delete group class %s (%s): %s", self.interface,
+                            nl.fmt_handle(classid), n.gid, err)
+        add(self._req(RTM_DELTCLASS, 0, nl.tcmsg(self.ifindex, classid, self._parent_handle()),
+                      lambda: f"delete group class {nl.fmt_handle(classid)} ({n.gid})"), done)
+
+    def _adopt_groups(self, classes: Dict[int, nl.TcObject], bound: set) -> set:
+        """After a restart: the group classes above the bound flow classes, back in the tree
+        (unnamed until a plan names them: ``GroupTree.bind``); each flow's parent. Returns the
+        group minors."""
+        def parent_minor(m):
+            p = classes[m].parent
+            pm = p & 0xFFFF
+            if p >> 16 != MAJOR or pm < FIRST_FLOW_MINOR or pm not in classes:
+                return None
+            return pm
+        group_minors = set()
+        for m in bound:
+            p = parent_minor(m)
+            while p is not None and p not in group_minors:
+                group_minors.add(p)
+                p = parent_minor(p)
+        has_group_kids = {parent_minor(m) for m in group_minors} - {None}
+        for m in sorted(group_minors, key=lambda x: len(self._ancestry(classes, x, parent_minor))):
+            p = parent_minor(m)
+            rate, ceil = self.codec.parse_rates(classes[m].options)
+            kind = (GroupKind.RULE if m in has_group_kids else
+                    GroupKind.CLIENT if p is not None else None)
+            self._groups.add(Node(m, p, kind, "", ceil, ceil, (rate, ceil)))
+        for k, inst in self._flows.items():
+            p = parent_minor(inst.classid & 0xFFFF)
+            if p is not None:
+                inst.parent = p
+                inst.kernel = (inst.shape.rate_bps, inst.shape.ceil_bps)
+                inst.shape = dataclasses.replace(inst.shape, groups=self._groups.groups(p))
+        return group_minors
+
+    @staticmethod
+    def _ancestry(classes, m, parent_minor) -> List[int]:
+        out = []
+        p = parent_minor(m)
+        while p is not None and len(out) < 8:
+            out.append(p)
+            p = parent_minor(p)
+        return out
 
     # --------------------------------------------------------------- stats
     def flows_snapshot(self) -> List[tuple]:
@@ -493,14 +716,39 @@ class TcBackend:
                                          u32.kind_only(), "delete orphaned filter"))
         if undo:
             self._rtnl.transact(undo)
+        self._audit_groups(present)
         return gone
+
+    def _audit_groups(self, present: set) -> None:
+        """Group classes someone removed are forgotten; groups left without flows (their flows'
+        classes were removed behind our back) are deleted."""
+        tree = self._groups
+        if not tree.nodes:
+            return
+        for m in list(tree.nodes):
+            if tc_handle(MAJOR, m) not in present:
+                tree.drop(m)
+                self._free_minor(m)
+        used = set()
+        for inst in self._flows.values():
+            if inst.parent is not None and inst.parent in tree.nodes:
+                used.update(tree.chain(inst.parent))
+        reqs, after = [], []
+        for m in tree.depth_first():
+            if m not in used:
+                self._queue_group_delete(m, lambda r, cb: (reqs.append(r), after.append(cb)))
+        if reqs:
+            for cb, err in zip(after, self._rtnl.transact(reqs)):
+                cb(err)
 
     def forget(self) -> None:
         """Drop our bookkeeping (the kernel objects are gone or not ours any more)."""
+        self._groups = GroupTree()
         self._flows.clear()
         self._free_minors.clear()
         self._next_minor = FIRST_FLOW_MINOR
         self._layout = Layout()
+        self._pool_forget()
 
     def resync(self) -> None:
         """Rebuild the bookkeeping from the kernel after an error left it uncertain."""

@@ -1,0 +1,215 @@
+"""Aggregate rates (issue 15) on htb: the group classes in the kernel, and real traffic.
+
+The backend tests apply plans to a real htb in the testbed's server namespace and read the
+classes back with ``tc``; the traffic tests run the daemon with rules that have ``client_rate``
+and ``total_rate`` and measure ``iperf3 -R`` at the client (the receiver).
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from flowpacer import engine
+from flowpacer.backend import tc as tcb
+from flowpacer.backend.groups import GroupTree, Member, Node, targets
+from flowpacer.backend.htb import HtbCodec
+from flowpacer.model import FlowKey, Group, GroupKind, Match, Op, OpKind, Rule, Shape
+from flowpacer.testbed import in_netns
+
+MBIT = 1_000_000 // 8
+LINK = 1000 * MBIT
+
+
+# ------------------------------------------------------------- the arithmetic
+
+def test_shares_in_proportion_to_the_rates_within_each_cap():
+    t = GroupTree()
+    t.add(Node(0x10, None, GroupKind.RULE, "dl", 30 * MBIT, 30 * MBIT))
+    t.add(Node(0x11, 0x10, GroupKind.CLIENT, "dl/a", 20 * MBIT, 20 * MBIT))
+    t.add(Node(0x12, 0x10, GroupKind.CLIENT, "dl/b", 20 * MBIT, 20 * MBIT))
+    flows = {("a", i): Member(0x11, 8 * MBIT, 16 * MBIT) for i in range(4)}   # want 32 > 20
+    flows[("b", 0)] = Member(0x12, 8 * MBIT, 16 * MBIT)                         # wants 8
+    f, n = targets(t, flows, LINK)
+    assert n[0x10] == (28 * MBIT, 30 * MBIT)             # the clients want 20 + 8 < 30
+    assert n[0x11] == (20 * MBIT, 20 * MBIT) and n[0x12] == (8 * MBIT, 20 * MBIT)
+    assert {f[("a", i)] for i in range(4)} == {(5 * MBIT, 16 * MBIT)}   # a quarter each
+    assert f[("b", 0)] == (8 * MBIT, 16 * MBIT)
+    # a third client: the rule is over its total, the clients share it by what they want
+    t.add(Node(0x13, 0x10, GroupKind.CLIENT, "dl/c", 20 * MBIT, 20 * MBIT))
+    flows.update({("c", i): Member(0x13, 8 * MBIT, 8 * MBIT) for i in range(2)})   # wants 16
+    f, n = targets(t, flows, LINK)
+    assert n[0x10] == (30 * MBIT, 30 * MBIT)
+    assert sum(n[m][0] for m in (0x11, 0x12, 0x13)) <= 30 * MBIT
+    assert n[0x11][0] == 30 * MBIT * 20 // 44 and n[0x11][1] == 20 * MBIT
+    assert sum(f[("a", i)][0] for i in range(4)) <= n[0x11][0]
+    assert f[("c", 0)] == (n[0x13][0] // 2, n[0x13][0] // 2) or f[("c", 0)][1] == 8 * MBIT
+
+
+def test_unequal_flows_share_by_their_rates():
+    t = GroupTree()
+    t.add(Node(0x20, None, GroupKind.CLIENT, "x/a", 9 * MBIT, 9 * MBIT))
+    f, _ = targets(t, {1: Member(0x20, 8 * MBIT, 8 * MBIT), 2: Member(0x20, 4 * MBIT, 4 * MBIT)},
+                   LINK)
+    assert f[1][0] == 6 * MBIT and f[2][0] == 3 * MBIT
+
+
+# ------------------------------------------------------ the classes in the kernel
+
+CLASS_RE = re.compile(r"class htb (\S+) (?:root|parent (\S+)) .*?rate (\S+) ceil (\S+)")
+
+
+def htb_classes(tb) -> dict:
+    """{classid: (parent, rate, ceil)} as tc prints them ("20Mbit")."""
+    out = tb.run(tb.server_ns, ["tc", "class", "show", "dev", tb.server_if]).stdout
+    got = {}
+    for line in out.splitlines():
+        m = CLASS_RE.search(line)
+        if m:
+            got[m[1]] = (m[2], m[3], m[4])
+    return got
+
+
+def agg_rule(client=20, total=None, ceil=None, prefix=(32, 64)):
+    return Rule("dl", Match(process=("x",)), 8 * MBIT, ceil and ceil * MBIT,
+                client_rate_bps=client and client * MBIT, total_rate_bps=total and total * MBIT,
+                client_prefix=prefix)
+
+
+def backend(tb):
+    with in_netns(tb.server_ns):
+        b = tcb.TcBackend(HtbCodec(), tb.server_if, LINK)
+        b.setup()
+    return b
+
+
+def count_transactions(b):
+    n = {"transact": 0}
+    real = b._rtnl.transact
+
+    def counted(reqs):
+        n["transact"] += 1
+        return real(reqs)
+    b._rtnl.transact = counted
+    return n
+
+
+@pytest.mark.kernel
+def test_groups_made_with_their_first_flow_and_removed_with_the_last(testbed):
+    tb = testbed
+    b = backend(tb)
+    n = count_transactions(b)
+    r = agg_rule(client=20, total=30, ceil=16)
+    ka = [FlowKey(tb.server_v4, 5201, tb.client_v4, 40000 + i) for i in range(4)]
+    kb = FlowKey(tb.server_v6, 5201, tb.client_v6, 41000)
+    want = {k: engine.shape_of(r, k) for k in ka + [kb]}
+    with in_netns(tb.server_ns):
+        res = b.apply(engine.plan(want, {}))
+    assert (res.added, res.errors, n["transact"]) == (5, [], 1)   # one batch, parents included
+    cl = htb_classes(tb)
+    groups = {g[1]: g for g in b.groups_snapshot()}
+    assert set(groups) == {"dl", f"dl/{tb.client_v4}/32",
+                           f"dl/{ipaddress_net(tb.client_v6, 64)}"}
+    rule_cid = tcb.nl.fmt_handle(groups["dl"][2])
+    a_cid = tcb.nl.fmt_handle(groups[f"dl/{tb.client_v4}/32"][2])
+    assert cl[rule_cid] == ("f1f0:1", "28Mbit", "30Mbit")
+    assert cl[a_cid] == (rule_cid, "20Mbit", "20Mbit")
+    for k in ka:                                   # a quarter of the client rate each
+        assert cl[tcb.nl.fmt_handle(b.classid_of(k))] == (a_cid, "5Mbit", "16Mbit")
+    assert b.installed()[ka[0]] == want[ka[0]]     # the shape is the rule's, not the share
+    # two flows of the first client go: the others get half of the client rate each
+    with in_netns(tb.server_ns):
+        res = b.apply(engine.plan({k: want[k] for k in ka[2:] + [kb]}, want))
+    assert (res.removed, res.errors, n["transact"]) == (2, [], 2)
+    cl = htb_classes(tb)
+    assert {cl[tcb.nl.fmt_handle(b.classid_of(k))] for k in ka[2:]} == {(a_cid, "8Mbit", "16Mbit")}
+    assert cl[a_cid] == (rule_cid, "16Mbit", "20Mbit")
+    # the last flows go, and so do their client and rule classes
+    with in_netns(tb.server_ns):
+        res = b.apply(engine.plan({}, b.installed()))
+    assert (res.removed, res.errors, n["transact"]) == (3, [], 3)
+    assert set(htb_classes(tb)) == {"f1f0:1", "f1f0:2"} and b.groups_snapshot() == []
+
+
+def ipaddress_net(addr, bits):
+    import ipaddress
+    return ipaddress.ip_network((addr, bits), strict=False)
+
+
+@pytest.mark.kernel
+def test_plain_rules_are_unchanged_and_moving_between_groups(testbed):
+    tb = testbed
+    b = backend(tb)
+    k = FlowKey(tb.server_v4, 80, tb.client_v4, 40000)
+    plain = Shape("p", 8 * MBIT, 8 * MBIT)
+    with in_netns(tb.server_ns):
+        b.apply([Op(OpKind.ADD, k, plain)])
+    cid = tcb.nl.fmt_handle(b.classid_of(k))
+    assert htb_classes(tb)[cid][0] == "f1f0:1"
+    # a reload gives the rule a client_rate: the flow moves under a new client class
+    grouped = engine.shape_of(agg_rule(client=20), k)
+    with in_netns(tb.server_ns):
+        res = b.apply(engine.plan({k: grouped}, b.installed()))
+    assert not res.errors
+    cl = htb_classes(tb)
+    (g,) = b.groups_snapshot()
+    gcid = tcb.nl.fmt_handle(g[2])
+    assert cl[gcid] == ("f1f0:1", "8Mbit", "20Mbit")
+    assert cl[tcb.nl.fmt_handle(b.classid_of(k))][0] == gcid
+    # the client_rate changes: the group class changes in place
+    bigger = engine.shape_of(agg_rule(client=40), k)
+    with in_netns(tb.server_ns):
+        res = b.apply(engine.plan({k: bigger}, b.installed()))
+    assert not res.errors and htb_classes(tb)[gcid] == ("f1f0:1", "8Mbit", "40Mbit")
+    # and back to a plain rule: under the link again, the group class gone
+    with in_netns(tb.server_ns):
+        res = b.apply(engine.plan({k: plain}, b.installed()))
+    assert not res.errors and b.groups_snapshot() == []
+    cl = htb_classes(tb)
+    assert len(cl) == 3 and cl[tcb.nl.fmt_handle(b.classid_of(k))][0] == "f1f0:1"
+
+
+@pytest.mark.kernel
+def test_adoption_rebuilds_the_groups_and_cleanup_removes_them(testbed):
+    tb = testbed
+    b = backend(tb)
+    r = agg_rule(client=20, total=60)
+    keys = [FlowKey(tb.server_v4, 5201, tb.client_v4, 40000 + i) for i in range(3)] + \
+        [FlowKey(tb.server_v6, 5201, tb.client_v6, 40100 + i) for i in range(2)]
+    want = {k: engine.shape_of(r, k) for k in keys}
+    with in_netns(tb.server_ns):
+        assert not b.apply(engine.plan(want, {})).errors
+        b.close()                                  # the daemon died without teardown
+        before = htb_classes(tb)
+        b2 = tcb.TcBackend(HtbCodec(), tb.server_if, LINK)
+        b2.setup()
+    assert b2.removed_stale == 0 and len(b2._groups) == 3
+    n = count_transactions(b2)
+    plan = engine.plan(want, b2.installed())
+    with in_netns(tb.server_ns):
+        res = b2.apply(plan)
+    # the plan names the adopted groups; the kernel already has the right classes
+    assert not res.errors and n["transact"] == 0 and htb_classes(tb) == before
+    assert b2.installed() == want
+    assert engine.plan(want, b2.installed()) == []
+    # a new flow of an adopted client joins its class
+    k = FlowKey(tb.server_v4, 5201, tb.client_v4, 40009)
+    with in_netns(tb.server_ns):
+        assert not b2.apply([Op(OpKind.ADD, k, engine.shape_of(r, k))]).errors
+    assert len(b2._groups) == 3 and len(htb_classes(tb)) == len(before) + 1
+    # classes the kernel lost behind our back: audit forgets them and drops empty groups
+    v6_client = [g for g in b2.groups_snapshot() if ":" in g[1]][0]
+    with in_netns(tb.server_ns):
+        for kk in keys[3:]:
+            ht, bucket, node = tcb.u32.split_handle(b2._flows[kk].filter_handle)
+            tb.run(tb.server_ns, ["tc", "filter", "del", "dev", tb.server_if, "parent", "f1f0:",
+                                  "protocol", "ipv6", "prio", str(tcb.PRIO[6]), "handle",
+                                  f"{ht:x}:{bucket:x}:{node:x}", "u32"])
+            tb.run(tb.server_ns, ["tc", "class", "del", "dev", tb.server_if, "classid",
+                                  tcb.nl.fmt_handle(b2.classid_of(kk))])
+        gone = b2.audit()
+    assert set(gone) == set(keys[3:])
+    assert tcb.nl.fmt_handle(v6_client[2]) not in htb_classes(tb)
+    with in_netns(tb.server_ns):
+        assert tcb.cleanup(tb.server_if) is True
+    assert tb.run(tb.server_ns, ["tc", "class", "show", "dev", tb.server_if]).stdout == ""
