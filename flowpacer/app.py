@@ -115,13 +115,19 @@ def _real_tracer():
     return Tracer(ring_pages=256)
 
 
+def _real_firstbyte():
+    from .firstbyte import FirstByte
+    return FirstByte()
+
+
 class Daemon:
     def __init__(self, opts: Options, *, backend_factory=None, sockdiag=None,
                  tracer_factory: Optional[Callable[[], object]] = None,
                  load: Optional[Callable[[str], RuleSet]] = None,
                  notify: Callable[[str], None] = sd_notify,
                  clock: Callable[[], float] = time.monotonic,
-                 stage_backoff_s=(0.2, 10.0)):
+                 stage_backoff_s=(0.2, 10.0),
+                 firstbyte_factory: Optional[Callable[[], object]] = None):
         self.opts = opts
         self._load = load or load_rules
         self.notify = notify
@@ -135,6 +141,9 @@ class Daemon:
             sockdiag = SockDiagSource()
         self.sockdiag = sockdiag
         self._tracer_factory = tracer_factory or _real_tracer
+        # first-byte shaping (issue 16) with the real tracer only: fakes have no kernel
+        self._firstbyte_factory = firstbyte_factory or (None if tracer_factory else _real_firstbyte)
+        self.firstbyte = None
         self.reconciler: Optional[Reconciler] = None
         self.tracer = None
         self.tracer_status = "not started"
@@ -169,7 +178,7 @@ class Daemon:
         # flows keep (or get) their class before the tracer's slow compile
         self._rescan()
         self.main_stage = self._stage("main", self._main, GiveUp.EXIT, stall_s=30.0)
-        self.stages = [self.main_stage, self._tracer_stage()]
+        self.stages = [self.main_stage, self._tracer_stage(), self._firstbyte_stage()]
         self._control = ControlServer(self.opts.socket_path, self._handle)
         self.stages.append(self._stage("control", self._serve_control, GiveUp.EXIT))
         if self.opts.metrics_listen:
@@ -225,6 +234,35 @@ class Daemon:
         log.warning("%s", self.tracer_status)
         return Stage.disabled("tracer", self.tracer_status)
 
+    def _firstbyte_stage(self) -> Stage:
+        """Issue 16: classes claimed in the kernel at the handshake (firstbyte.py)."""
+        if not self.opts.tracer or self._firstbyte_factory is None:
+            return Stage.disabled("firstbyte", "no tracer")
+        try:
+            fb = self._firstbyte_factory()
+            fb.start()
+        except (ImportError, TracerUnavailable, OSError) as e:
+            log.warning("first-byte shaping unavailable (%s): flows get their class after "
+                        "the handshake", e)
+            return Stage.disabled("firstbyte", f"unavailable: {e}")
+        self.firstbyte = fb
+        fb.step(self.reconciler, self._usable_backend(), [])
+        self.tracer_status += f"; {fb.summary}"
+        return self._stage("firstbyte", self._first_byte, GiveUp.DEGRADE, stall_s=10.0)
+
+    def _usable_backend(self):
+        return self.supervisor.backend if self.supervisor.usable else None
+
+    def _first_byte(self, ctx: StageContext) -> None:
+        fb = self.firstbyte
+        while not ctx.stopping():
+            claims = fb.poll(100)
+            ctx.beat()
+            said = fb.summary
+            fb.step(self.reconciler, self._usable_backend(), claims)
+            if fb.summary != said:      # a reload: status names the rules shaped from byte one
+                self.tracer_status = self.tracer_status.replace(said, fb.summary)
+
     # --------------------------------------------------------------- stages
     def _trace(self, ctx: StageContext) -> None:
         rec = self.reconciler
@@ -279,6 +317,15 @@ class Daemon:
             sel.close()
 
     def _degraded(self, stage: Stage, why: str) -> None:
+        if stage.name == "firstbyte" and self.firstbyte is not None:
+            log.error("first-byte shaping stopped (%s): flows get their class after the "
+                      "handshake", why)
+            fb, self.firstbyte = self.firstbyte, None
+            try:
+                with self.lock:
+                    fb.close(self.supervisor.backend)
+            except Exception as e:
+                log.debug("first byte close: %s", e)
         if stage.name == "tracer":
             self.tracer_status = f"sock_diag polling only (tracer failed: {why})"
             log.error("flow source degraded: %s; flows are found by sock_diag every %.1f s",
@@ -434,6 +481,11 @@ class Daemon:
                 self.tracer.close()
             except Exception as e:
                 log.debug("tracer close: %s", e)
+        if self.firstbyte is not None:
+            try:
+                self.firstbyte.close(self.supervisor.backend)
+            except Exception as e:
+                log.debug("first byte close: %s", e)
         self.supervisor.shutdown()
         if self._control is not None:
             self._control.close()

@@ -1,0 +1,169 @@
+"""Pools of ready flow classes for first-byte shaping (issue 16), a part of ``TcBackend``.
+
+A pool class is an ordinary flow class (same parent, same options as a flow of its rule would
+get) that has no filter yet. ``flowpacer/firstbyte.py`` hands their ids to its sock_ops program;
+when a socket of a matching flow finishes its handshake, the program sets the socket's
+``SO_PRIORITY`` to one of them (htb and psp classify by ``skb->priority`` before any filter)
+and reports the claim. The claim is recorded here and the flow's ADD then takes that class
+instead of making one: the class's rates are set to the flow's shape and the flow's own u32
+filter is added as usual, so ``_flows`` and the filters stay the source of truth.
+
+Class ids are never handed out twice while a socket may still point at them: a claimed class
+that ends up not being the flow's (the daemon decided otherwise) is deleted, and its id stays
+in quarantine until the flow is gone from the flow table. Pool classes left by a daemon that
+died are orphans (classes without a filter) and go at the next start's adoption.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+from typing import Dict, Iterable, List, Optional
+
+from ..model import FlowKey, Shape
+from ..tc import nl
+from ..tc.nl import RTM_DELTCLASS, tc_handle
+from .filters import LayoutFull
+
+log = logging.getLogger(__name__)
+
+
+class PoolMixin:
+    """Methods of ``TcBackend`` for first-byte pools (state made on first use)."""
+
+    # state: created lazily so that TcBackend.__init__ needs no change
+    def _pool_state(self):
+        st = self.__dict__.get("_pool")
+        if st is None:
+            st = self.__dict__["_pool"] = {"claims": {}, "quarantine": {}, "classes": set()}
+        return st
+
+    @property
+    def pool_epoch(self) -> int:
+        """Changes whenever the backend's bookkeeping was dropped (forget/resync/rebuild): the
+        pool classes made before are gone or orphans then, and the pools must be made again."""
+        return self.__dict__.get("_pool_epoch", 0)
+
+    def _pool_forget(self) -> None:
+        """Called by forget(): every pool class and claim is void."""
+        self.__dict__["_pool_epoch"] = self.pool_epoch + 1
+        self.__dict__.pop("_pool", None)
+
+    def pool_create(self, shape: Shape, n: int) -> List[int]:
+        """Make up to ``n`` ready classes with ``shape``; their class ids (fewer when the kernel
+        refused some or ids ran out)."""
+        if n <= 0:
+            return []
+        st = self._pool_state()
+        options = self.codec.flow_class_options(shape, self.link_rate_bps)
+        minors: List[int] = []
+        for _ in range(n):
+            try:
+                minors.append(self._alloc_minor())
+            except LayoutFull:
+                break
+        major = self._parent_handle() >> 16
+        reqs = [self._class_msg(m, self._flow_parent, options, True,
+                                f"add pool class {nl.fmt_handle(tc_handle(major, m))}")
+                for m in minors]
+        out = []
+        for m, err in zip(minors, self._rtnl.transact(reqs)):
+            if err is None:
+                cid = tc_handle(major, m)
+                st["classes"].add(cid)
+                out.append(cid)
+            else:
+                log.warning("%s: %s", self.interface, err)
+                if err.errno != errno.EEXIST:      # never an id someone else holds
+                    self._free_minor(m)
+        return out
+
+    def pool_change(self, classids: Iterable[int], shape: Shape) -> List[int]:
+        """Give unclaimed pool classes another shape (a reload reuses them); the ids changed."""
+        classids = [c for c in classids if c in self._pool_state()["classes"]]
+        options = self.codec.flow_class_options(shape, self.link_rate_bps)
+        reqs = [self._class_msg(c & 0xFFFF, self._flow_parent, options, False,
+                                f"change pool class {nl.fmt_handle(c)}") for c in classids]
+        out = []
+        for c, err in zip(classids, self._rtnl.transact(reqs)):
+            if err is None:
+                out.append(c)
+            else:
+                log.warning("%s: %s", self.interface, err)
+                self.pool_delete([c])
+        return out
+
+    def pool_delete(self, classids: Iterable[int]) -> None:
+        """Delete unclaimed pool classes (no socket points at them) and free their ids."""
+        st = self._pool_state()
+        classids = [c for c in classids if c in st["classes"]]
+        if not classids:
+            return
+        reqs = [self._req(RTM_DELTCLASS, 0, nl.tcmsg(self.ifindex, c, self._parent_handle()),
+                          f"delete pool class {nl.fmt_handle(c)}") for c in classids]
+        for c, err in zip(classids, self._rtnl.transact(reqs)):
+            st["classes"].discard(c)
+            if err is None or err.errno == errno.ENOENT:
+                self._free_minor(c & 0xFFFF)
+            else:
+                log.warning("%s: %s", self.interface, err)
+
+    def pool_claimed(self, key: FlowKey, classid: int) -> bool:
+        """A socket of flow ``key`` uses pool class ``classid`` from now on: its ADD takes that
+        class. False if the class is not one of ours any more (the pool was remade)."""
+        st = self._pool_state()
+        if classid not in st["classes"]:
+            return False
+        st["classes"].discard(classid)
+        old = st["claims"].get(key)
+        if old is not None and old != classid:
+            self._pool_drop_claim(key)
+        st["claims"][key] = classid
+        return True
+
+    def _pool_take_claim(self, key: FlowKey) -> Optional[int]:
+        """The minor of the class flow ``key`` claimed, for its ADD (then it is the flow's)."""
+        st = self.__dict__.get("_pool")
+        if not st:
+            return None
+        cid = st["claims"].pop(key, None)
+        return cid & 0xFFFF if cid is not None else None
+
+    def pool_pending(self) -> Dict[FlowKey, int]:
+        """Claims whose flow has no class of its own yet."""
+        st = self.__dict__.get("_pool")
+        return dict(st["claims"]) if st else {}
+
+    def _pool_drop_claim(self, key: FlowKey) -> None:
+        st = self._pool_state()
+        cid = st["claims"].pop(key, None)
+        if cid is None:
+            return
+        err = self._rtnl.transact([self._req(
+            RTM_DELTCLASS, 0, nl.tcmsg(self.ifindex, cid, self._parent_handle()),
+            f"delete unused claimed class {nl.fmt_handle(cid)}")])[0]
+        if err is not None and err.errno != errno.ENOENT:
+            log.warning("%s: %s", self.interface, err)
+        # the socket may still carry the id as its priority: not reused while the flow lives
+        st["quarantine"].setdefault(key, []).append(cid & 0xFFFF)
+
+    def pool_release(self, key: FlowKey) -> None:
+        """Flow ``key`` claimed a class but will not be shaped by it (no rule wants it, or it
+        already has a class of its own): the class goes, its id waits for the flow's end."""
+        self._pool_drop_claim(key)
+
+    def pool_unquarantine(self, live: Iterable[FlowKey]) -> int:
+        """Free the ids of released claims whose flows are gone; how many."""
+        st = self.__dict__.get("_pool")
+        if not st or not st["quarantine"]:
+            return 0
+        live = live if isinstance(live, (set, frozenset, dict)) else set(live)
+        n = 0
+        for key in [k for k in st["quarantine"] if k not in live]:
+            for m in st["quarantine"].pop(key):
+                self._free_minor(m)
+                n += 1
+        return n
+
+    def pool_classes(self) -> int:
+        st = self.__dict__.get("_pool")
+        return len(st["classes"]) if st else 0

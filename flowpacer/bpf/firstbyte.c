@@ -1,0 +1,321 @@
+// SPDX-License-Identifier: GPL-2.0-only
+/*
+ * firstbyte.c: give a target flow its class before its first data packet
+ * (bcc, one cgroup sock_ops program; flowpacer/firstbyte.py owns it).
+ *
+ * Attached (bpf_link, so it goes when its owner's fd closes, also on a
+ * crash) to the root of the cgroup v2 hierarchy.  Callbacks used (all run
+ * without BPF_SOCK_OPS_*_CB_FLAG):
+ *   TCP_LISTEN_CB           listen(): process context, the owner is current;
+ *                           remembered per local port in fb_listeners
+ *   TCP_CONNECT_CB          connect(): process context, the owner is current;
+ *                           remembered per socket cookie in fb_conn
+ *   ACTIVE_ESTABLISHED_CB   SYN-ACK received (softirq): owner from fb_conn
+ *   PASSIVE_ESTABLISHED_CB  final ACK received (softirq): owner from the
+ *                           listener of the local port
+ * At the end of a handshake the rules (fb_rules, first match wins) are
+ * walked; a rule decided wholly here claims a class from its pool and sets
+ * the socket's SO_PRIORITY to it: htb and psp put a packet whose
+ * skb->priority is one of their class ids in that class before any filter
+ * is asked, so the flow's first data packet is already paced.  The claim is
+ * reported on the ring buffer; the daemon then installs the flow's u32
+ * filter for that class (the source of truth for status and metrics) and
+ * refills the pool.
+ *
+ * Pool of a rule r: fb_pool[r * FB_POOL_SLOTS + (i % FB_POOL_SLOTS)] holds
+ * the class id of ticket i; tickets fb_take[r] <= i < fb_fill[r] are
+ * ready.  User space (one writer) writes a slot, then advances fb_fill;
+ * this program takes a ticket by compare-and-swap on fb_take, so two CPUs
+ * never get the same class.  User space writes fb_take only while the rules
+ * are switched off (config.nrules == 0).
+ */
+#include <uapi/linux/bpf.h>
+#include <linux/socket.h>
+#include <linux/in.h>
+
+#include "firstbyte.h"
+
+#ifndef FB_RING_PAGES
+#define FB_RING_PAGES 64
+#endif
+#ifndef FB_MAX_CONN
+#define FB_MAX_CONN 65536
+#endif
+#ifndef FB_MAX_LISTENERS
+#define FB_MAX_LISTENERS 4096
+#endif
+#ifndef FB_MAX_KEYS
+#define FB_MAX_KEYS 4096
+#endif
+
+#ifndef AF_INET
+#define AF_INET 2
+#endif
+#ifndef AF_INET6
+#define AF_INET6 10
+#endif
+#ifndef SOL_SOCKET
+#define SOL_SOCKET 1
+#endif
+#ifndef SO_PRIORITY
+#define SO_PRIORITY 12
+#endif
+
+BPF_RINGBUF_OUTPUT(fb_events, FB_RING_PAGES);
+BPF_ARRAY(fb_config, struct fb_config, 1);
+BPF_ARRAY(fb_lport, u64, 65536);
+BPF_ARRAY(fb_rport, u64, 65536);
+BPF_HASH(fb_comms, struct fb_comm_key, u64, FB_MAX_KEYS);
+BPF_HASH(fb_uids, u32, u64, FB_MAX_KEYS);
+BPF_LPM_TRIE(fb_remote, struct fb_remote_key, u64, FB_MAX_KEYS);
+BPF_HASH(fb_listeners, u32, struct fb_owner, FB_MAX_LISTENERS);
+BPF_TABLE("lru_hash", u64, struct fb_owner, fb_conn, FB_MAX_CONN);
+BPF_ARRAY(fb_pool, u32, FB_MAX_RULES * FB_POOL_SLOTS);
+BPF_ARRAY(fb_fill, u64, FB_MAX_RULES);
+BPF_ARRAY(fb_take, u64, FB_MAX_RULES);
+BPF_PERCPU_ARRAY(fb_counters, u64, FB_C_MAX);
+
+static __always_inline void count(u32 idx)
+{
+	u64 *v = fb_counters.lookup(&idx);
+
+	if (v)
+		*v += 1;
+}
+
+static __always_inline void owner_current(struct fb_owner *o)
+{
+	o->pid = bpf_get_current_pid_tgid() >> 32;
+	o->uid = (u32)bpf_get_current_uid_gid();
+	bpf_get_current_comm(o->comm, sizeof(o->comm));
+}
+
+/* The flow as the rules see it (filled from the callback's context). */
+struct fb_flow {
+	struct fb_event ev;
+	int attributed;
+};
+
+static __always_inline u64 lookup_mask(void *map_lookup_result)
+{
+	return map_lookup_result ? *(u64 *)map_lookup_result : 0;
+}
+
+/* Index of the lowest set bit of a non-zero mask (no loop for the verifier). */
+static __always_inline u32 lowest_bit(u64 m)
+{
+	u32 n = 0;
+
+	if (!(m & 0xffffffffULL)) { n += 32; m >>= 32; }
+	if (!(m & 0xffffULL))     { n += 16; m >>= 16; }
+	if (!(m & 0xffULL))       { n += 8;  m >>= 8; }
+	if (!(m & 0xfULL))        { n += 4;  m >>= 4; }
+	if (!(m & 0x3ULL))        { n += 2;  m >>= 2; }
+	if (!(m & 0x1ULL))        { n += 1; }
+	return n;
+}
+
+/* The rule whose class the flow gets, or -1 (counted why). */
+static __always_inline int first_rule(struct fb_config *cfg, struct fb_flow *f)
+{
+	u32 lport = f->ev.lport, rport = f->ev.rport;
+	struct fb_remote_key rk = {};
+	u64 cand, owner_free, first;
+
+	cand = cfg->live & (f->ev.direction == FB_DIR_INBOUND ? cfg->inbound : cfg->outbound);
+	cand &= lookup_mask(fb_lport.lookup(&lport));
+	cand &= lookup_mask(fb_rport.lookup(&rport));
+	if (cand & ~cfg->any_remote) {
+		rk.prefixlen = 32 + (f->ev.family == 4 ? 32 : 128);
+		rk.family = f->ev.family;
+		__builtin_memcpy(rk.addr, f->ev.raddr, 16);
+		cand &= cfg->any_remote | lookup_mask(fb_remote.lookup(&rk));
+	}
+	owner_free = cfg->any_comm & cfg->any_uid;
+	if (f->attributed) {
+		struct fb_comm_key ck = {};
+		u32 uid = f->ev.uid;
+
+		__builtin_memcpy(ck.comm, f->ev.comm, FB_COMM_LEN);
+		cand &= cfg->any_comm | lookup_mask(fb_comms.lookup(&ck));
+		cand &= cfg->any_uid | lookup_mask(fb_uids.lookup(&uid));
+	}
+	if (!cand) {
+		count(FB_C_NOMATCH);
+		return -1;
+	}
+	first = cand & (~cand + 1);		/* lowest candidate */
+	if (!f->attributed && !(first & owner_free)) {
+		count(FB_C_UNATTRIBUTED);
+		return -1;
+	}
+	if (!(first & cfg->kernel)) {
+		count(FB_C_UNDECIDED);
+		return -1;
+	}
+	return lowest_bit(first);
+}
+
+/* A class of rule r's pool, or 0 when it is empty. */
+static __always_inline u32 claim(u32 r)
+{
+	u64 *fill = fb_fill.lookup(&r);
+	u64 *take = fb_take.lookup(&r);
+
+	if (!fill || !take)
+		return 0;
+#pragma unroll
+	for (int tries = 0; tries < 4; tries++) {
+		u64 t = *(volatile u64 *)take;
+		u64 f = *(volatile u64 *)fill;
+
+		if (t >= f)
+			return 0;
+		if (__sync_val_compare_and_swap(take, t, t + 1) == t) {
+			u32 slot = r * FB_POOL_SLOTS + (u32)(t & (FB_POOL_SLOTS - 1));
+			u32 *cid = fb_pool.lookup(&slot);
+
+			return cid ? *cid : 0;
+		}
+	}
+	return 0;
+}
+
+static __always_inline void fill_tuple(struct bpf_sock_ops *skops, struct fb_event *e)
+{
+	e->lport = (u16)skops->local_port;
+	e->rport = (u16)bpf_ntohl(skops->remote_port);
+	if (skops->family == AF_INET) {
+		u32 l = skops->local_ip4, rm = skops->remote_ip4;
+
+		e->family = 4;
+		__builtin_memcpy(e->laddr, &l, 4);
+		__builtin_memcpy(e->raddr, &rm, 4);
+		return;
+	}
+	u32 l0 = skops->local_ip6[0], l1 = skops->local_ip6[1];
+	u32 l2 = skops->local_ip6[2], l3 = skops->local_ip6[3];
+	u32 r0 = skops->remote_ip6[0], r1 = skops->remote_ip6[1];
+	u32 r2 = skops->remote_ip6[2], r3 = skops->remote_ip6[3];
+
+	/* ::ffff:a.b.c.d on both sides: IPv4 on the wire */
+	if (l0 == 0 && l1 == 0 && l2 == bpf_htonl(0xffff) &&
+	    r0 == 0 && r1 == 0 && r2 == bpf_htonl(0xffff)) {
+		e->family = 4;
+		__builtin_memcpy(e->laddr, &l3, 4);
+		__builtin_memcpy(e->raddr, &r3, 4);
+		return;
+	}
+	e->family = 6;
+	__builtin_memcpy(e->laddr, &l0, 4);
+	__builtin_memcpy(e->laddr + 4, &l1, 4);
+	__builtin_memcpy(e->laddr + 8, &l2, 4);
+	__builtin_memcpy(e->laddr + 12, &l3, 4);
+	__builtin_memcpy(e->raddr, &r0, 4);
+	__builtin_memcpy(e->raddr + 4, &r1, 4);
+	__builtin_memcpy(e->raddr + 8, &r2, 4);
+	__builtin_memcpy(e->raddr + 12, &r3, 4);
+}
+
+static __always_inline void established(struct bpf_sock_ops *skops, struct fb_config *cfg,
+					u8 direction)
+{
+	struct fb_flow f = {};
+	struct fb_owner *o = 0;
+	u64 cookie = bpf_get_socket_cookie(skops);
+	int chosen;
+
+	f.ev.direction = direction;
+	fill_tuple(skops, &f.ev);
+	if (direction == FB_DIR_OUTBOUND) {
+		o = fb_conn.lookup(&cookie);
+	} else {
+		u32 port = f.ev.lport;
+
+		o = fb_listeners.lookup(&port);
+	}
+	if (o) {
+		f.attributed = 1;
+		f.ev.pid = o->pid;
+		f.ev.uid = o->uid;
+		__builtin_memcpy(f.ev.comm, o->comm, FB_COMM_LEN);
+	}
+	if (direction == FB_DIR_OUTBOUND)
+		fb_conn.delete(&cookie);
+
+	chosen = first_rule(cfg, &f);
+	if (chosen < 0)
+		return;
+	u32 classid = claim(chosen);
+
+	if (!classid) {
+		count(FB_C_EMPTY);
+		return;
+	}
+	int prio = (int)classid;
+
+	if (bpf_setsockopt(skops, SOL_SOCKET, SO_PRIORITY, &prio, sizeof(prio)) != 0)
+		count(FB_C_SETSOCKOPT);	/* still reported: the daemon gives the class back */
+	else
+		count(FB_C_CLAIMED);
+	struct fb_event *e = fb_events.ringbuf_reserve(sizeof(*e));
+
+	if (!e) {
+		/* the class stays in use by the socket; the daemon finds the
+		 * flow with sock_diag and gives it a class of its own */
+		count(FB_C_LOST);
+		return;
+	}
+	__builtin_memcpy(e, &f.ev, sizeof(*e));
+	e->ts_ns = bpf_ktime_get_ns();
+	e->classid = classid;
+	e->rule = chosen;
+	e->flags = f.attributed ? FB_F_ATTRIBUTED : 0;
+	fb_events.ringbuf_submit(e, 0);
+}
+
+int fb_sockops(struct bpf_sock_ops *skops)
+{
+	u32 zero = 0, op = skops->op;
+	struct fb_config *cfg;
+
+	if (op != BPF_SOCK_OPS_TCP_LISTEN_CB && op != BPF_SOCK_OPS_TCP_CONNECT_CB &&
+	    op != BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB &&
+	    op != BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB)
+		return 1;
+	if (skops->family != AF_INET && skops->family != AF_INET6)
+		return 1;
+	cfg = fb_config.lookup(&zero);
+	if (!cfg || !cfg->netns_cookie || bpf_get_netns_cookie(skops) != cfg->netns_cookie)
+		return 1;
+
+	switch (op) {
+	case BPF_SOCK_OPS_TCP_LISTEN_CB: {
+		struct fb_owner o = {};
+		u32 port = skops->local_port;
+
+		owner_current(&o);
+		fb_listeners.update(&port, &o);
+		break;
+	}
+	case BPF_SOCK_OPS_TCP_CONNECT_CB: {
+		struct fb_owner o = {};
+		u64 cookie = bpf_get_socket_cookie(skops);
+
+		if (!cfg->live)
+			break;
+		owner_current(&o);
+		fb_conn.update(&cookie, &o);
+		break;
+	}
+	case BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB:
+		if (cfg->live)
+			established(skops, cfg, FB_DIR_OUTBOUND);
+		break;
+	case BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB:
+		if (cfg->live)
+			established(skops, cfg, FB_DIR_INBOUND);
+		break;
+	}
+	return 1;
+}

@@ -1,0 +1,595 @@
+"""First-byte shaping (issue 16): a target flow's class is decided in the kernel at the end of
+its handshake, before its first data packet, instead of after a round trip through user space.
+
+The cgroup ``sock_ops`` program is ``flowpacer/bpf/firstbyte.c`` (its header comment explains
+the callbacks, the rule masks and the pool protocol). This module owns it:
+
+* ``compile_rules(ruleset)`` (pure): which rules the kernel can decide (process names without
+  globs, users, ports, direction, remote prefixes; not exe patterns, process globs or rules with
+  aggregate rates), and the bit masks the program reads;
+* ``FirstByte``: compiles and attaches the program (a bpf_link on the cgroup v2 root: it is
+  detached when the daemon's fd closes, also on a crash; nothing is pinned), keeps a pool of
+  ready classes per kernel-decided rule in the backend (``backend/pool.py``), and turns the
+  program's claims into flow OPEN events. ``step()`` is the one entry point of the stage: it
+  binds the claims to the backend, hands the events to the reconciler (which installs the flow's
+  own u32 filter on the claimed class), gives back claims no rule wants, and refills the pools.
+
+Needs: cgroup v2 mounted, bpf_link for cgroups (5.7), bpf_get_netns_cookie in sock_ops (5.15;
+Debian 12's 6.1 and 13's 6.12 have both).
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import ipaddress
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from . import model
+from .errors import TracerUnavailable
+from .model import Direction, FlowKey, OpKind, RuleSet
+
+log = logging.getLogger(__name__)
+
+BPF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bpf")
+BPF_SRC = os.path.join(BPF_DIR, "firstbyte.c")
+
+# firstbyte.h
+COMM_LEN = 16
+MAX_RULES = 64
+POOL_SLOTS = 64
+FB_DIR_OUTBOUND, FB_DIR_INBOUND = 1, 2
+FB_F_ATTRIBUTED = 0x01
+COUNTERS = ("claimed", "pool_empty", "undecided", "unattributed", "setsockopt_failed", "lost",
+            "no_match")
+# struct fb_event: ts_ns classid rule pid uid family lport rport direction flags
+#                  laddr[16] raddr[16] comm[16]
+EVENT = struct.Struct("<QIIIIHHHBB16s16s16s")
+assert EVENT.size == 80
+
+POOL_TARGET = 32           # ready classes per rule (< POOL_SLOTS)
+GRACE_S = 0.005            # a sock_ops run that saw the old rules has finished by then
+
+_GLOB = set("*?[")
+
+# bpf(2)
+_SYS_BPF = 321             # x86-64
+_BPF_LINK_CREATE = 28
+_BPF_CGROUP_SOCK_OPS = 3
+SO_NETNS_COOKIE = 71
+
+
+class FirstByteUnavailable(TracerUnavailable):
+    """The kernel or the host cannot run first-byte shaping (one line why)."""
+
+
+# ------------------------------------------------------------------ rules
+
+@dataclass
+class Compiled:
+    """The rules as the program reads them (bit i = rule i)."""
+    kernel: Dict[int, model.Rule] = field(default_factory=dict)   # index -> rule that may claim
+    not_kernel: Dict[str, str] = field(default_factory=dict)      # rule name -> why not
+    live: int = 0
+    kernel_mask: int = 0
+    inbound: int = 0
+    outbound: int = 0
+    any_comm: int = 0
+    any_uid: int = 0
+    any_remote: int = 0
+    lport: List[int] = field(default_factory=list)                # 65536 masks
+    rport: List[int] = field(default_factory=list)
+    comms: Dict[bytes, int] = field(default_factory=dict)         # 16-byte comm -> mask
+    uids: Dict[int, int] = field(default_factory=dict)
+    remote: Dict[Tuple[int, bytes, int], int] = field(default_factory=dict)  # (4|6, addr, plen)
+
+    def summary(self) -> str:
+        yes = [r.name for _i, r in sorted(self.kernel.items())]
+        no = [f"{n} ({why})" for n, why in self.not_kernel.items()]
+        return (f"rules shaped from the first byte: {', '.join(yes) or 'none'}"
+                + (f"; after the handshake: {', '.join(no)}" if no else ""))
+
+
+def _port_masks(rules, side: str) -> List[int]:
+    masks = [0] * 65536
+    any_mask = 0
+    for i, r in enumerate(rules):
+        ps = getattr(r.match, side)
+        if not ps.ranges:
+            any_mask |= 1 << i
+            continue
+        bit = 1 << i
+        for lo, hi in ps.ranges:
+            for p in range(max(0, lo), min(65535, hi) + 1):
+                masks[p] |= bit
+    if any_mask:
+        masks = [m | any_mask for m in masks]
+    return masks
+
+
+def compile_rules(ruleset: RuleSet) -> Compiled:
+    """What the kernel can decide of ``ruleset``, as masks (pure)."""
+    c = Compiled()
+    rules = ruleset.rules[:MAX_RULES]
+    for r in ruleset.rules[MAX_RULES:]:
+        c.not_kernel[r.name] = f"only the first {MAX_RULES} rules are seen in the kernel"
+    for i, r in enumerate(rules):
+        bit = 1 << i
+        m = r.match
+        c.live |= bit
+        why = []
+        if m.exe:
+            why.append("exe patterns are matched in user space")
+        if m.direction in (Direction.ANY, Direction.INBOUND):
+            c.inbound |= bit
+        if m.direction in (Direction.ANY, Direction.OUTBOUND):
+            c.outbound |= bit
+        if not m.process:
+            c.any_comm |= bit
+        elif any(_GLOB & set(p) for p in m.process):
+            why.append("process pattern with a glob")
+            c.any_comm |= bit          # may match: a candidate that stops the walk
+        else:
+            for p in m.process:
+                raw = p.encode("utf-8")
+                if len(raw) >= COMM_LEN:
+                    continue           # longer than any comm: never matches (as in user space)
+                k = raw.ljust(COMM_LEN, b"\0")
+                c.comms[k] = c.comms.get(k, 0) | bit
+        if not m.user:
+            c.any_uid |= bit
+        else:
+            for u in m.user:
+                c.uids[u] = c.uids.get(u, 0) | bit
+        if not m.remote:
+            c.any_remote |= bit
+        else:
+            for n in m.remote:
+                k = (n.version, n.network_address.packed.ljust(16, b"\0"), n.prefixlen)
+                c.remote[k] = c.remote.get(k, 0) | bit
+        if r.has_groups:
+            why.append("aggregate rates (client/total) get their class in user space")
+        if why:
+            c.not_kernel[r.name] = "; ".join(why)
+        else:
+            c.kernel[i] = r
+            c.kernel_mask |= bit
+    # a longer prefix holds the rules of every shorter prefix around it (LPM finds the longest)
+    nets = {k: ipaddress.ip_network((k[1][:4] if k[0] == 4 else k[1], k[2])) for k in c.remote}
+    nested = {}
+    for k, net in nets.items():
+        mask = c.remote[k]
+        for k2, net2 in nets.items():
+            if k2 != k and net.version == net2.version and net.subnet_of(net2):
+                mask |= c.remote[k2]
+        nested[k] = mask
+    c.remote = nested
+    c.lport = _port_masks(rules, "local_port")
+    c.rport = _port_masks(rules, "remote_port")
+    return c
+
+
+# ---------------------------------------------------------------- helpers
+
+def cgroup2_root(mounts: str = "/proc/self/mounts") -> Optional[str]:
+    """Where the cgroup v2 hierarchy is mounted (/sys/fs/cgroup, or .../unified when hybrid);
+    None when this mount namespace shows none (``ip netns exec`` remounts /sys)."""
+    try:
+        with open(mounts) as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) > 2 and parts[2] == "cgroup2":
+                    return parts[1]
+    except OSError:
+        pass
+    return None
+
+
+def open_cgroup2_root() -> Tuple[int, str]:
+    """An fd of the cgroup v2 root directory and what it is. When no cgroup2 is mounted here, it
+    is mounted on a private temporary directory, opened and detached at once (the fd keeps it)."""
+    root = cgroup2_root()
+    if root is not None:
+        return os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), root
+    import tempfile
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    d = tempfile.mkdtemp(prefix="fp-cgroup2-")
+    try:
+        if libc.mount(b"cgroup2", d.encode(), b"cgroup2", 0, None) != 0:
+            err = ctypes.get_errno()
+            raise FirstByteUnavailable(f"cgroup v2 is not mounted and mounting it failed: "
+                                       f"{os.strerror(err)}")
+        try:
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        finally:
+            libc.umount2(d.encode(), 2)     # MNT_DETACH
+    finally:
+        os.rmdir(d)
+    return fd, "cgroup2 (mounted privately)"
+
+
+def netns_cookie() -> int:
+    """The cookie of this process's network namespace (SO_NETNS_COOKIE, Linux 5.14)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            raw = s.getsockopt(socket.SOL_SOCKET, SO_NETNS_COOKIE, 8)
+        except OSError as e:
+            raise FirstByteUnavailable(f"no network namespace cookie (SO_NETNS_COOKIE): "
+                                       f"{e.strerror}") from None
+    return struct.unpack("<Q", raw)[0]
+
+
+def link_create(prog_fd: int, target_fd: int, attach_type: int) -> int:
+    """bpf(BPF_LINK_CREATE): an attachment that ends when its fd is closed."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    attr = (ctypes.c_uint32 * 16)(prog_fd, target_fd, attach_type, 0)
+    fd = libc.syscall(ctypes.c_long(_SYS_BPF), ctypes.c_int(_BPF_LINK_CREATE), ctypes.byref(attr),
+                      ctypes.c_uint(ctypes.sizeof(attr)))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return fd
+
+
+def listeners() -> Dict[int, model.ProcessInfo]:
+    """local port -> owner of the TCP listening sockets of this namespace (for listeners older
+    than the program, whose listen() it did not see)."""
+    from .sockdiag import (NETLINK_SOCK_DIAG, PORTS, REQ, SOCK_DIAG_BY_FAMILY, TAIL, TAIL_OFF,
+                           TCP_LISTEN, read_process, socket_owners)
+    from .tc.nl import RtnlSocket
+    by_inode: Dict[int, int] = {}
+    with RtnlSocket(NETLINK_SOCK_DIAG) as nls:
+        for fam in (socket.AF_INET, socket.AF_INET6):
+            req = REQ.pack(fam, socket.IPPROTO_TCP, 0, 1 << TCP_LISTEN)
+            for _mtype, body in nls.dump(SOCK_DIAG_BY_FAMILY, req):
+                if body[1] == TCP_LISTEN:
+                    ino = TAIL.unpack_from(body, TAIL_OFF)[4]
+                    if ino:
+                        by_inode[ino] = PORTS.unpack_from(body, 4)[0]
+    out: Dict[int, model.ProcessInfo] = {}
+    for ino, pid in socket_owners(set(by_inode)).items():
+        info = read_process(pid)
+        if info is not None:
+            out[by_inode[ino]] = info
+    return out
+
+
+def _set_bytes(obj, name: str, raw: bytes) -> None:
+    """Copy ``raw`` into the array member ``name`` of a ctypes struct (char arrays included)."""
+    ctypes.memmove(ctypes.addressof(obj) + getattr(type(obj), name).offset, raw, len(raw))
+
+
+@dataclass(frozen=True)
+class Claim:
+    event: model.FlowEvent
+    classid: int
+    rule: int
+
+
+@dataclass
+class _Pool:
+    rule: model.Rule
+    shape: model.Shape
+    fill: int = 0                                            # next ticket to write
+    slots: Dict[int, int] = field(default_factory=dict)      # ticket -> class id (not yet taken)
+
+
+# ------------------------------------------------------------------ owner
+
+class FirstByte:
+    """The sock_ops program, its maps and the pools of ready classes."""
+
+    def __init__(self, ring_pages: int = 64, pool_target: int = POOL_TARGET):
+        if not 1 <= pool_target < POOL_SLOTS:
+            raise ValueError(f"pool_target must be 1..{POOL_SLOTS - 1}, not {pool_target!r}")
+        self.ring_pages = ring_pages
+        self.pool_target = pool_target
+        self.netns_cookie = 0
+        self._bpf = None
+        self._fn = None
+        self._link_fd = -1
+        self._raw: List[bytes] = []
+        self._pools: Dict[int, _Pool] = {}
+        self._compiled: Optional[Compiled] = None
+        self._rules_seen: Optional[tuple] = None
+        self._backend = None
+        self._epoch = -1
+        self._counts = {"claims": 0, "bound": 0, "released": 0, "rebound": 0, "bad_records": 0,
+                        "stale": 0}
+        self._poll_lock = threading.Lock()
+        self._lock = threading.RLock()
+        self.summary = "not started"
+
+    # -------------------------------------------------------------- start-up
+    def start(self) -> None:
+        with self._lock:
+            if self._bpf is not None:
+                return
+            self.netns_cookie = netns_cookie()
+            try:
+                import bcc
+            except Exception as e:
+                raise FirstByteUnavailable(f"bcc is not importable: {e}") from None
+            t0 = time.monotonic()
+            try:
+                b = bcc.BPF(src_file=BPF_SRC.encode(),
+                            cflags=[f"-I{BPF_DIR}", f"-DFB_RING_PAGES={self.ring_pages}"])
+                fn = b.load_func(b"fb_sockops", bcc.BPF.SOCK_OPS)
+            except Exception as e:
+                msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+                raise FirstByteUnavailable(f"sock_ops program refused: {msg}") from None
+            root = "cgroup2"
+            try:
+                cg, root = open_cgroup2_root()
+                try:
+                    self._link_fd = link_create(fn.fd, cg, _BPF_CGROUP_SOCK_OPS)
+                finally:
+                    os.close(cg)
+            except FirstByteUnavailable:
+                b.cleanup()
+                raise
+            except OSError as e:
+                b.cleanup()
+                raise FirstByteUnavailable(f"cannot attach sock_ops to {root}: "
+                                           f"{e.strerror or e}") from None
+            self._bpf, self._fn = b, fn
+            b[b"fb_events"].open_ring_buffer(self._on_event)
+            self._write_config(0)
+            n = self._seed_listeners()
+            log.info("first-byte sock_ops attached to %s (bpf_link fd %d), %d listeners seeded, "
+                     "compiled in %.2f s", root, self._link_fd, n, time.monotonic() - t0)
+
+    def _seed_listeners(self) -> int:
+        try:
+            found = listeners()
+        except OSError as e:
+            log.warning("first byte: listening sockets not read (%s): their flows get a class "
+                        "after the handshake until they listen again", e)
+            return 0
+        t = self._bpf[b"fb_listeners"]
+        for port, p in found.items():
+            leaf = t.Leaf()
+            leaf.pid, leaf.uid = p.pid, max(p.uid, 0)
+            raw = p.comm.encode("utf-8", "replace")[:COMM_LEN - 1]
+            _set_bytes(leaf, "comm", raw)
+            t[t.Key(port)] = leaf
+        return len(found)
+
+    # ------------------------------------------------------------ kernel maps
+    def _write_config(self, live: int, c: Optional[Compiled] = None) -> None:
+        t = self._bpf[b"fb_config"]
+        leaf = t.Leaf()
+        leaf.netns_cookie = self.netns_cookie
+        leaf.live = live
+        if c is not None:
+            leaf.kernel, leaf.inbound, leaf.outbound = c.kernel_mask, c.inbound, c.outbound
+            leaf.any_comm, leaf.any_uid, leaf.any_remote = c.any_comm, c.any_uid, c.any_remote
+        t[ctypes.c_int(0)] = leaf
+
+    def _write_ports(self, name: bytes, masks: List[int]) -> None:
+        t = self._bpf[name]
+        keys = (t.Key * 65536)(*range(65536))
+        vals = (t.Leaf * 65536)(*masks)
+        try:
+            t.items_update_batch(keys, vals)
+        except Exception:       # no batch ops for arrays on this kernel: one by one
+            for p in range(65536):
+                t[keys[p]] = vals[p]
+
+    def _write_rules(self, c: Compiled) -> None:
+        b = self._bpf
+        self._write_ports(b"fb_lport", c.lport)
+        self._write_ports(b"fb_rport", c.rport)
+        t = b[b"fb_comms"]
+        t.clear()
+        for comm, mask in c.comms.items():
+            k = t.Key()
+            _set_bytes(k, "comm", comm)
+            t[k] = t.Leaf(mask)
+        t = b[b"fb_uids"]
+        t.clear()
+        for uid, mask in c.uids.items():
+            t[t.Key(uid)] = t.Leaf(mask)
+        t = b[b"fb_remote"]
+        for k in list(t.keys()):
+            del t[k]
+        for (fam, addr, plen), mask in c.remote.items():
+            k = t.Key()
+            k.prefixlen, k.family = 32 + plen, fam
+            _set_bytes(k, "addr", addr)
+            t[k] = t.Leaf(mask)
+
+    def _take(self, rule: int) -> int:
+        return self._bpf[b"fb_take"][ctypes.c_int(rule)].value
+
+    def _put(self, rule: int, pool: _Pool, classids: List[int]) -> None:
+        """Write slots, then advance fill (the program reads fill first, then the slot)."""
+        t = self._bpf[b"fb_pool"]
+        for cid in classids:
+            t[ctypes.c_int(rule * POOL_SLOTS + pool.fill % POOL_SLOTS)] = ctypes.c_uint32(cid)
+            pool.slots[pool.fill] = cid
+            pool.fill += 1
+        self._bpf[b"fb_fill"][ctypes.c_int(rule)] = ctypes.c_uint64(pool.fill)
+
+    # ----------------------------------------------------------------- pools
+    def _drain(self) -> List[int]:
+        """Switch claims off; the class ids of every pool ticket not taken (already taken ones
+        are claims whose events are on their way)."""
+        self._write_config(0)
+        time.sleep(GRACE_S)     # a run that read the old config ends within microseconds
+        free = []
+        for r, pool in self._pools.items():
+            take = self._take(r)
+            free += [cid for t, cid in pool.slots.items() if t >= take]
+        return free
+
+    def _replan(self, backend, ruleset: RuleSet) -> None:
+        same_backend = backend is self._backend and backend.pool_epoch == self._epoch
+        free = self._drain() if self._bpf is not None else []
+        if not same_backend:
+            free = []           # those classes went with the old backend's qdisc
+        old_fill = {r: p.fill for r, p in self._pools.items()}
+        self._pools = {}
+        c = compile_rules(ruleset)
+        self._compiled = c
+        self._write_rules(c)
+        spare = list(free)
+        from .engine import shape_of
+        for r, rule in sorted(c.kernel.items()):
+            shape = shape_of(rule)
+            # tickets only grow (no ABA for the program's compare-and-swap); the old ones not
+            # taken were drained above, so take jumps to fill (claims are off: we may write it)
+            fill = max(self._take(r), old_fill.get(r, 0))
+            self._bpf[b"fb_take"][ctypes.c_int(r)] = ctypes.c_uint64(fill)
+            pool = _Pool(rule, shape, fill=fill)
+            self._pools[r] = pool
+            reuse, spare = spare[:self.pool_target], spare[self.pool_target:]
+            got = backend.pool_change(reuse, shape) if reuse else []
+            got += backend.pool_create(shape, self.pool_target - len(got))
+            self._put(r, pool, got)
+        if spare:
+            backend.pool_delete(spare)
+        self._backend, self._epoch = backend, backend.pool_epoch
+        self._rules_seen = ruleset.rules
+        self._write_config(c.live, c)
+        self.summary = c.summary()
+        log.info("%s; %d pool classes ready", self.summary, backend.pool_classes())
+
+    def refill(self, backend) -> int:
+        """Top every pool up to its target; how many classes were made."""
+        made = 0
+        for r, pool in self._pools.items():
+            take = self._take(r)
+            for t in [t for t in pool.slots if t < take]:
+                del pool.slots[t]
+            need = self.pool_target - (pool.fill - take)
+            if need > 0:
+                got = backend.pool_create(pool.shape, need)
+                self._put(r, pool, got)
+                made += len(got)
+        return made
+
+    # ---------------------------------------------------------------- events
+    def _on_event(self, _ctx, data, size) -> None:
+        try:
+            self._raw.append(ctypes.string_at(data, size))
+        except Exception:
+            self._counts["bad_records"] += 1
+
+    def poll(self, timeout_ms: int) -> List[Claim]:
+        with self._poll_lock:
+            b = self._bpf
+            if b is None:
+                return []
+            b.ring_buffer_poll(max(0, int(timeout_ms)))
+            raw, self._raw = self._raw, []
+        out = []
+        for rec in raw:
+            if len(rec) != EVENT.size:
+                self._counts["bad_records"] += 1
+                continue
+            out.append(self._to_claim(EVENT.unpack(rec)))
+        self._counts["claims"] += len(out)
+        return out
+
+    def _to_claim(self, r) -> Claim:
+        (ts, classid, rule, pid, uid, family, lport, rport, direction, flags,
+         laddr, raddr, comm) = r
+        if family == 4:
+            la, ra = ipaddress.IPv4Address(laddr[:4]), ipaddress.IPv4Address(raddr[:4])
+        else:
+            la, ra = ipaddress.IPv6Address(laddr), ipaddress.IPv6Address(raddr)
+        key = FlowKey(la, lport, ra, rport)
+        if flags & FB_F_ATTRIBUTED:
+            name = comm.split(b"\0", 1)[0].decode("utf-8", "replace")
+            try:
+                exe = os.readlink(f"/proc/{pid}/exe") if pid else ""
+            except OSError:
+                exe = ""
+            proc = model.ProcessInfo(pid=pid, comm=name, exe=exe, uid=uid)
+        else:
+            proc = model.ProcessInfo(pid=0)
+        d = Direction.INBOUND if direction == FB_DIR_INBOUND else Direction.OUTBOUND
+        flow = model.Flow(key, d, proc, model.FlowSource.TRACER, 0, ts)
+        return Claim(model.FlowEvent(model.EventKind.OPEN, flow), classid, rule)
+
+    # ------------------------------------------------------------------ step
+    def step(self, rec, backend, claims: List[Claim]) -> None:
+        """One round, under the reconciler's lock: claims -> backend + flow table -> apply,
+        unused claims back, pools refilled (remade after a reload or a backend rebuild)."""
+        with self._lock, rec.lock:
+            if self._bpf is None:
+                return
+            if backend is None:
+                if claims:
+                    rec.on_events([c.event for c in claims])
+                return
+            fresh = backend is not self._backend or backend.pool_epoch != self._epoch
+            for c in claims:
+                key = c.event.flow.key
+                if fresh or not backend.pool_claimed(key, c.classid):
+                    self._counts["stale"] += 1
+                    continue
+                self._counts["bound"] += 1
+                cur = backend.classid_of(key)
+                if cur is not None and cur != c.classid:
+                    # the tracer's OPEN got it a class first: the socket uses the claimed one,
+                    # so that becomes the flow's class (filter and status follow it)
+                    backend.apply([model.Op(OpKind.REMOVE, key)])
+                    self._counts["rebound"] += 1
+            if claims:
+                rec.on_events([c.event for c in claims])
+            for key in backend.pool_pending():
+                backend.pool_release(key)       # no rule wants it, or the apply failed
+                self._counts["released"] += 1
+            if fresh or rec.rules.rules != self._rules_seen:
+                self._replan(backend, rec.rules)
+            else:
+                self.refill(backend)
+            backend.pool_unquarantine(rec.table.flows)
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> Dict[str, int]:
+        out = dict(self._counts)
+        b = self._bpf
+        if b is not None:
+            t = b[b"fb_counters"]
+            for i, name in enumerate(COUNTERS):
+                try:
+                    out[name] = sum(t[ctypes.c_int(i)])
+                except Exception:
+                    pass
+            out["pool_ready"] = sum(p.fill - self._take(r) for r, p in self._pools.items())
+        return out
+
+    # ------------------------------------------------------------------ close
+    def close(self, backend=None) -> None:
+        """Detach; the unclaimed pool classes go when the backend is still ours."""
+        with self._poll_lock, self._lock:
+            b = self._bpf
+            if b is None:
+                return
+            free = self._drain()
+            if self._link_fd >= 0:
+                os.close(self._link_fd)
+                self._link_fd = -1
+            if backend is not None and backend is self._backend \
+                    and backend.pool_epoch == self._epoch and free:
+                try:
+                    backend.pool_delete(free)
+                except Exception as e:
+                    log.warning("first byte: pool classes not deleted (%s); the next start's "
+                                "adoption removes them", e)
+            self._bpf = None
+            self._pools = {}
+            b.cleanup()
+            self.summary = "stopped"
+            log.info("first-byte sock_ops detached")
