@@ -213,3 +213,159 @@ def test_adoption_rebuilds_the_groups_and_cleanup_removes_them(testbed):
     with in_netns(tb.server_ns):
         assert tcb.cleanup(tb.server_if) is True
     assert tb.run(tb.server_ns, ["tc", "class", "show", "dev", tb.server_if]).stdout == ""
+
+
+# ------------------------------------------------------------- real traffic
+
+RULES = """
+    interface: IFACE
+    backend: htb
+    link_rate: 1gbit
+    rules:
+      - name: capped             # per client: 20 Mbit/s over all its streams
+        match: {process: iperf3, direction: inbound, local_port: 5301-5309}
+        rate: 8mbit
+        client_rate: 20mbit
+      - name: total              # three clients of 2 x 8 Mbit/s each, 30 Mbit/s in all
+        match: {process: iperf3, direction: inbound, local_port: 5311-5319}
+        rate: 8mbit
+        client_rate: 16mbit
+        total_rate: 30mbit
+      - name: borrow             # 4 Mbit/s per stream, borrowing up to 12, 20 per client
+        match: {process: iperf3, direction: inbound, local_port: 5321-5329}
+        rate: 4mbit
+        ceil: 12mbit
+        client_rate: 20mbit
+"""
+PORTS = {"capped": range(5301, 5306), "total": range(5311, 5314), "borrow": range(5321, 5323)}
+
+
+class Site:
+    def __init__(self, tb, daemon):
+        import ipaddress
+        self.tb, self.daemon = tb, daemon
+        v4 = int(tb.client_v4)
+        # clients: .2 (the testbed's), .3; IPv6 ::2 and ::3 (one /64: one client), and ::2 in
+        # the next /64 (another client)
+        self.v4 = [tb.client_v4, ipaddress.IPv4Address(v4 + 1), ipaddress.IPv4Address(v4 + 2)]
+        net = ipaddress.ip_network((tb.server_v6, 64), strict=False)
+        other = ipaddress.ip_network((int(net.network_address) + (1 << 64), 64))
+        self.v6 = [tb.client_v6, tb.client_v6 + 1, other.network_address + 2]
+        self.server_v6_other = other.network_address + 1
+
+
+@pytest.fixture(scope="module")
+def site(module_testbed, tmp_path_factory):
+    from harness.daemon import Daemon
+    from harness.servers import iperf3_server
+    tb = module_testbed
+    s = Site(tb, None)
+    for a in s.v4[1:]:
+        tb.run(tb.client_ns, ["ip", "addr", "add", f"{a}/24", "dev", tb.client_if])
+    tb.run(tb.client_ns, ["ip", "addr", "add", f"{s.v6[1]}/64", "dev", tb.client_if, "nodad"])
+    tb.run(tb.client_ns, ["ip", "addr", "add", f"{s.v6[2]}/64", "dev", tb.client_if, "nodad"])
+    tb.run(tb.server_ns, ["ip", "addr", "add", f"{s.server_v6_other}/64", "dev", tb.server_if,
+                          "nodad"])
+    for ports in PORTS.values():
+        for p in ports:
+            iperf3_server(tb, p)
+    work = tmp_path_factory.mktemp("agg")
+    s.daemon = Daemon(tb, work, RULES, "--backend", "htb").start()
+    yield s
+    rc = s.daemon.stop()
+    assert rc == 0, f"the daemon exited {rc} on SIGTERM:\n{s.daemon.log_text()[-3000:]}"
+
+
+def iperf(site, bind, port: int, streams: int, seconds: float = 6):
+    """``iperf3 -R -P streams`` from client address ``bind`` to the server's address of its
+    family (the IPv6 /64 of ``bind``), the first 2 s omitted."""
+    from harness import traffic
+    tb = site.tb
+    if bind.version == 4:
+        host = tb.server_v4
+    else:
+        host = tb.server_v6 if bind in site.v6[:2] else site.server_v6_other
+    return traffic.iperf3(tb, host, port, seconds=seconds, parallel=streams,
+                          extra=["-O", "2", "-B", str(bind)])
+
+
+def received(p) -> tuple:
+    """(sum, [each stream]) in bytes/s of TCP payload, measured by the receiving client."""
+    from harness import traffic
+    doc = traffic.iperf3_result(p, timeout=60)
+    streams = [s["receiver"]["bits_per_second"] / 8 for s in doc["end"]["streams"]]
+    return doc["end"]["sum_received"]["bits_per_second"] / 8, streams
+
+
+def payload(rate_mbit: float, v6: bool) -> float:
+    """What iperf3 can receive of a class at ``rate_mbit`` (htb counts whole frames)."""
+    from harness import traffic
+    return rate_mbit * MBIT * traffic.wire(v6)
+
+
+def report(what: str, got: float, want: float) -> str:
+    return f"{what}: {got * 8 / 1e6:.2f} Mbit/s, cap {want * 8 / 1e6:.2f} ({got / want - 1:+.1%})"
+
+
+@pytest.mark.kernel
+def test_client_rate_over_parallel_streams_each_client_its_own(site):
+    """``iperf3 -R -P 4`` from two IPv4 and two IPv6 clients at once against client_rate
+    20 Mbit/s: each client's streams sum to 20 Mbit/s within 3 % and each stream gets a quarter
+    within 10 %; two IPv6 addresses of one /64 are one client and share their 20 Mbit/s."""
+    v4a, v4b, _ = site.v4
+    v6a, v6a2, v6b = site.v6
+    runs = {"v4 .2": (iperf(site, v4a, 5301, 4), False, 4),
+            "v4 .3": (iperf(site, v4b, 5302, 4), False, 4),
+            "v6 other /64": (iperf(site, v6b, 5303, 4), True, 4),
+            "v6 ::2 half of a /64": (iperf(site, v6a, 5304, 2), True, 2),
+            "v6 ::3 half of a /64": (iperf(site, v6a2, 5305, 2), True, 2)}
+    got = {name: received(p) for name, (p, _, _) in runs.items()}
+    lines = []
+    for name in ("v4 .2", "v4 .3", "v6 other /64"):
+        v6 = runs[name][1]
+        total, streams = got[name]
+        want = payload(20, v6)
+        lines.append(report(name, total, want) + " streams " +
+                     ", ".join(f"{s * 8 / 1e6:.2f}" for s in streams))
+        assert total == pytest.approx(want, rel=0.03), "\n".join(lines)
+        assert len(streams) == 4
+        for s in streams:
+            assert s == pytest.approx(want / 4, rel=0.10), "\n".join(lines)
+    shared = got["v6 ::2 half of a /64"][0] + got["v6 ::3 half of a /64"][0]
+    lines.append(report("v6 ::2 + ::3 (one /64)", shared, payload(20, True)))
+    assert shared == pytest.approx(payload(20, True), rel=0.03), "\n".join(lines)
+    print("\n".join(lines))
+
+
+@pytest.mark.kernel
+def test_total_rate_over_three_clients(site):
+    """Three clients of 2 streams each (IPv4 .2, .3 and IPv6) want 3 x 16 Mbit/s of a rule whose
+    total_rate is 30 Mbit/s: together they get 30 within 3 %, about a third each."""
+    clients = [(site.v4[0], 5311, False), (site.v4[1], 5312, False), (site.v6[2], 5313, True)]
+    runs = [(iperf(site, a, p, 2), v6) for a, p, v6 in clients]
+    got = [(received(p)[0], v6) for p, v6 in runs]
+    total = sum(g for g, _ in got)
+    # the cap counts frames: the payload it leaves depends on each client's family
+    want = sum(payload(10, v6) for _, v6 in got)
+    lines = [report("total of 3 clients", total, want)] + \
+        [report(f"client {a}", g, payload(10, v6)) for (a, _, _), (g, v6) in zip(clients, got)]
+    print("\n".join(lines))
+    assert total == pytest.approx(want, rel=0.03), "\n".join(lines)
+    for g, v6 in got:
+        assert g == pytest.approx(payload(10, v6), rel=0.10), "\n".join(lines)
+
+
+@pytest.mark.kernel
+def test_borrowing_up_to_ceil_inside_the_client_cap(site):
+    """rate 4, ceil 12, client_rate 20 Mbit/s: one stream alone borrows up to its ceil (12);
+    three streams of one client borrow too but together stop at the client's 20."""
+    one, _ = received(iperf(site, site.v4[0], 5321, 1))
+    three, streams = received(iperf(site, site.v6[2], 5322, 3))
+    lines = [report("one stream (ceil)", one, payload(12, False)),
+             report("three streams (client cap)", three, payload(20, True)) + " streams " +
+             ", ".join(f"{s * 8 / 1e6:.2f}" for s in streams)]
+    print("\n".join(lines))
+    assert one == pytest.approx(payload(12, False), rel=0.03), "\n".join(lines)
+    assert three == pytest.approx(payload(20, True), rel=0.03), "\n".join(lines)
+    for s in streams:
+        assert s == pytest.approx(payload(20, True) / 3, rel=0.10), "\n".join(lines)
