@@ -24,11 +24,22 @@ def tc_show(tb, what: str, stats: bool = False) -> str:
                                  tb.server_if]).stdout
 
 
+POOL_FIRST_MINOR = 0xC000   # first-byte pool classes (flowpacer/backend/pool.py)
+
+
 def kernel_objects(tb) -> Tuple[int, int]:
-    """(flow classes, flow filters) of flowpacer's qdisc on the server interface."""
+    """(flow classes, flow filters) of flowpacer's qdisc on the server interface. A ready class
+    of a first-byte pool (its id in the pool range, no filter pointing at it) is no flow's."""
     cls = tc_show(tb, "class").splitlines()
     flt = tc_show(tb, "filter").splitlines()
-    flow_classes = [c for c in cls if c.startswith("class ") and c.split()[2] not in BASE_CLASSES]
+    targets = {ln.split("flowid", 1)[1].split()[0] for ln in flt if "flowid" in ln}
+
+    def flow_class(handle: str) -> bool:
+        if handle in BASE_CLASSES:
+            return False
+        minor = int(handle.split(":")[1] or "0", 16)
+        return minor < POOL_FIRST_MINOR or handle in targets
+    flow_classes = [c for c in cls if c.startswith("class ") and flow_class(c.split()[2])]
     return len(flow_classes), sum("flowid" in line for line in flt)
 
 
@@ -69,19 +80,22 @@ class NlProbe:
         from flowpacer.backend.tc import MAJOR, QDISC_HANDLE
         from flowpacer.errors import NetlinkError
         from flowpacer.tc import nl, u32
-        ncls = nflt = 0
+        minors, targets, nflt = [], set(), 0
         try:
             for mtype, body in self.rt.dump(nl.RTM_GETTCLASS, nl.tcmsg(self.ifindex)):
                 o = nl.parse_tcmsg(mtype, body)
                 if o.ifindex == self.ifindex and o.handle >> 16 == MAJOR and o.handle & 0xFFFF > 2:
-                    ncls += 1
+                    minors.append(o.handle & 0xFFFF)
             for mtype, body in self.rt.dump(nl.RTM_GETTFILTER,
                                             nl.tcmsg(self.ifindex, 0, QDISC_HANDLE)):
                 o = nl.parse_tcmsg(mtype, body)
                 if o.kind == "u32" and u32.TCA_U32_CLASSID in o.options:
+                    targets.add(int.from_bytes(o.options[u32.TCA_U32_CLASSID][:4], "little") & 0xFFFF)
                     nflt += 1
         except NetlinkError:        # no qdisc of ours: nothing under it
             pass
+        # a first-byte pool class (pool range, no filter) is no flow's class
+        ncls = sum(1 for m in minors if m < POOL_FIRST_MINOR or m in targets)
         return ncls, nflt
 
     def live(self) -> Set[str]:

@@ -26,6 +26,12 @@ from .filters import LayoutFull
 
 log = logging.getLogger(__name__)
 
+# Pool classes have ids of their own range, above the flow allocator's (tc.LAST_FLOW_MINOR), so
+# that an unclaimed pool class is told from a leaked flow class by its id alone: a class of this
+# range is a flow's once a filter points at it.
+POOL_FIRST_MINOR = 0xC000
+POOL_LAST_MINOR = 0xFFFF
+
 
 class PoolMixin:
     """Methods of ``TcBackend`` for first-byte pools (state made on first use)."""
@@ -47,6 +53,34 @@ class PoolMixin:
         """Called by forget(): every pool class and claim is void."""
         self.__dict__["_pool_epoch"] = self.pool_epoch + 1
         self.__dict__.pop("_pool", None)
+        self.__dict__.pop("_pool_id_state", None)
+
+    def _pool_ids(self):
+        ids = self.__dict__.get("_pool_id_state")
+        if ids is None:
+            ids = self.__dict__["_pool_id_state"] = {"next": POOL_FIRST_MINOR, "free": []}
+        return ids
+
+    def _pool_alloc_minor(self) -> int:
+        ids = self._pool_ids()
+        if ids["free"]:
+            return ids["free"].pop()
+        if ids["next"] > POOL_LAST_MINOR:
+            raise LayoutFull("no free pool class id")
+        m = ids["next"]
+        ids["next"] += 1
+        return m
+
+    def _pool_free_minor(self, minor: int) -> None:
+        self._pool_ids()["free"].append(minor)
+
+    def _pool_adopted(self, used) -> None:
+        """After adoption: the pool-range ids that adopted flows hold stay taken."""
+        taken = [m for m in used if m >= POOL_FIRST_MINOR]
+        nxt = max([POOL_FIRST_MINOR - 1] + taken) + 1
+        self.__dict__["_pool_id_state"] = {
+            "next": nxt, "free": [m for m in range(nxt - 1, POOL_FIRST_MINOR - 1, -1)
+                                  if m not in set(taken)]}
 
     def pool_create(self, shape: Shape, n: int) -> List[int]:
         """Make up to ``n`` ready classes with ``shape``; their class ids (fewer when the kernel
@@ -58,7 +92,7 @@ class PoolMixin:
         minors: List[int] = []
         for _ in range(n):
             try:
-                minors.append(self._alloc_minor())
+                minors.append(self._pool_alloc_minor())
             except LayoutFull:
                 break
         major = self._parent_handle() >> 16

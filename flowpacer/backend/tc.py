@@ -39,7 +39,7 @@ QDISC_HANDLE = tc_handle(MAJOR, 0)
 LINK_MINOR = 1
 DEFAULT_MINOR = 2
 FIRST_FLOW_MINOR = 0x10
-LAST_FLOW_MINOR = 0xFFFF
+LAST_FLOW_MINOR = 0xBFFF         # 0xC000..0xFFFF: first-byte pool classes (pool.py)
 
 
 @dataclass
@@ -137,12 +137,15 @@ class TcBackend(PoolMixin):     # PoolMixin: first-byte pools (issue 16, pool.py
         if self._free_minors:
             return self._free_minors.pop()
         if self._next_minor > LAST_FLOW_MINOR:
-            raise LayoutFull("no free class id (65 519 flows shaped)")
+            raise LayoutFull("no free class id (49 136 flows shaped)")
         m = self._next_minor
         self._next_minor += 1
         return m
 
     def _free_minor(self, minor: int) -> None:
+        if minor > LAST_FLOW_MINOR:
+            self._pool_free_minor(minor)        # a claimed pool class's id goes back to pool.py
+            return
         self._free_minors.append(minor)
 
     # --------------------------------------------------------------- setup
@@ -263,9 +266,11 @@ class TcBackend(PoolMixin):     # PoolMixin: first-byte pools (issue 16, pool.py
             bound.add(minor)
         group_minors = self._adopt_groups(classes, bound)
         used = set(bound) | group_minors
-        self._next_minor = max([FIRST_FLOW_MINOR - 1] + list(classes)) + 1
+        self._next_minor = max([FIRST_FLOW_MINOR - 1]
+                               + [m for m in classes if m <= LAST_FLOW_MINOR]) + 1
         self._free_minors = [m for m in range(FIRST_FLOW_MINOR, self._next_minor) if m not in used]
         self._free_minors.reverse()
+        self._pool_adopted(used)      # pool-range ids of adopted flows stay taken (pool.py)
         for fam, handle in stale_filters:
             fix.append(self._filter_msg(RTM_DELTFILTER, 0, fam, handle, u32.kind_only(),
                                         f"delete stale filter {handle:x}"))
