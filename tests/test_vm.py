@@ -1,6 +1,10 @@
-"""Host-side bridge to the tests that run inside the qemu TCG VM (Debian's 6.1 kernel).
+"""Host-side bridge to the tests that run inside the qemu TCG VM (Debian's 6.1 kernel, or
+``FLOWPACER_VM_KERNEL=6.12``).
 
-The VM boots once per pytest session (``guest_run``) and runs ``pytest tests/guest`` there;
+The VM boots twice per pytest session (``guest_runs``, each boot only when a selected test
+needs it): in virtual time (``vm.run.Clock.VIRTUAL``: exact guest time, one vCPU) for the
+pacing tests (``VIRTUAL_FILES``), in plain TCG with two vCPUs for the rest; each boot runs its
+share of ``pytest tests/guest``;
 each guest test is one host test here (``test_guest[<guest test id>]``), collected on the
 host with ``FLOWPACER_COLLECT_GUEST=1 pytest --collect-only -q tests/guest``. A VM that
 cannot boot fails every test, with the console log; it never skips.
@@ -13,7 +17,8 @@ failed build with its log; the guest tests that need the module then fail too, n
 Only the selected guest tests are run in the VM (``-k`` works as on the host).
 ``FLOWPACER_VM_TIMEOUT`` (seconds, default 900) bounds the guest run. The guest's result
 files (guest.xml, guest-report.json, pacing-figures.txt, console.log, dmesg.txt) stay in the
-session's pytest tmp dir (``vm0``); ``test_guest_run_clean`` prints where, and the figures.
+session's pytest tmp dir (``vm-virtual0``, ``vm-real0``); ``test_guest_run_clean`` prints
+where, and the figures.
 """
 from __future__ import annotations
 
@@ -76,15 +81,27 @@ def _collect_guest_ids():
 GUEST_IDS, COLLECT_ERROR = _collect_guest_ids()
 
 
+# Guest test files measured in virtual time (vm/run.py Clock.VIRTUAL: exact guest time, one
+# vCPU): every pacing test. Each of their modules also fails by itself outside virtual time.
+VIRTUAL_FILES = ("test_psp_pacing.py", "test_stock_pacing.py")
+
+
+def clock_of(guest_id: str) -> vmrun.Clock:
+    """The VM clock a guest test runs under (its file decides)."""
+    name = guest_id.split("::", 1)[0].rsplit("/", 1)[-1]
+    return vmrun.Clock.VIRTUAL if name in VIRTUAL_FILES else vmrun.Clock.REAL
+
+
 class GuestRun:
-    def __init__(self):
+    """One VM boot running the selected guest tests of one clock."""
+
+    def __init__(self, clock: vmrun.Clock):
+        self.clock = clock
         self.result = None       # vmrun.VMResult
         self.error = None        # vmrun.VMError
         self.report = None       # {"exitstatus": int, "tests": {nodeid: {...}}}
         self.selected = []
         self.error_shown = False
-        self.psp_ko = None       # the module built for the guest
-        self.psp_build_error = None
 
     def output_tail(self, n: int = 60) -> str:
         out = self.result.output if self.result else (self.error.output if self.error else "")
@@ -99,45 +116,81 @@ class GuestRun:
                         pytrace=False)
 
 
-@pytest.fixture(scope="session")
-def guest_run(request, tmp_path_factory):
-    """Boot the VM once and run the selected guest tests in it."""
-    gr = GuestRun()
-    gr.selected = [f"{GUEST_REL}/{it.callspec.params['guest_id']}" for it in request.session.items
-                   if getattr(it, "callspec", None) and "guest_id" in it.callspec.params]
-    if not gr.selected:
-        gr.selected = list(GUEST_IDS)
-    targets = [GUEST_REL] if set(gr.selected) >= set(GUEST_IDS) else gr.selected
-    out = tmp_path_factory.mktemp("vm")
-    report = out / "guest-report.json"
-    env = {k: v for k, v in os.environ.items()
-           if k.startswith("FLOWPACER_") and k not in ("FLOWPACER_COLLECT_GUEST", "FLOWPACER_IN_VM")}
-    env["FLOWPACER_GUEST_REPORT"] = str(report)
-    try:
-        gr.psp_ko = vmkmod.build_psp(out / "kmod")
-    except vmkmod.KmodError as e:
-        gr.psp_build_error = str(e)
-    env["FLOWPACER_PSP_KO"] = str(gr.psp_ko or out / "kmod" / "sch_psp.ko")
-    # the guest scales host time limits by how much slower the emulator runs the daemon's code
-    env.setdefault("FLOWPACER_HOST_IMPORT_S", f"{host_import_s():.4f}")
-    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfE",
-           f"--junitxml={out / 'guest.xml'}", *targets]
-    try:
-        gr.result = vmrun.run(cmd, cwd=str(REPO), timeout=TIMEOUT_S, env=env, out_dir=out)
-    except vmrun.VMError as e:
-        gr.error = e
+class GuestRuns:
+    """The session's VM boots, one per clock, each made when a test first needs it."""
+
+    def __init__(self, request, tmp_path_factory):
+        self.tmp = tmp_path_factory
+        selected = [f"{GUEST_REL}/{it.callspec.params['guest_id']}"
+                    for it in request.session.items
+                    if getattr(it, "callspec", None) and "guest_id" in it.callspec.params]
+        self.selected = selected or list(GUEST_IDS)
+        self.runs: dict = {}
+        self.psp_ko = None       # the module built for the guest
+        self.psp_build_error = None
+        self._built = False
+
+    def _build(self):
+        if not self._built:
+            self._built = True
+            try:
+                self.psp_ko = vmkmod.build_psp(self.tmp.mktemp("kmod"))
+            except vmkmod.KmodError as e:
+                self.psp_build_error = str(e)
+
+    def clocks(self):
+        return sorted({clock_of(i[len(GUEST_REL) + 1:]) for i in self.selected},
+                      key=lambda c: c.value)
+
+    def get(self, clock: vmrun.Clock) -> GuestRun:
+        if clock not in self.runs:
+            self.runs[clock] = self._boot(clock)
+        return self.runs[clock]
+
+    def _boot(self, clock: vmrun.Clock) -> GuestRun:
+        gr = GuestRun(clock)
+        gr.selected = [i for i in self.selected if clock_of(i[len(GUEST_REL) + 1:]) is clock]
+        mine = [i for i in GUEST_IDS if clock_of(i[len(GUEST_REL) + 1:]) is clock]
+        if set(gr.selected) >= set(mine):      # the whole group: by file, as collected there
+            targets = sorted({i.split("::", 1)[0] for i in mine})
+        else:
+            targets = gr.selected
+        self._build()
+        out = self.tmp.mktemp(f"vm-{clock.value}")
+        report = out / "guest-report.json"
+        env = {k: v for k, v in os.environ.items()
+               if k.startswith("FLOWPACER_")
+               and k not in ("FLOWPACER_COLLECT_GUEST", "FLOWPACER_IN_VM", "FLOWPACER_VM_CLOCK")}
+        env["FLOWPACER_GUEST_REPORT"] = str(report)
+        env["FLOWPACER_PSP_KO"] = str(self.psp_ko or out / "kmod" / "sch_psp.ko")
+        # the guest scales host time limits by how much slower the emulator runs the daemon's code
+        env.setdefault("FLOWPACER_HOST_IMPORT_S", f"{host_import_s():.4f}")
+        cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfE",
+               f"--junitxml={out / 'guest.xml'}", *targets]
+        try:
+            gr.result = vmrun.run(cmd, cwd=str(REPO), timeout=TIMEOUT_S, env=env, out_dir=out,
+                                  clock=clock)
+        except vmrun.VMError as e:
+            gr.error = e
+            return gr
+        try:
+            gr.report = json.loads(report.read_text())
+        except (OSError, ValueError):
+            gr.report = None
         return gr
-    try:
-        gr.report = json.loads(report.read_text())
-    except (OSError, ValueError):
-        gr.report = None
-    return gr
+
+
+@pytest.fixture(scope="session")
+def guest_runs(request, tmp_path_factory):
+    """The VM boots of this session (``GuestRuns.get(clock)`` boots on first use)."""
+    return GuestRuns(request, tmp_path_factory)
 
 
 @pytest.mark.parametrize("guest_id", [i[len(GUEST_REL) + 1:] for i in GUEST_IDS] or ["collection"])
-def test_guest(guest_run, guest_id):
+def test_guest(guest_runs, guest_id):
     if COLLECT_ERROR:
         pytest.fail(COLLECT_ERROR, pytrace=False)
+    guest_run = guest_runs.get(clock_of(guest_id))
     guest_run.fail_if_no_vm()
     res = guest_run.result
     if res.timed_out:
@@ -159,23 +212,29 @@ def test_guest(guest_run, guest_id):
     assert ent["outcome"] == "passed"
 
 
-def test_psp_module_builds(guest_run):
+def test_psp_module_builds(guest_runs):
     """The psp module builds against the guest's kernel headers (the guest tests load it)."""
-    assert guest_run.psp_build_error is None, guest_run.psp_build_error
-    assert guest_run.psp_ko is not None and guest_run.psp_ko.is_file()
+    guest_runs._build()
+    assert guest_runs.psp_build_error is None, guest_runs.psp_build_error
+    assert guest_runs.psp_ko is not None and guest_runs.psp_ko.is_file()
 
 
-def test_guest_run_clean(guest_run, record_property):
-    """The VM booted in time, its pytest ran to the end, and the whole kernel log of the run
-    (boot, tests, module unloads after the tests) has no WARNING/BUG/Oops/... line."""
+@pytest.mark.parametrize("clock", list(vmrun.Clock), ids=[c.value for c in vmrun.Clock])
+def test_guest_run_clean(guest_runs, clock, record_property):
+    """Each VM boot (one per clock) started in time, its pytest ran to the end, and the whole
+    kernel log of the run (boot, tests, module unloads after the tests) has no
+    WARNING/BUG/Oops/... line."""
     if COLLECT_ERROR:
         pytest.fail(COLLECT_ERROR, pytrace=False)
+    if clock not in guest_runs.clocks():
+        pytest.skip(f"no guest test of the {clock.value} clock selected")
+    guest_run = guest_runs.get(clock)
     guest_run.fail_if_no_vm()
     res = guest_run.result
-    record_property("vm_boot_s", round(res.boot_s, 2))
-    record_property("vm_wall_s", round(res.wall_s, 2))
-    print(f"VM: command started {res.boot_s:.1f} s after qemu, whole run {res.wall_s:.1f} s; "
-          f"files in {res.out_dir}")
+    record_property(f"vm_{clock.value}_boot_s", round(res.boot_s, 2))
+    record_property(f"vm_{clock.value}_wall_s", round(res.wall_s, 2))
+    print(f"VM ({res.kernel}, {clock.value} clock): command started {res.boot_s:.1f} s after "
+          f"qemu, whole run {res.wall_s:.1f} s; files in {res.out_dir}")
     figures = res.out_dir / "pacing-figures.txt"
     if figures.exists():
         print(figures.read_text())
@@ -186,6 +245,9 @@ def test_guest_run_clean(guest_run, record_property):
     assert guest_run.report["exitstatus"] in (0, 1), guest_run.output_tail()
     unknown = [n for n in guest_run.report["tests"]
                if n not in GUEST_IDS and n.startswith(GUEST_REL)]
+    wrong = [n for n in guest_run.report["tests"]
+             if n.startswith(GUEST_REL) and clock_of(n[len(GUEST_REL) + 1:]) is not clock]
+    assert not wrong, f"guest tests run under the wrong clock: {wrong}"
     assert not unknown, f"guest tests the host did not collect: {unknown}"
     collect_errors = {n: e["text"] for n, e in guest_run.report["tests"].items()
                       if n.startswith("collect:")}

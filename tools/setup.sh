@@ -28,6 +28,35 @@ if [ ${#missing[@]} -gt 0 ]; then
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
+# Debian 13's kernel, 6.12, from bookworm-backports: the test VM boots it too
+# (FLOWPACER_VM_KERNEL=6.12, vm/README.md) and the psp module is built against its headers.
+if ! ls /boot/vmlinuz-6.12.*+deb12-amd64 >/dev/null 2>&1 \
+   || ! ls -d /usr/src/linux-headers-6.12.*+deb12-amd64 >/dev/null 2>&1; then
+  if ! grep -rqs bookworm-backports /etc/apt/sources.list /etc/apt/sources.list.d/; then
+    cat > /etc/apt/sources.list.d/bookworm-backports.sources <<'EOF'
+Types: deb
+URIs: http://deb.debian.org/debian
+Suites: bookworm-backports
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+EOF
+  fi
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  # the newest 6.12 whose signed image and headers are both in the archive
+  k612=$(apt-cache search --names-only '^linux-headers-6\.12\.[0-9]+\+deb12-amd64$' \
+         | awk '{print $1}' | sed 's/^linux-headers-//' | sort -V \
+         | while read -r v; do apt-cache show "linux-image-$v" >/dev/null 2>&1 && echo "$v"; done \
+         | tail -n 1)
+  if [ -z "$k612" ]; then
+    echo "setup: no linux-image/headers 6.12.*+deb12-amd64 in bookworm-backports" >&2
+    exit 1
+  fi
+  echo "setup: installing kernel $k612 (bookworm-backports) for the test VM"
+  apt-get install -y -qq --no-install-recommends -t bookworm-backports \
+    "linux-image-$k612" "linux-headers-$k612" >/dev/null
+fi
+
 # The venv uses Debian's python3 so that bcc (python3-bpfcc) imports.
 if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import bcc' 2>/dev/null; then
   rm -rf .venv

@@ -8,7 +8,8 @@ the modules put into the initramfs, busybox, the guest scripts or this file).
     python3 vm/build.py --force    # rebuild
 
 The kernel is the newest installed ``/boot/vmlinuz-6.1.*`` whose modules directory
-``/lib/modules/<version>`` exists (``FLOWPACER_VM_KERNEL`` may name another bzImage).
+``/lib/modules/<version>`` exists; ``FLOWPACER_VM_KERNEL=6.12`` picks the newest 6.12 instead
+(Debian 13's kernel, from bookworm-backports), a path names one bzImage.
 Only the standard library is used so that ``python3`` works as well as the venv.
 """
 from __future__ import annotations
@@ -72,13 +73,25 @@ def _version_key(ver: str) -> Tuple:
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"[.\-+~]", ver))
 
 
-def find_kernel(pattern: str = "6.1.") -> Kernel:
-    """The newest installed /boot/vmlinuz-<pattern>* that has its modules directory
-    ("6.1." so that 6.12 is not taken for 6.1)."""
-    override = os.environ.get("FLOWPACER_VM_KERNEL")
-    if override:
+KERNEL_SERIES = ("6.1", "6.12")   # what the project tests the module on (Debian 12, 13/backports)
+DEFAULT_SERIES = "6.1"
+
+
+def find_kernel(pattern: Optional[str] = None) -> Kernel:
+    """The newest installed /boot/vmlinuz-<series>.* that has its modules directory.
+
+    The series is ``pattern`` if given, else ``$FLOWPACER_VM_KERNEL``: a series such as "6.1"
+    or "6.12" (the dot after it is implied, so that 6.12 is not taken for 6.1), or the path of
+    a /boot/vmlinuz-<version> file; default "6.1"."""
+    override = None if pattern else os.environ.get("FLOWPACER_VM_KERNEL", "").strip()
+    if override and "/" in override:
         candidates = [Path(override)]
     else:
+        series = (pattern or override or DEFAULT_SERIES).rstrip(".")
+        if not re.fullmatch(r"\d+\.\d+", series):
+            raise BuildError(f"FLOWPACER_VM_KERNEL={series}: a kernel series such as "
+                             f"{' or '.join(KERNEL_SERIES)}, or a /boot/vmlinuz-<version> path")
+        pattern = series + "."
         candidates = [Path(p) for p in glob.glob(f"/boot/vmlinuz-{pattern}*")]
     found = []
     for img in candidates:
@@ -87,9 +100,11 @@ def find_kernel(pattern: str = "6.1.") -> Kernel:
         if ver and img.is_file() and (moddir / "modules.dep").is_file():
             found.append(Kernel(img, ver, moddir))
     if not found:
+        hint = ("apt-get install linux-image-amd64 on Debian 12" if pattern == "6.1." else
+                "tools/setup.sh installs it (bookworm-backports)")
         raise BuildError(
-            f"no /boot/vmlinuz-{pattern}* with a /lib/modules/<version>/modules.dep "
-            "(apt-get install linux-image-amd64 on Debian 12)" if not override else
+            f"no /boot/vmlinuz-{pattern}* with a /lib/modules/<version>/modules.dep ({hint})"
+            if not (override and "/" in override) else
             f"FLOWPACER_VM_KERNEL={override}: not a vmlinuz-<version> file with its modules")
     return max(found, key=lambda k: _version_key(k.version))
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Run one command as root inside the flowpacer test VM (qemu TCG, Debian's 6.1 kernel).
+"""Run one command as root inside the flowpacer test VM (qemu TCG, a Debian kernel).
 
-    python3 vm/run.py [--timeout S] [--insmod FILE.ko] [--env K=V] -- COMMAND [ARG...]
+    python3 vm/run.py [--timeout S] [--insmod FILE.ko] [--env K=V] [--clock virtual] -- COMMAND [ARG...]
 
 The guest sees the host's root read-only over 9p under a tmpfs overlay (so it has the
 host's python, venv, tc and iperf3 and the repo at the same path), runs COMMAND in the same
@@ -11,11 +11,22 @@ directory that is shared with the host (the same path on both sides) for result 
 
 As a library: ``run(cmd, ...) -> VMResult`` (raises ``VMError`` when the guest cannot boot
 or does not finish; the message carries the console log).
+
+Two clocks (``clock=`` / ``--clock`` / ``FLOWPACER_VM_CLOCK``, default real):
+
+* ``Clock.REAL``: plain TCG, two vCPUs; guest time is the host's, so a busy host makes the
+  guest's timers fire late.
+* ``Clock.VIRTUAL``: qemu's instruction counter drives the guest's clock (``-icount
+  shift=0,sleep=off``: one guest instruction is one nanosecond, idle time is skipped), one
+  vCPU (two hang at CPU bring-up in this mode). Guest time is exact and does not depend on
+  the host's load: pacing measurements are repeatable. The guest's command sees
+  ``FLOWPACER_VM_CLOCK=virtual``.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import logging
 import os
 import re
@@ -45,7 +56,30 @@ KILL_GRACE = 30.0             # host seconds past the job timeout before qemu is
 # no speculative-execution mitigations (they only slow the emulation down).
 # FLOWPACER_VM_APPEND adds to it (for debugging).
 APPEND = "console=ttyS0 panic=-1 tsc=reliable mitigations=off rdinit=/init"
+# Virtual time skips idle time: with every vCPU halted, qemu moves the clock straight to the next
+# timer. A guest with a tickless idle may have no timer for seconds, so each wait for the host
+# (a 9p read) would jump the guest's clock that far and trip the guest's own timeouts. A
+# periodic tick (nohz=off: CONFIG_HZ, 250 on Debian) bounds each jump to 4 ms.
+APPEND_VIRTUAL = "nohz=off"
 _HIDDEN_DIRS = ("/proc", "/sys", "/dev", "/run")  # fresh in the guest: host paths there are not
+
+
+class Clock(enum.Enum):
+    """How the guest's time runs (see the module docstring)."""
+    REAL = "real"          # plain TCG, 2 vCPUs, host time
+    VIRTUAL = "virtual"    # icount: 1 instruction = 1 ns, 1 vCPU, independent of the host
+
+    @classmethod
+    def parse(cls, value: Union["Clock", str, None]) -> "Clock":
+        """A Clock from a Clock, its name, or None (then ``$FLOWPACER_VM_CLOCK``, else REAL)."""
+        if isinstance(value, Clock):
+            return value
+        if value is None:
+            value = os.environ.get("FLOWPACER_VM_CLOCK") or "real"
+        try:
+            return cls(str(value).strip().lower())
+        except ValueError:
+            raise VMError(f"unknown VM clock {value!r}: real or virtual") from None
 
 
 class VMError(Exception):
@@ -77,6 +111,8 @@ class VMResult:
     wall_s: float              # host seconds for the whole run
     timed_out: bool
     out_dir: Path              # the shared directory (FLOWPACER_VM_OUT inside the guest)
+    clock: Clock = Clock.REAL
+    kernel: str = ""           # the guest kernel's version
 
     def dmesg_problems(self) -> List[str]:
         return dmesg_problems(self.dmesg)
@@ -98,12 +134,19 @@ def _read(p: Path) -> str:
 
 
 def _qemu_cmd(art: "vmbuild.Artifacts", out: Path, mem_mb: int, smp: int,
-              console: Path) -> List[str]:
+              console: Path, clock: Clock = Clock.REAL) -> List[str]:
+    if clock is Clock.VIRTUAL:
+        # one vCPU thread, the guest's clock counted in instructions (1 ns each), idle skipped
+        accel = ["-accel", "tcg,thread=single", "-icount", "shift=0,sleep=off"]
+        smp = 1
+    else:
+        accel = ["-accel", "tcg"]
     return [
         QEMU, "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
-        "-machine", "q35", "-accel", "tcg", "-cpu", "max", "-m", str(mem_mb), "-smp", str(smp),
+        "-machine", "q35", *accel, "-cpu", "max", "-m", str(mem_mb), "-smp", str(smp),
         "-kernel", str(art.vmlinux), "-initrd", str(art.initramfs),
-        "-append", f"{APPEND} {os.environ.get('FLOWPACER_VM_APPEND', '')}".strip(),
+        "-append", " ".join(filter(None, (APPEND, APPEND_VIRTUAL if clock is Clock.VIRTUAL else "",
+                                          os.environ.get("FLOWPACER_VM_APPEND", "")))),
         "-serial", f"file:{console}",
         "-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,"
                    "multidevs=remap",
@@ -116,14 +159,18 @@ def run(cmd: Union[Sequence[str], str], *, cwd: Optional[str] = None, timeout: f
         env: Optional[Dict[str, str]] = None, insmod: Iterable[str] = (),
         mem_mb: int = DEFAULT_MEM_MB, smp: int = DEFAULT_SMP, out_dir: Optional[Path] = None,
         boot_timeout: float = DEFAULT_BOOT_TIMEOUT,
-        on_output: Optional[Callable[[str], None]] = None) -> VMResult:
+        on_output: Optional[Callable[[str], None]] = None,
+        clock: Union[Clock, str, None] = None) -> VMResult:
     """Boot the VM, run ``cmd`` as root in ``cwd`` (default: the current directory), power off.
 
     ``cmd`` is an argv list, or a string for ``/bin/sh -c``. ``env`` adds variables to the
     guest's clean environment. ``insmod`` lists module files (e.g. a freshly built
     ``flowpacer/kmod/sch_psp.ko``) loaded before the command; a failing insmod fails the run.
-    ``on_output`` receives the command's output as it arrives.
+    ``on_output`` receives the command's output as it arrives. ``clock``: ``Clock.VIRTUAL``
+    (or "virtual") runs the guest in virtual time on one vCPU (``smp`` is then 1); None takes
+    ``$FLOWPACER_VM_CLOCK`` (default real). The guest's command sees ``FLOWPACER_VM_CLOCK``.
     """
+    clock = Clock.parse(clock)
     if shutil.which(QEMU) is None:
         raise VMError(f"{QEMU} is not installed (apt-get install qemu-system-x86)")
     cwd = os.path.abspath(cwd or os.getcwd())
@@ -136,6 +183,7 @@ def run(cmd: Union[Sequence[str], str], *, cwd: Optional[str] = None, timeout: f
         if re.search(r"\s", m):
             raise VMError(f"insmod {m}: paths with white space are not supported")
     env = dict(env or {})
+    env["FLOWPACER_VM_CLOCK"] = clock.value
     for k in env:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
             raise VMError(f"env: {k!r} is not a variable name")
@@ -162,7 +210,7 @@ def run(cmd: Union[Sequence[str], str], *, cwd: Optional[str] = None, timeout: f
     console = out / "console.log"
     qemu_err = out / "qemu.stderr"
 
-    argv = _qemu_cmd(art, out, mem_mb, smp, console)
+    argv = _qemu_cmd(art, out, mem_mb, smp, console, clock)
     log.debug("starting %s", shlex.join(argv))
     t0 = time.monotonic()
     with open(qemu_err, "wb") as err:
@@ -221,7 +269,7 @@ def run(cmd: Union[Sequence[str], str], *, cwd: Optional[str] = None, timeout: f
     res = VMResult(rc=rc, output=output, dmesg=_read(out / "dmesg.txt"), console=cons,
                    boot_s=boot_s if boot_s is not None else wall, wall_s=wall,
                    timed_out=rc == 124 or (rc == 137 and wall - (boot_s or 0) >= timeout),
-                   out_dir=out)
+                   out_dir=out, clock=clock, kernel=art.kernel.version)
     if made_out:
         log.debug("job files kept in %s", out)
     return res
@@ -237,7 +285,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--env", action="append", default=[], metavar="K=V",
                     help="extra environment variable (repeatable)")
     ap.add_argument("--mem", type=int, default=DEFAULT_MEM_MB, help="guest MiB (%(default)s)")
-    ap.add_argument("--smp", type=int, default=DEFAULT_SMP, help="guest CPUs (%(default)s)")
+    ap.add_argument("--smp", type=int, default=DEFAULT_SMP,
+                    help="guest CPUs (%(default)s; 1 in virtual time)")
+    ap.add_argument("--clock", choices=[c.value for c in Clock], default=None,
+                    help="real: plain TCG, host time (default, or $FLOWPACER_VM_CLOCK); virtual: "
+                         "exact guest time from the instruction count, one vCPU")
     ap.add_argument("--out", metavar="DIR", help="shared job directory (default: a new /tmp dir)")
     ap.add_argument("--dmesg", action="store_true", help="print the guest's dmesg afterwards")
     ap.add_argument("--keep", action="store_true",
@@ -272,7 +324,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         res = run(cmd, timeout=args.timeout, env=env, insmod=args.insmod, mem_mb=args.mem,
                   smp=args.smp, out_dir=Path(args.out) if args.out else None,
-                  on_output=None if args.quiet else show)
+                  on_output=None if args.quiet else show, clock=args.clock)
     except VMError as e:
         print(f"vm/run: {e.details()}", file=sys.stderr)
         return 125
@@ -283,7 +335,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     bad = res.dmesg_problems()
     if not args.quiet:
         print(f"vm/run: exit {res.rc}{' (timed out)' if res.timed_out else ''}; "
-              f"boot {res.boot_s:.1f} s, total {res.wall_s:.1f} s; job files in {res.out_dir}",
+              f"{res.kernel}, {res.clock.value} clock; boot {res.boot_s:.1f} s, total {res.wall_s:.1f} s; job files in {res.out_dir}",
               file=sys.stderr)
     for ln in bad:
         print(f"vm/run: dmesg: {ln}", file=sys.stderr)

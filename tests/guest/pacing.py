@@ -71,9 +71,21 @@ class TestbedError(Exception):
     __test__ = False
 
 
+# In virtual time a wait for the host (a file read over 9p) runs the guest's clock on, tick by
+# tick, far faster than the host's (vm/run.py): the guest's own time limits are widened by this
+# factor there (the host's limit on the whole VM run still bounds a real hang).
+VIRTUAL_TIMEOUT_SCALE = 10
+
+
+def guest_timeout(seconds: float) -> float:
+    """A time limit in guest seconds: ``seconds``, widened in virtual time."""
+    return seconds * (VIRTUAL_TIMEOUT_SCALE if virtual_time() else 1)
+
+
 def wait_for(cond: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:
-    """Poll ``cond`` until it is true; raise TimeoutError naming ``what`` after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
+    """Poll ``cond`` until it is true; raise TimeoutError naming ``what`` after ``timeout`` s
+    (widened in virtual time, ``guest_timeout``)."""
+    deadline = time.monotonic() + guest_timeout(timeout)
     while True:
         if cond():
             return
@@ -82,11 +94,28 @@ def wait_for(cond: Callable[[], bool], timeout: float, what: str, interval: floa
         time.sleep(interval)
 
 
+def virtual_time() -> bool:
+    """True in the test VM's virtual-time mode (``vm/run.py --clock virtual``): guest time is
+    counted in instructions, so timers fire on time whatever the host's load."""
+    return os.environ.get("FLOWPACER_VM_CLOCK") == "virtual"
+
+
+def require_virtual_time() -> None:
+    """Fail (not skip) a pacing test that is not in virtual time: under plain TCG its figures
+    depend on the host's load (``tests/test_vm.py`` runs pacing tests in virtual time)."""
+    if not virtual_time():
+        import pytest
+        pytest.fail("pacing tests run in the VM's virtual time (vm/run.py --clock virtual; "
+                    f"FLOWPACER_VM_CLOCK={os.environ.get('FLOWPACER_VM_CLOCK', '')!r})",
+                    pytrace=False)
+
+
 def sh(args: Sequence[str], ns: Optional[str] = None, timeout: float = 30,
        check: bool = True) -> subprocess.CompletedProcess:
     argv = (["ip", "netns", "exec", ns] if ns else []) + [str(a) for a in args]
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(argv, capture_output=True, text=True,
+                              timeout=guest_timeout(timeout))
     except subprocess.TimeoutExpired:
         raise TestbedError(f"{' '.join(argv)}: no answer in {timeout:.0f} s") from None
     if check and proc.returncode != 0:
@@ -437,6 +466,140 @@ class Capture:
             s.close()
 
 
+class PcapCapture:
+    """Like ``Capture``, but for high rates: ``tcpdump`` (libpcap's TPACKET_V3 ring, no Python per
+    packet) writes nanosecond timestamps and the first 128 bytes of each TCP/UDP packet to
+    ``port`` into a file on the guest's tmpfs, and the file is parsed afterwards. ``drops`` is
+    what the kernel dropped for lack of buffer (tcpdump's "dropped by kernel"); a run with drops
+    is not a result. A pcap frame carries no GSO size: a TCP skb longer than the MTU is counted
+    as the MTU-sized segments GSO cuts it into (``gso_size`` = MTU - IP header - TCP header).
+    """
+
+    def __init__(self, ns: str, dev: str, port, outgoing: bool = True, mtu: int = 1500,
+                 buffer_kib: int = 131072):
+        self.ns, self.dev, self.outgoing, self.mtu = ns, dev, outgoing, mtu
+        self.ports = frozenset([port] if isinstance(port, int) else port)
+        self.buffer_kib = buffer_kib
+        self.packets: List[Packet] = []
+        self.drops = 0
+        self.received = 0
+        self._proc: Optional[subprocess.Popen] = None
+        self._path = f"/tmp/fp-capture-{uuid.uuid4().hex[:8]}.pcap"
+
+    def __enter__(self) -> "PcapCapture":
+        flt = " or ".join(f"dst port {p}" for p in sorted(self.ports))
+        argv = ["ip", "netns", "exec", self.ns, "tcpdump", "-i", self.dev, "-nn", "-s", "128",
+                "-B", str(self.buffer_kib), "--time-stamp-precision=nano",
+                "-Q", "out" if self.outgoing else "in", "-w", self._path, f"({flt})"]
+        self._proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      text=True)
+        err: List[str] = []
+
+        def listening() -> bool:
+            if self._proc.poll() is not None:
+                err.append(self._proc.stderr.read())
+                raise TestbedError(f"tcpdump on {self.dev} exited: {err[-1].strip()[-300:]}")
+            return os.path.exists(self._path)
+        wait_for(listening, 30, "tcpdump to start")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> List[Packet]:
+        if self._proc is None:
+            return self.packets
+        proc, self._proc = self._proc, None
+        if proc.poll() is None:
+            proc.send_signal(2)   # SIGINT: tcpdump flushes the file and prints its counts
+        try:
+            _out, err = proc.communicate(timeout=guest_timeout(60))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise TestbedError("tcpdump did not stop") from None
+        for line in err.splitlines():
+            words = line.split()
+            if "dropped by kernel" in line and words and words[0].isdigit():
+                self.drops = int(words[0])
+            elif "packets received by filter" in line and words and words[0].isdigit():
+                self.received = int(words[0])
+        try:
+            with open(self._path, "rb") as f:
+                self.packets = list(parse_pcap(f.read(), self.ports, self.mtu))
+        finally:
+            try:
+                os.unlink(self._path)
+            except OSError:
+                pass
+        return self.packets
+
+
+def parse_pcap(data: bytes, dports, mtu: int = 1500) -> Iterable[Packet]:
+    """The TCP/UDP data packets to one of ``dports`` in a pcap file (Ethernet, micro- or
+    nanosecond stamps), with GSO skbs longer than ``mtu`` split by MSS as GSO would."""
+    if len(data) < 24:
+        raise ValueError("not a pcap file (too short)")
+    magic = struct.unpack_from("<I", data, 0)[0]
+    if magic == 0xA1B23C4D:
+        scale = 1
+    elif magic == 0xA1B2C3D4:
+        scale = 1000
+    else:
+        raise ValueError(f"not a little-endian pcap file (magic {magic:#x})")
+    link = struct.unpack_from("<I", data, 20)[0]
+    if link != 1:
+        raise ValueError(f"pcap link type {link}, not Ethernet")
+    off = 24
+    while off + 16 <= len(data):
+        sec, frac, caplen, wirelen = struct.unpack_from("<IIII", data, off)
+        frame = data[off + 16: off + 16 + caplen]
+        off += 16 + caplen
+        got = _parse_l3(frame, dports)
+        if got is None:
+            continue
+        dport, sport, proto, l3_len, l4_hdr = got
+        payload = l3_len - (l4_hdr[0] + l4_hdr[1])
+        if payload <= 0:
+            continue
+        gso = 0
+        if proto == socket.IPPROTO_TCP and l3_len > mtu:
+            gso = mtu - l4_hdr[0] - l4_hdr[1]
+        yield Packet(sec * 1_000_000_000 + frac * scale, sport, 14 + l3_len, payload, gso,
+                     dport=dport)
+
+
+def _parse_l3(frame: bytes, dports):
+    """(dport, sport, proto, l3_len, (ip header, l4 header)) of a TCP/UDP frame to ``dports``."""
+    if len(frame) < 14 + 28:
+        return None
+    ethertype = struct.unpack_from("!H", frame, 12)[0]
+    ip = 14
+    if ethertype == ETH_P_IP:
+        ihl = (frame[ip] & 0x0F) * 4
+        l3_len = struct.unpack_from("!H", frame, ip + 2)[0]
+        proto = frame[ip + 9]
+    elif ethertype == ETH_P_IPV6:
+        ihl = 40
+        l3_len = 40 + struct.unpack_from("!H", frame, ip + 4)[0]
+        proto = frame[ip + 6]
+    else:
+        return None
+    th = ip + ihl
+    if proto not in (socket.IPPROTO_TCP, socket.IPPROTO_UDP) or len(frame) < th + 8:
+        return None
+    sport, dport = struct.unpack_from("!HH", frame, th)
+    if dport not in dports:
+        return None
+    if proto == socket.IPPROTO_TCP:
+        if len(frame) < th + 13:
+            return None
+        l4 = (frame[th + 12] >> 4) * 4
+    else:
+        l4 = 8
+    return dport, sport, proto, l3_len, (ihl, l4)
+
+
 # ------------------------------------------------------------------------ analysis
 
 @dataclasses.dataclass
@@ -461,15 +624,17 @@ class PacingStats:
     iperf_bps: float = 0.0   # iperf3's own receiver goodput over the whole run
     fit_rate_error: float = 0.0  # least-squares rate (bytes sent vs time) / target_bps - 1
     gap_pct_us: Dict[str, float] = dataclasses.field(default_factory=dict)  # p1..p99, max
+    within10: float = 0.0    # share of gaps within +-10 % of the ideal gap for that packet
 
     def row(self) -> str:
         return (f"{to_mbit(self.goodput_bps):7.3f} {100 * self.rate_error:+6.1f}% "
                 f"{self.ideal_gap_us:7.0f} {self.median_gap_us:7.0f} {self.p99_gap_us:7.0f} "
-                f"{100 * self.within25:6.1f}% {100 * self.b2b_share:6.1f}% "
+                f"{100 * self.within10:6.1f}% {100 * self.within25:6.1f}% "
+                f"{100 * self.b2b_share:6.1f}% "
                 f"{self.longest_run:5d} {self.max_per_ms:4d} {100 * self.empty_ms:5.1f}% "
                 f"{self.mean_segs:5.1f} {self.packets:6d}")
 
-    HEADER = ("goodput  raterr  ideal_us  med_us  p99_us  within25  b2b%   run  max/ms "
+    HEADER = ("goodput  raterr  ideal_us  med_us  p99_us  within10  within25  b2b%   run  max/ms "
               "empty  segs   pkts")
 
 
@@ -513,6 +678,7 @@ def analyze(packets: Iterable[Packet], target_bps: int, warmup_s: float = 1.0,
         gaps.append(t1 - t0)
         ideal.append(l0 * 1e9 / target_bps)
     within = sum(1 for g, i in zip(gaps, ideal) if abs(g - i) <= 0.25 * i)
+    within10 = sum(1 for g, i in zip(gaps, ideal) if abs(g - i) <= 0.10 * i)
     b2b = [g < i / 4 for g, i in zip(gaps, ideal)]
     longest = cur = 0
     for b in b2b:
@@ -530,7 +696,8 @@ def analyze(packets: Iterable[Packet], target_bps: int, warmup_s: float = 1.0,
         fit_rate_error=fit / target_bps - 1,
         ideal_gap_us=full_frame * 1e6 / target_bps,
         median_gap_us=_pct(sg, 0.5) / 1e3, p99_gap_us=_pct(sg, 0.99) / 1e3,
-        within25=within / len(gaps), b2b_share=sum(b2b) / len(gaps),
+        within25=within / len(gaps), within10=within10 / len(gaps),
+        b2b_share=sum(b2b) / len(gaps),
         longest_run=longest + 1 if longest else 1, max_per_ms=max(bins.values()),
         empty_ms=1 - len(bins) / nbins, mean_segs=len(wire) / len(win),
         gap_pct_us={**{f"p{q}": _pct(sg, q / 100) / 1e3
@@ -617,7 +784,7 @@ class Iperf:
     def wait(self) -> Dict[int, dict]:
         """Wait for every client; their JSON reports by port (raises when one failed)."""
         try:
-            deadline = self.started + self.duration + 60
+            deadline = self.started + self.duration + guest_timeout(60)
             for p, c in self.clients.items():
                 try:
                     out, err = c.communicate(timeout=max(1.0, deadline - time.monotonic()))
@@ -669,7 +836,7 @@ def sender_capture(tb: Testbed, port=IPERF_PORT) -> Capture:
 
 
 def measure(tb: Testbed, setup: Optional[QdiscSetup], target_bps: int, *, gso: bool = True,
-            duration: float = 5.0, warmup_s: float = 1.0) -> PacingStats:
+            duration: float = 5.0, warmup_s: float = 1.0, pcap: bool = False) -> PacingStats:
     """Install ``setup`` on the sender's veth, send one iperf3 TCP stream for ``duration``
     seconds, capture it as it leaves the sender's veth (``sender_capture``) and analyse it
     against ``target_bps``; ``iperf_bps`` is the receiver's goodput."""
@@ -677,7 +844,9 @@ def measure(tb: Testbed, setup: Optional[QdiscSetup], target_bps: int, *, gso: b
     tb.set_gso(gso)
     if setup is not None:
         setup(tb)
-    with sender_capture(tb) as cap:
+    cap = (PcapCapture(tb.sender_ns, tb.sender_dev, IPERF_PORT) if pcap
+           else sender_capture(tb))
+    with cap:
         with Iperf(tb, [IPERF_PORT], duration) as ip:
             rep = ip.wait()[IPERF_PORT]
     stats = analyze(cap.packets, target_bps, warmup_s=warmup_s)

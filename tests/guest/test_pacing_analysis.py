@@ -5,7 +5,7 @@ import struct
 
 import pytest
 
-from pacing import Packet, analyze, mbit, parse_frame
+from pacing import Packet, analyze, mbit, parse_frame, parse_pcap
 
 RATE = mbit(10)
 GAP_NS = 1514 * 1e9 / RATE      # 1211.2 us
@@ -91,3 +91,33 @@ def test_busiest_flow_and_warmup():
         analyze([], RATE)
     with pytest.raises(ValueError):
         analyze(data[:10], RATE, warmup_s=1.0)
+
+
+def pcap_file(frames, nano=True) -> bytes:
+    """A pcap file (Ethernet) of (ts_ns, frame bytes, wire length) records."""
+    out = struct.pack("<IHHiIII", 0xA1B23C4D if nano else 0xA1B2C3D4, 2, 4, 0, 0, 128, 1)
+    for ts, frame, wire in frames:
+        frac = ts % 1_000_000_000 if nano else (ts % 1_000_000_000) // 1000
+        cap = frame[:128]
+        out += struct.pack("<IIII", ts // 1_000_000_000, frac, len(cap), wire) + cap
+    return out
+
+
+def test_parse_pcap_counts_gso_skbs_as_mtu_segments():
+    gso = frame_v4(43440)[10:]                        # no virtio header in a pcap
+    plain = frame_v4(1448)[10:]
+    ack = frame_v4(0)[10:]
+    udp = bytearray(plain)
+    udp[14 + 9] = 17                                   # UDP: 8-byte header, dport at the same place
+    other = frame_v4(1448, dport=80)[10:]
+    data = pcap_file([(1_000_000_123, plain, 1514), (2_000_000_456, gso, 14 + 20 + 32 + 43440),
+                      (3, ack, 66), (4, bytes(udp), 1514), (5, other, 1514)])
+    pk = list(parse_pcap(data, {5201}))
+    assert [p.ts_ns for p in pk] == [1_000_000_123, 2_000_000_456, 4]
+    assert pk[0].segs == 1 and pk[0].payload_bytes == 1448 and pk[0].l2_bytes == 1514
+    assert pk[1].gso_size == 1448 and pk[1].segs == 30      # 1500 - 20 - 32
+    assert pk[2].payload_bytes == 32 + 1448 - 8 and pk[2].gso_size == 0   # UDP: all after 8 bytes
+    micro = list(parse_pcap(pcap_file([(1_000_001_000, plain, 1514)], nano=False), {5201}))
+    assert micro[0].ts_ns == 1_000_001_000
+    with pytest.raises(ValueError):
+        list(parse_pcap(b"\0" * 24, {5201}))

@@ -1,22 +1,24 @@
-"""psp's pacing measured in the VM, side by side with htb in the same boot.
+"""psp's pacing measured in the VM's virtual time, side by side with htb in the same boot.
 
-- Precision with TSO/GSO on (psp segments at enqueue and paces each wire packet) at 2 and
-  10 Mbit/s, measured where the packets leave the sender's veth (``pacing.sender_capture``):
-  the share of inter-packet gaps within +-25 % of the ideal gap is >= 80 % and at least 3x
-  htb's (htb sends the GSO skbs whole: 0 %), and psp never sends more than 2 packets back to
-  back (gaps under a quarter of the ideal; the simulator proves the bound exactly,
-  tests/test_psp_sim.py): on the wire, and by the qdisc's own count (xstats longest_run),
-  which must hold in every attempt.
+These tests run with ``vm/run.py --clock virtual`` (``tests/test_vm.py`` does that): the guest's
+clock counts instructions, so timers fire when they are due whatever the host's load, and the
+same inputs give the same figures (``test_same_case_twice_same_figures`` checks it). No
+measurement is taken again: a miss is a failure.
+
+- Precision with TSO/GSO on (psp segments at enqueue and paces each wire packet) at 2, 10 and
+  100 Mbit/s, measured where the packets leave the sender's veth (``pacing.sender_capture``):
+  >= 95 % of the inter-packet gaps within +-10 % of the ideal gap (issue 14's goal; 100 % at 2
+  and 10 Mbit/s, 97 % at 100 Mbit/s, where the guest's 250 Hz tick, kept on in virtual time,
+  delays a packet by a few us every 4 ms) and at least 3x htb's share within +-25 % (htb sends the GSO skbs whole: 0 %), never more
+  than 2 packets back to back (gaps under a quarter of the ideal; the simulator proves the
+  bound exactly, tests/test_psp_sim.py), on the wire and by the qdisc's own count (xstats
+  longest_run), and the frame rate within 0.1 % of the target.
 - Sharing: 5 classes at 4,4,4,2,2 Mbit/s on a 10 Mbit/s psp link, all backlogged, get the
-  link in proportion to their rates (2:2:2:1:1, each within 5 % of rate x 10/16).
+  link in proportion to their rates (2:2:2:1:1, each within 1 % of rate x 10/16).
 - Borrowing: a class at 2 Mbit/s with ceil 6 gets its ceil while the link is idle and only
   its rate once another class needs the rest of the link.
 
-Timing inside TCG depends on the host's load (a busy host stalls the guest's vCPUs for
-milliseconds, for every qdisc alike; psp then drops clock lag beyond its catch-up windows, see
-the report in docs/psp-results.md). A measurement that misses is therefore taken again, up to
-3 times (precision: psp and htb back to back each time); every attempt's figures, with psp's
-lateness and clamp counts, are recorded in pacing-figures.txt, so a pass on a retry is visible.
+Every figure, with psp's lateness and clamp counts, is recorded in pacing-figures.txt.
 """
 from __future__ import annotations
 
@@ -25,49 +27,87 @@ import time
 import pytest
 
 import psplib
-from pacing import (Capture, Htb, Iperf, IPERF_PORT, PacingStats, Psp, mbit, measure, to_mbit,
-                    wait_for, window_rate)
+from pacing import (Capture, Htb, Iperf, IPERF_PORT, PacingStats, Psp, mbit, measure,
+                    require_virtual_time, to_mbit, wait_for, window_rate)
 from psplib import bed, psp_module  # noqa: F401
 
-ATTEMPTS = 3
-DURATION_S = {2: 5.0, 10: 4.0}
+DURATION_S = {2: 5.0, 10: 4.0, 100: 3.0}
+RATES = (2, 10, 100)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _virtual_time():
+    require_virtual_time()
 
 
 def _row(kind: str, rate: int, st: PacingStats, note: str = "") -> str:
     return f"{kind:5} {rate:4d} on  {st.row()}{note}"
 
 
-@pytest.mark.parametrize("rate", [2, 10], ids=["2mbit", "10mbit"])
+def _psp_note(x: dict) -> str:
+    late_us = x["late_ns_total"] / max(1, x["paced_pkts"]) / 1e3
+    return (f"mean lateness {late_us:.0f} us, worst {x['late_ns_max'] / 1e6:.2f} ms, clamps "
+            f"{x['clamps']}, GSO skbs split {x['gso_split']}, own longest run {x['longest_run']}")
+
+
+def _measure_psp(tb, sock, rate):
+    st = measure(tb, Psp(mbit(rate)), mbit(rate), gso=True, duration=DURATION_S[rate])
+    return st, sock.root(tb.sender_dev).xstats
+
+
+@pytest.mark.parametrize("rate", RATES, ids=[f"{r}mbit" for r in RATES])
 def test_psp_paces_wire_packets_with_gso_on(bed, rate):
     tb, sock = bed
-    attempts = []
-    for i in range(ATTEMPTS):
-        psp = measure(tb, Psp(mbit(rate)), mbit(rate), gso=True, duration=DURATION_S[rate])
-        x = sock.root(tb.sender_dev).xstats
-        late_us = x["late_ns_total"] / max(1, x["paced_pkts"]) / 1e3
-        # by the qdisc's own clock no run is ever longer than 2, however the VM behaves; the
-        # wire (below) also shows vCPU stalls between dequeue and device, hence its retries
-        assert 1 <= x["longest_run"] <= 2, f"psp's own longest run {x['longest_run']}"
-        htb = measure(tb, Htb(mbit(rate)), mbit(rate), gso=True, duration=DURATION_S[rate])
-        tb.clear_qdisc()
-        runs_ok = psp.longest_run <= 2
-        ok = (psp.within25 >= 0.80 and psp.within25 >= 3 * htb.within25
-              and runs_ok and psp.mean_segs == 1.0)
-        attempts.append((psp, htb, ok))
-        psplib.record(_row("psp", rate, psp, f"  (attempt {i + 1}; mean lateness {late_us:.0f} us,"
-                           f" worst {x['late_ns_max'] / 1e6:.1f} ms, clamps {x['clamps']}, "
-                           f"GSO skbs split {x['gso_split']}, own longest run "
-                           f"{x['longest_run']})"))
-        psplib.record(_row("htb", rate, htb, f"  (attempt {i + 1})"))
-        if ok:
-            break
-    psp, htb, ok = attempts[-1]
+    psp, x = _measure_psp(tb, sock, rate)
+    psplib.record(_row("psp", rate, psp, "  (" + _psp_note(x) + ")"))
+    htb = measure(tb, Htb(mbit(rate)), mbit(rate), gso=True, duration=DURATION_S[rate])
+    tb.clear_qdisc()
+    psplib.record(_row("htb", rate, htb))
     assert psp.capture_drops == 0 and htb.capture_drops == 0
-    assert ok, ("psp missed in every attempt: " + "; ".join(
-        f"within25 {100 * p.within25:.1f} % (htb {100 * h.within25:.1f} %), longest run "
-        f"{p.longest_run}" for p, h, _ in attempts))
-    # the packets are paced, not the rate lost: psp's long-run rate stays on target
-    assert abs(psp.rate_error) < 0.03, f"{to_mbit(psp.rate_bps):.3f} Mbit/s"
+    # by the qdisc's own clock no run is ever longer than 2; on the wire neither
+    assert 1 <= x["longest_run"] <= 2, f"psp's own longest run {x['longest_run']}"
+    assert psp.longest_run <= 2, f"longest run on the wire {psp.longest_run}"
+    assert psp.mean_segs == 1.0                       # every GSO skb split at enqueue
+    assert psp.within10 >= 0.95, f"within +-10 %: {100 * psp.within10:.1f} %"
+    assert psp.within25 >= 0.95, f"within +-25 %: {100 * psp.within25:.1f} %"
+    assert psp.within25 >= 3 * htb.within25
+    # the packets are paced, not the rate lost: psp's rate stays on target
+    assert abs(psp.fit_rate_error) <= 0.001, f"{to_mbit(psp.rate_bps):.4f} Mbit/s (fitted " \
+        f"{100 * psp.fit_rate_error:+.4f} %)"
+    assert abs(psp.rate_error) <= 0.001, f"{100 * psp.rate_error:+.4f} %"
+    assert x["clamps"] == 0
+
+
+# Two runs of one case in one boot differ only by what virtual time does not fix: the
+# moments host I/O (the 9p root, the console) reaches the guest and the random TCP ports,
+# ISNs and hash seeds. Measured on 6.1: within10/within25 equal to 0.1 pp, rate to 1e-5.
+SAME_PP = 0.005          # shares of gaps: 0.5 percentage points
+SAME_RATE = 0.0002       # rate error: 0.02 percentage points
+SAME_GAP = 0.01          # median gap: 1 %
+
+
+def test_same_case_twice_same_figures(bed):
+    """One case (psp at 10 Mbit/s, GSO on) measured twice gives the same figures within a
+    tight tolerance: the pacing tests need no retries."""
+    tb, sock = bed
+    runs = []
+    for i in range(2):
+        st, x = _measure_psp(tb, sock, 10)
+        psplib.record(_row("psp", 10, st, f"  (determinism run {i + 1}; {_psp_note(x)})"))
+        runs.append(st)
+    a, b = runs
+    diffs = {"within10": abs(a.within10 - b.within10), "within25": abs(a.within25 - b.within25),
+             "b2b_share": abs(a.b2b_share - b.b2b_share),
+             "rate_error": abs(a.rate_error - b.rate_error),
+             "fit_rate_error": abs(a.fit_rate_error - b.fit_rate_error),
+             "median_gap": abs(a.median_gap_us / b.median_gap_us - 1)}
+    psplib.record("psp 10 Mbit twice: differences " + ", ".join(
+        f"{k} {v:.6f}" for k, v in diffs.items()))
+    assert diffs["within10"] <= SAME_PP and diffs["within25"] <= SAME_PP, diffs
+    assert diffs["b2b_share"] <= SAME_PP, diffs
+    assert diffs["rate_error"] <= SAME_RATE and diffs["fit_rate_error"] <= SAME_RATE, diffs
+    assert diffs["median_gap"] <= SAME_GAP, diffs
+    assert a.longest_run == b.longest_run
 
 
 def _setup_classes(tb, sock, link_bps, classes):
@@ -111,21 +151,18 @@ def test_oversubscribed_link_shared_in_proportion_to_rates(bed):
     tb, sock = bed
     rates = [4, 4, 4, 2, 2]
     want = [mbit(r) * 10 / sum(rates) for r in rates]
-    for i in range(ATTEMPTS):
-        got, q = _share_once(tb, sock, rates)
-        errs = [abs(g / w - 1) for g, w in zip(got, want)]
-        psplib.record(f"psp sharing 4,4,4,2,2 on 10 Mbit (attempt {i + 1}): " + ", ".join(
-            f"{to_mbit(g):.3f} ({100 * g / w:.1f} %)" for g, w in zip(got, want))
-            + f" Mbit/s, total {to_mbit(sum(got)):.3f}; rate sum seen "
-            f"{q.xstats['rate_sum'] * 8 / 1e6:g} Mbit/s, active {q.xstats['active']}; "
-            + _xstats_note(sock, tb.sender_dev))
-        # all five backlogged (the unpaced default class may hold a stray ARP packet too)
-        assert q.xstats["rate_sum"] == mbit(16) and q.xstats["active"] >= 5
-        if max(errs) <= 0.05 and abs(sum(got) / mbit(10) - 1) <= 0.05:
-            return
-    pytest.fail(f"a class off its share by {100 * max(errs):.1f} % in every attempt: "
-                + ", ".join(f"{to_mbit(g):.3f}/{to_mbit(w):.3f}" for g, w in zip(got, want)),
-                pytrace=False)
+    got, q = _share_once(tb, sock, rates)
+    errs = [abs(g / w - 1) for g, w in zip(got, want)]
+    psplib.record("psp sharing 4,4,4,2,2 on 10 Mbit: " + ", ".join(
+        f"{to_mbit(g):.3f} ({100 * g / w:.2f} %)" for g, w in zip(got, want))
+        + f" Mbit/s, total {to_mbit(sum(got)):.3f}; rate sum seen "
+        f"{q.xstats['rate_sum'] * 8 / 1e6:g} Mbit/s, active {q.xstats['active']}; "
+        + _xstats_note(sock, tb.sender_dev))
+    # all five backlogged (the unpaced default class may hold a stray ARP packet too)
+    assert q.xstats["rate_sum"] == mbit(16) and q.xstats["active"] >= 5
+    assert max(errs) <= 0.01, (f"a class off its share by {100 * max(errs):.2f} %: " + ", ".join(
+        f"{to_mbit(g):.3f}/{to_mbit(w):.3f}" for g, w in zip(got, want)))
+    assert abs(sum(got) / mbit(10) - 1) <= 0.01, f"link {to_mbit(sum(got)):.3f} Mbit/s"
 
 
 def _borrow_once(tb, sock):
@@ -152,17 +189,13 @@ def _borrow_once(tb, sock):
 def test_borrowing_up_to_ceil_only_while_the_link_is_idle(bed):
     """A: rate 2, ceil 6; B: rate 8; link 10 Mbit/s. A alone: its ceil. A and B: their rates."""
     tb, sock = bed
-    for i in range(ATTEMPTS):
-        a_alone, a_both, b_both, cls = _borrow_once(tb, sock)
-        psplib.record(f"psp borrowing (attempt {i + 1}): A (2, ceil 6) alone "
-                      f"{to_mbit(a_alone):.3f} Mbit/s; with B (8): A {to_mbit(a_both):.3f}, B "
-                      f"{to_mbit(b_both):.3f}; A borrowed {cls[0x10].xstats['borrowed_pkts']} "
-                      f"packets; " + _xstats_note(sock, tb.sender_dev))
-        # only A borrows, and only while alone
-        assert cls[0x10].xstats["borrowed_pkts"] > 0 and cls[0x11].xstats["borrowed_pkts"] == 0
-        errs = (abs(a_alone / mbit(6) - 1), abs(a_both / mbit(2) - 1), abs(b_both / mbit(8) - 1))
-        if max(errs) <= 0.05:
-            return
-    pytest.fail(f"off by {100 * max(errs):.1f} % in every attempt: A alone "
-                f"{to_mbit(a_alone):.3f} (6), A {to_mbit(a_both):.3f} (2), B "
-                f"{to_mbit(b_both):.3f} (8)", pytrace=False)
+    a_alone, a_both, b_both, cls = _borrow_once(tb, sock)
+    psplib.record(f"psp borrowing: A (2, ceil 6) alone {to_mbit(a_alone):.3f} Mbit/s; with B "
+                  f"(8): A {to_mbit(a_both):.3f}, B {to_mbit(b_both):.3f}; A borrowed "
+                  f"{cls[0x10].xstats['borrowed_pkts']} packets; "
+                  + _xstats_note(sock, tb.sender_dev))
+    # only A borrows, and only while alone
+    assert cls[0x10].xstats["borrowed_pkts"] > 0 and cls[0x11].xstats["borrowed_pkts"] == 0
+    errs = (abs(a_alone / mbit(6) - 1), abs(a_both / mbit(2) - 1), abs(b_both / mbit(8) - 1))
+    assert max(errs) <= 0.02, (f"off by {100 * max(errs):.2f} %: A alone {to_mbit(a_alone):.3f}"
+                               f" (6), A {to_mbit(a_both):.3f} (2), B {to_mbit(b_both):.3f} (8)")

@@ -24,11 +24,16 @@ from typing import Dict, Tuple
 
 import pytest
 
-from pacing import Fq, Htb, PacingStats, Tbf, Testbed, mbit, measure, to_mbit
+from pacing import Fq, Htb, PacingStats, Tbf, Testbed, mbit, measure, require_virtual_time, to_mbit
 
 QDISCS = {"htb": Htb, "tbf": Tbf, "fq": Fq}
 RATES_MBIT = (2, 10)
 DURATION_S = {2: 5.0, 10: 4.0}   # >= ~650 wire packets after the 1 s warm-up
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _virtual_time():
+    require_virtual_time()
 
 
 @pytest.fixture(scope="module")
