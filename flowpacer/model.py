@@ -334,6 +334,16 @@ class FlowView:
 
 
 @dataclass(frozen=True, slots=True)
+class GroupView:
+    """One group class (a rule's total or one client's share of a rule) as the kernel has it."""
+    kind: Optional[GroupKind]            # None: adopted after a restart, not named by a plan yet
+    id: str                              # Group.id ("" until named)
+    classid: int
+    rate_bps: int                        # its kernel rate (its share when its parent is full)
+    ceil_bps: int                        # its cap
+
+
+@dataclass(frozen=True, slots=True)
 class DaemonView:
     """The daemon's state at one moment: the one thing status, control, top and metrics read."""
     backend: Optional[str]
@@ -351,3 +361,4 @@ class DaemonView:
     stages: Tuple[StageView, ...]
     counters: dict
     events: dict
+    groups: Tuple[GroupView, ...] = ()   # group classes (issue 15)

@@ -73,6 +73,8 @@ class Row:
     bytes: int
     actual_bit: Optional[float]          # None until two answers were seen
     avg_bit: Optional[float] = None      # over up to Tracker.AVG_S seconds
+    client: str = ""                     # its client group (issue 15), "" without client_rate
+    client_rate_bit: int = 0
 
 
 @dataclass
@@ -83,6 +85,7 @@ class RuleTotal:
     avg_bit: float = 0.0
     target_bit: int = 0
     bytes: int = 0
+    total_rate_bit: int = 0              # the rule's total_rate (issue 15), 0 without one
 
 
 @dataclass
@@ -129,6 +132,7 @@ class Tracker:
 
     def _update(self, st: dict, now: float) -> View:
         rows: List[Row] = []
+        totals_cap: Dict[str, int] = {}
         hist: Dict[Tuple[str, str, str], Deque[Tuple[float, int]]] = {}
         for f in st.get("flows") or []:
             key = (str(f["local"]), str(f["remote"]), str(f.get("classid", "")))
@@ -149,7 +153,10 @@ class Tracker:
                             local=term_safe(f["local"]), remote=term_safe(f["remote"]),
                             rate_bit=int(f.get("rate_bit", 0)),
                             ceil_bit=int(f.get("ceil_bit", 0) or f.get("rate_bit", 0)),
-                            bytes=nbytes, actual_bit=actual, avg_bit=avg))
+                            bytes=nbytes, actual_bit=actual, avg_bit=avg,
+                            client=term_safe(f.get("client") or ""),
+                            client_rate_bit=int(f.get("client_rate_bit") or 0)))
+            totals_cap[rows[-1].rule] = int(f.get("total_rate_bit") or 0)
         self._hist = hist
         rows.sort(key=lambda r: (r.actual_bit is None, -(r.actual_bit or 0.0), -(r.avg_bit or 0.0),
                                  -r.bytes, r.rule, r.local, r.remote))
@@ -161,6 +168,7 @@ class Tracker:
             t.avg_bit += r.avg_bit or 0.0
             t.target_bit += r.rate_bit
             t.bytes += r.bytes
+            t.total_rate_bit = totals_cap.get(r.rule, 0)
         link = fmt_bits(int(st.get("link_rate_bit") or 0))
         header = (f"{self._title()} - backend {term_safe(st.get('backend'))} on "
                   f"{term_safe(st.get('interface'))} (link {link})")
@@ -193,6 +201,15 @@ def _target(r: Row) -> str:
     return t if r.ceil_bit <= r.rate_bit else f"{t} (ceil {fmt_bits(r.ceil_bit)})"
 
 
+def _total_target(t: RuleTotal) -> str:
+    s = fmt_bits(t.target_bit)
+    return s if not t.total_rate_bit else f"{s} (total {fmt_bits(t.total_rate_bit)})"
+
+
+def _client(r: Row) -> str:
+    return f"{r.client} @{fmt_bits(r.client_rate_bit)}" if r.client else "-"
+
+
 def render(view: View, width: int, height: int) -> List[Tuple[str, str]]:
     """The screen as (style, text) lines, at most ``height`` lines of at most ``width``
     characters. Styles: "title", "error", "head", "" (plain)."""
@@ -206,7 +223,7 @@ def render(view: View, width: int, height: int) -> List[Tuple[str, str]]:
     room = height - len(lines)
     if not view.error and view.rows and room >= 3:
         trows = [("RULE", "FLOWS", "TARGET (sum)", "ACTUAL", "AVG 10s", "SENT")]
-        trows += [(t.rule, str(t.flows), fmt_bits(t.target_bit), fmt_bits(t.actual_bit),
+        trows += [(t.rule, str(t.flows), _total_target(t), fmt_bits(t.actual_bit),
                    fmt_bits(t.avg_bit), fmt_bytes(t.bytes)) for t in view.totals]
         if len(view.totals) > 1:
             trows.append(("all", str(sum(t.flows for t in view.totals)),
@@ -227,9 +244,15 @@ def render(view: View, width: int, height: int) -> List[Tuple[str, str]]:
             frows += [(r.rule, str(r.pid) if r.pid else "-", r.process or "-", r.local, r.remote,
                        _target(r), fmt_bits(r.actual_bit), fmt_bits(r.avg_bit), fmt_bytes(r.bytes))
                       for r in view.rows]
+            right = (False, True, False, False, False, True, True, True, True)
             # on a narrow terminal the rates matter most: AVG, SENT, PID, LOCAL go first
-            flines = _table(frows, (False, True, False, False, False, True, True, True, True),
-                            width, drop=(7, 8, 1, 3))
+            drop: Tuple[int, ...] = (7, 8, 1, 3)
+            if any(r.client for r in view.rows):     # rules with client_rate: the CLIENT column
+                frows = [row[:5] + (c,) + row[5:] for row, c in
+                         zip(frows, ["CLIENT"] + [_client(r) for r in view.rows])]
+                right = right[:5] + (False,) + right[5:]
+                drop = (8, 9, 1, 3, 5)
+            flines = _table(frows, right, width, drop=drop)
             lines.append(("", ""))
             lines.append(("head", flines[0]))
             room = height - len(lines)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, Optional
 
-from .model import ClassStats, DaemonView, FlowView, endpoint
+from .model import ClassStats, DaemonView, FlowView, GroupKind, GroupView, endpoint
 
 
 def build(rec, sup, stages: Iterable, *, rules_path: str, flow_source: str,
@@ -21,10 +21,12 @@ def build(rec, sup, stages: Iterable, *, rules_path: str, flow_source: str,
     for key, classid, shape in (b.flows_snapshot() if b else ()):
         f = table.get(key)
         if f is None:
-            flows.append(FlowView(key, classid, shape.rule, shape.rate_bps, shape.ceil_bps))
+            flows.append(FlowView(key, classid, shape.rule, shape.rate_bps, shape.ceil_bps,
+                                  groups=shape.groups))
         else:
             flows.append(FlowView(key, classid, shape.rule, shape.rate_bps, shape.ceil_bps,
-                                  f.proc.pid, f.proc.comm, f.proc.uid, f.direction, f.source))
+                                  f.proc.pid, f.proc.comm, f.proc.uid, f.direction, f.source,
+                                  shape.groups))
     c = rec.counters
     return DaemonView(
         backend=b.name if b else None,
@@ -49,7 +51,44 @@ def build(rec, sup, stages: Iterable, *, rules_path: str, flow_source: str,
                   "reconcile_removed": rec.table.reconcile_removed,
                   "apply_hist": c.apply_hist.cumulative()},
         events=dict(rec.table.events),
+        groups=_groups(b),
     )
+
+
+def _groups(b) -> tuple:
+    snap = getattr(b, "groups_snapshot", None) if b is not None else None
+    return tuple(GroupView(*g) for g in snap()) if snap else ()
+
+
+def client_of(group_id: str) -> str:
+    """The client part of a client group's id ("dl/192.0.2.7/32" -> "192.0.2.7/32")."""
+    return group_id.split("/", 1)[1] if "/" in group_id else group_id
+
+
+def _flow_groups(f: FlowView) -> dict:
+    """The status fields of a flow's groups (issue 15; empty for rules without aggregates)."""
+    out = {"groups": [{"kind": g.kind.value, "id": g.id, "rate_bit": g.rate_bps * 8,
+                       "ceil_bit": g.ceil_bps * 8} for g in f.groups],
+           "client": "", "client_rate_bit": 0, "total_rate_bit": 0}
+    for g in f.groups:
+        if g.kind is GroupKind.CLIENT:
+            out["client"], out["client_rate_bit"] = client_of(g.id), g.rate_bps * 8
+        else:
+            out["total_rate_bit"] = g.rate_bps * 8
+    return out
+
+
+def _groups_json(v: DaemonView, stats: Dict[int, ClassStats]) -> list:
+    out = []
+    for g in v.groups:
+        st = stats.get(g.classid)
+        out.append({"kind": g.kind.value if g.kind else "", "id": g.id,
+                    "classid": classid_text(g.classid),
+                    "rate_bit": g.rate_bps * 8, "ceil_bit": g.ceil_bps * 8,
+                    "bytes": st.bytes if st else 0, "packets": st.packets if st else 0,
+                    "drops": st.drops if st else 0})
+    out.sort(key=lambda x: (x["kind"] != "rule", x["id"]))
+    return out
 
 
 def to_json(v: DaemonView, stats: Dict[int, ClassStats]) -> dict:
@@ -68,6 +107,7 @@ def to_json(v: DaemonView, stats: Dict[int, ClassStats]) -> dict:
             "rate_bit": f.rate_bps * 8, "ceil_bit": f.ceil_bps * 8,
             "bytes": st.bytes if st else 0, "packets": st.packets if st else 0,
             "drops": st.drops if st else 0,
+            **_flow_groups(f),
         })
     flows.sort(key=lambda x: (x["rule"], x["family"], x["local"], x["remote"]))
     counters = {k: val for k, val in v.counters.items() if k != "apply_hist"}
@@ -89,6 +129,7 @@ def to_json(v: DaemonView, stats: Dict[int, ClassStats]) -> dict:
                     "last_error": s.last_error, "detail": s.detail} for s in v.stages],
         "counters": counters,
         "flows": flows,
+        "groups": _groups_json(v, stats),
     }
 
 

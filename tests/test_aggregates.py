@@ -6,6 +6,7 @@ and ``total_rate`` and measure ``iperf3 -R`` at the client (the receiver).
 """
 from __future__ import annotations
 
+import ipaddress
 import re
 
 import pytest
@@ -15,7 +16,7 @@ from flowpacer.backend import tc as tcb
 from flowpacer.backend.groups import GroupTree, Member, Node, targets
 from flowpacer.backend.htb import HtbCodec
 from flowpacer.model import FlowKey, Group, GroupKind, Match, Op, OpKind, Rule, Shape
-from flowpacer.testbed import in_netns
+from flowpacer.testbed import in_netns, wait_for
 
 MBIT = 1_000_000 // 8
 LINK = 1000 * MBIT
@@ -132,7 +133,6 @@ def test_groups_made_with_their_first_flow_and_removed_with_the_last(testbed):
 
 
 def ipaddress_net(addr, bits):
-    import ipaddress
     return ipaddress.ip_network((addr, bits), strict=False)
 
 
@@ -242,7 +242,6 @@ PORTS = {"capped": range(5301, 5306), "total": range(5311, 5314), "borrow": rang
 
 class Site:
     def __init__(self, tb, daemon):
-        import ipaddress
         self.tb, self.daemon = tb, daemon
         v4 = int(tb.client_v4)
         # clients: .2 (the testbed's), .3; IPv6 ::2 and ::3 (one /64: one client), and ::2 in
@@ -274,6 +273,13 @@ def site(module_testbed, tmp_path_factory):
     yield s
     rc = s.daemon.stop()
     assert rc == 0, f"the daemon exited {rc} on SIGTERM:\n{s.daemon.log_text()[-3000:]}"
+
+
+def _capped_status(site):
+    st = site.daemon.status()
+    clients = {f["client"] for f in st["flows"] if f["rule"] == "capped"}
+    n = sum(1 for f in st["flows"] if f["rule"] == "capped")
+    return st if len(clients) == 4 and n == 21 else None
 
 
 def iperf(site, bind, port: int, streams: int, seconds: float = 6):
@@ -319,7 +325,24 @@ def test_client_rate_over_parallel_streams_each_client_its_own(site):
             "v6 other /64": (iperf(site, v6b, 5303, 4), True, 4),
             "v6 ::2 half of a /64": (iperf(site, v6a, 5304, 2), True, 2),
             "v6 ::3 half of a /64": (iperf(site, v6a2, 5305, 2), True, 2)}
+    status = wait_for(lambda: _capped_status(site), 8, 0.1, "the flows of all five clients "
+                      "in status with their groups")
     got = {name: received(p) for name, (p, _, _) in runs.items()}
+    # status: each flow names its rule and client and the client's rate; each group its rate
+    by_client = {}
+    for f in status["flows"]:
+        if f["rule"] == "capped":
+            assert f["client_rate_bit"] == 20_000_000 and f["total_rate_bit"] == 0
+            assert f["groups"] == [{"kind": "client", "id": f"capped/{f['client']}",
+                                    "rate_bit": 20_000_000, "ceil_bit": 20_000_000}]
+            by_client.setdefault(f["client"], 0)
+            by_client[f["client"]] += 1
+    net6 = str(ipaddress.ip_network((v6a, 64), strict=False))
+    net6b = str(ipaddress.ip_network((v6b, 64), strict=False))
+    assert by_client == {f"{v4a}/32": 5, f"{v4b}/32": 5, net6b: 5, net6: 6}  # + control
+    groups = {g["id"]: g for g in status["groups"]}
+    assert groups[f"capped/{net6}"]["ceil_bit"] == 20_000_000
+    assert groups[f"capped/{v4a}/32"]["kind"] == "client" and groups[f"capped/{v4a}/32"]["bytes"] > 0
     lines = []
     for name in ("v4 .2", "v4 .3", "v6 other /64"):
         v6 = runs[name][1]
@@ -369,3 +392,73 @@ def test_borrowing_up_to_ceil_inside_the_client_cap(site):
     assert three == pytest.approx(payload(20, True), rel=0.03), "\n".join(lines)
     for s in streams:
         assert s == pytest.approx(payload(20, True) / 3, rel=0.10), "\n".join(lines)
+
+
+# ------------------------------------------------------- status, top, metrics
+
+def _view(groups, flows=()):
+    from flowpacer.model import BackendHealth, DaemonView
+    return DaemonView(backend="htb", backend_reason="", interface="eth0",
+                      backend_health=BackendHealth.OK, backend_problem="", link_rate_bps=LINK,
+                      rules_path="", rule_names=("dl",), flow_source="tracer", tracer=None,
+                      live_flows=len(flows), flows=tuple(flows), stages=(),
+                      counters={"applies": 0, "op_errors": 0, "reloads_ok": 0,
+                                "reloads_failed": 0, "backend_rebuild_failures": 0,
+                                "apply_hist": ([], 0)},
+                      events={}, groups=tuple(groups))
+
+
+def test_metrics_per_client_series_are_bounded_to_the_busiest():
+    from flowpacer import metrics
+    from flowpacer.model import ClassStats, GroupView
+    groups = [GroupView(GroupKind.RULE, "dl", 0x10, 25 * MBIT, 30 * MBIT)]
+    stats = {}
+    for i in range(150):                      # 150 clients, client i sent i * 1000 bytes
+        cid = 0x100 + i
+        groups.append(GroupView(GroupKind.CLIENT, f"dl/10.0.{i // 100}.{i % 100}/32", cid,
+                                MBIT, 2 * MBIT))
+        stats[cid] = ClassStats(bytes=i * 1000)
+    fams = {f.name: f for f in metrics.group_families(_view(groups), stats,
+                                                      metrics.AddressLabels.FULL)}
+    assert [(s.labels, s.value) for s in fams["flowpacer_rule_total_rate_bytes_per_second"].samples] \
+        == [({"rule": "dl"}, 30 * MBIT)]
+    sent = fams["flowpacer_client_sent_bytes"].samples
+    assert len(sent) == 100 and fams["flowpacer_client_series_overflow"].samples[0].value == 50
+    assert sent[0].labels == {"rule": "dl", "client": "10.0.1.49/32"} and sent[0].value == 149000
+    assert min(s.value for s in sent) == 50000       # the 100 busiest, no other
+    # prefix mode merges clients into their /24; none has no per-client series
+    fams = {f.name: f for f in metrics.group_families(_view(groups), stats,
+                                                      metrics.AddressLabels.PREFIX)}
+    assert {s.labels["client"] for s in fams["flowpacer_client_sent_bytes"].samples} == {
+        "10.0.0.0/24", "10.0.1.0/24"}
+    fams = {f.name: f for f in metrics.group_families(_view(groups), stats,
+                                                      metrics.AddressLabels.NONE)}
+    assert fams["flowpacer_client_sent_bytes"].samples == []
+
+
+def test_status_json_and_top_show_the_groups():
+    from flowpacer import top, view
+    from flowpacer.model import ClassStats, FlowView, GroupView
+    k = FlowKey(ipaddress.ip_address("192.0.2.1"), 443, ipaddress.ip_address("2001:db8::7"), 4000)
+    r = agg_rule(client=20, total=30)
+    shape = engine.shape_of(r, k)
+    f = FlowView(k, 0xF1F00012, "dl", shape.rate_bps, shape.ceil_bps, 7, "nginx", groups=shape.groups)
+    plain = FlowView(FlowKey(k.local_addr, 443, ipaddress.ip_address("192.0.2.9"), 1), 0xF1F00013,
+                     "p", MBIT, MBIT)
+    gv = (GroupView(GroupKind.RULE, "dl", 0xF1F00010, 8 * MBIT, 30 * MBIT),
+          GroupView(GroupKind.CLIENT, "dl/2001:db8::/64", 0xF1F00011, 8 * MBIT, 20 * MBIT))
+    st = view.to_json(_view(gv, [f, plain]), {0xF1F00011: ClassStats(bytes=1234)})
+    fj = next(x for x in st["flows"] if x["rule"] == "dl")
+    assert (fj["client"], fj["client_rate_bit"], fj["total_rate_bit"]) == (
+        "2001:db8::/64", 20_000_000, 30_000_000)
+    assert [g["kind"] for g in fj["groups"]] == ["rule", "client"]
+    pj = next(x for x in st["flows"] if x["rule"] == "p")
+    assert (pj["groups"], pj["client"]) == ([], "")
+    assert st["groups"][1] == {"kind": "client", "id": "dl/2001:db8::/64", "classid": "f1f0:11",
+                               "rate_bit": 8_000_000, "ceil_bit": 20_000_000, "bytes": 1234,
+                               "packets": 0, "drops": 0}
+    t = top.Tracker("/nonexistent", 1.0)
+    v = t.update(st, 1.0)
+    text = "\n".join(line for _s, line in top.render(v, 200, 30))
+    assert "CLIENT" in text and "2001:db8::/64 @20 Mbit/s" in text
+    assert "(total 30 Mbit/s)" in text
