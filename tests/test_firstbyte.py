@@ -1,0 +1,249 @@
+"""First-byte shaping (issue 16): a target flow's first data bytes already leave at its rule's
+rate, IPv4 and IPv6, inbound and outbound; a crash leaves no program attached and no pool
+class behind; which rules the kernel decides (pure)."""
+import ipaddress
+import socket
+import textwrap
+
+import pytest
+
+from flowpacer import firstbyte, rules as rules_loader
+from flowpacer.backend.htb import burst_for
+from flowpacer.backend.pool import POOL_FIRST_MINOR
+from flowpacer.testbed import PY, in_netns, wait_for
+
+from harness.capture import tc_show
+from harness.daemon import Daemon
+from harness.headcapture import HeadCapture
+
+RATE_BIT = 20_000_000
+RATE_BPS = RATE_BIT // 8
+PAYLOAD = 256 * 1024
+MSS_WIRE = 1514
+
+RULES = """
+    interface: IFACE
+    backend: htb
+    link_rate: 10gbit
+    rules:
+      - name: late
+        match: {exe: ["/nonexistent/*"], local_port: 7101}
+        rate: 20mbit
+      - name: burst
+        match: {process: fp-burst-srv, direction: inbound}
+        rate: 20mbit
+      - name: up
+        match: {process: fp-up-cli, direction: outbound, remote_port: 7300}
+        rate: 20mbit
+      - name: byport
+        match: {local_port: 7400, direction: inbound}
+        rate: 20mbit
+      - name: late2
+        match: {process: ["fp-late-*"], direction: inbound}
+        rate: 20mbit
+"""
+
+# A flow paced from its first byte is ahead of its rate line by at most what its class holds
+# when idle (htb's burst: 2 ms at the rate, 5000 B at 20 Mbit/s) plus the packet that is in
+# flight when the tokens run out. GSO is off on the sender, so that "a packet" is one frame (with
+# GSO a class lets one up to 64 KB aggregate through on its last token). An unshaped head is
+# ~130 KiB of the 256 KiB (the figure issue 16 starts from).
+ALLOWED_AHEAD = burst_for(RATE_BPS) + 2 * MSS_WIRE
+
+
+# ------------------------------------------------------------------ pure
+
+def _load(tmp_path, text):
+    p = tmp_path / "rules.yaml"
+    p.write_text(textwrap.dedent(text).replace("IFACE", "eth0"))
+    return rules_loader.load(str(p))
+
+
+def test_compile_rules_kernel_decided_and_masks(tmp_path):
+    rs = _load(tmp_path, RULES + """
+      - name: nets
+        match: {remote: [10.0.0.0/8, 10.1.0.0/16, "fd00::/8"], remote_port: [80, 8000-8002]}
+        rate: 1mbit
+      - name: users
+        match: {user: [0, 33]}
+        rate: 1mbit
+""")
+    c = firstbyte.compile_rules(rs)
+    names = {r.name for r in c.kernel.values()}
+    assert names == {"burst", "up", "byport", "nets", "users"}
+    assert "exe" in c.not_kernel["late"] and "glob" in c.not_kernel["late2"]
+    bit = {r.name: 1 << i for i, r in enumerate(rs.rules)}
+    assert c.inbound & bit["burst"] and not c.outbound & bit["burst"]
+    assert c.outbound & bit["up"] and not c.inbound & bit["up"]
+    # ports: only the ranges' ports let a port-limited rule through, every port the others
+    assert c.lport[7400] & bit["byport"] and not c.lport[7401] & bit["byport"]
+    assert all(c.rport[p] & bit["nets"] for p in (80, 8000, 8001, 8002))
+    assert not c.rport[81] & bit["nets"] and c.rport[81] & bit["burst"]
+    # a longer prefix carries the rules of the shorter one around it (LPM answers the longest)
+    k16 = (4, ipaddress.IPv4Address("10.1.0.0").packed.ljust(16, b"\0"), 16)
+    assert c.remote[k16] & bit["nets"]
+    assert not c.any_remote & bit["nets"] and c.any_remote & bit["burst"]
+    assert c.comms[b"fp-burst-srv".ljust(16, b"\0")] & bit["burst"]
+    assert not c.any_comm & bit["burst"] and c.any_comm & bit["late2"]   # a glob: may match
+    assert c.uids[33] & bit["users"] and not c.any_uid & bit["users"]
+    assert "burst" in c.summary() and "late (" in c.summary()
+
+
+# ---------------------------------------------------------------- kernel
+
+def _fetch(tb, host, port):
+    """Connect from the client namespace, read to the end; (client port, bytes)."""
+    with in_netns(tb.client_ns):
+        c = socket.create_connection((str(host), port), timeout=10)
+    got = 0
+    with c:
+        c.settimeout(10)
+        cport = c.getsockname()[1]
+        while True:
+            b = c.recv(1 << 16)
+            if not b:
+                break
+            got += len(b)
+    return cport, got
+
+
+@pytest.fixture
+def fbed(testbed, tmp_path):
+    tb = testbed
+    tb.set_gso(False)
+    tb.popen(tb.server_ns, [PY, "-m", "flowpacer.tools.blaster", "burst-serve", "--port", "7100",
+                            "--bytes", str(PAYLOAD)])
+    tb.popen(tb.server_ns, [PY, "-m", "flowpacer.tools.blaster", "burst-serve", "--port", "7101",
+                            "--bytes", str(PAYLOAD), "--name", "fp-other-srv"])
+    tb.wait_listening(7100)
+    tb.wait_listening(7101)
+    d = Daemon(tb, tmp_path, RULES, "--rescan", "1", "--no-metrics").start()
+    yield tb, d
+    d.stop()
+
+
+@pytest.mark.kernel
+def test_head_of_inbound_flows_leaves_at_the_rule_rate(fbed):
+    tb, d = fbed
+    st = d.status()
+    assert "rules shaped from the first byte: burst, up, byport" in st["flow_source"], \
+        st["flow_source"]
+    with HeadCapture(tb, 7100) as cap:
+        for host in (tb.server_v4, tb.server_v6):
+            for _ in range(3):
+                cport, got = _fetch(tb, host, 7100)
+                assert got == PAYLOAD
+                ahead, seen = cap.ahead_bytes(cport, RATE_BPS)
+                assert seen == PAYLOAD, f"capture saw {seen} of {PAYLOAD} bytes"
+                assert ahead <= ALLOWED_AHEAD, \
+                    f"IPv{host.version}: {ahead} bytes left ahead of the 20 Mbit/s line " \
+                    f"(allowed {ALLOWED_AHEAD}): the head went out unshaped"
+    # the claimed classes were the flows' own (u32 filter and status): all gone with the flows
+    wait_for(lambda: d.status()["shaped_flows"] == 0, 10, 0.05, "flows' classes gone")
+
+
+@pytest.mark.kernel
+def test_a_rule_the_kernel_cannot_decide_keeps_todays_path(fbed):
+    """The measurement can fail: an exe rule is decided in user space after the handshake, and
+    its flow's head is well ahead of the rate line (so the check above means something)."""
+    tb, d = fbed
+    with HeadCapture(tb, 7101) as cap:
+        cport, got = _fetch(tb, tb.server_v4, 7101)
+        ahead, _seen = cap.ahead_bytes(cport, RATE_BPS)
+    assert got == PAYLOAD
+    assert ahead > 8 * ALLOWED_AHEAD, f"only {ahead} bytes ahead without first-byte shaping"
+
+
+SENDER = """
+import ctypes, socket, sys
+ctypes.CDLL(None).prctl(15, b"fp-up-cli", 0, 0, 0)
+s = socket.create_connection((sys.argv[1], 7300), timeout=10)
+s.sendall(b"x" * int(sys.argv[2]))
+s.close()
+"""
+
+
+@pytest.mark.kernel
+def test_head_of_outbound_flows_leaves_at_the_rule_rate(fbed):
+    tb, d = fbed
+    for fam, host in ((socket.AF_INET, tb.client_v4), (socket.AF_INET6, tb.client_v6)):
+        with in_netns(tb.client_ns):
+            srv = socket.socket(fam, socket.SOCK_STREAM)
+        with srv, HeadCapture(tb, 7300, side="dst") as cap:
+            srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            srv.bind((str(host), 7300))
+            srv.listen(8)
+            srv.settimeout(10)
+            p = tb.popen(tb.server_ns, [PY, "-c", SENDER, str(host), str(PAYLOAD)])
+            conn, peer = srv.accept()
+            got = 0
+            with conn:
+                conn.settimeout(10)
+                while True:
+                    b = conn.recv(1 << 16)
+                    if not b:
+                        break
+                    got += len(b)
+            assert p.wait(timeout=10) == 0
+            assert got == PAYLOAD
+            ahead, seen = cap.ahead_bytes(peer[1], RATE_BPS)
+        assert seen == PAYLOAD
+        assert ahead <= ALLOWED_AHEAD, \
+            f"outbound IPv{host.version}: {ahead} bytes ahead of the rate line"
+
+
+def _accepted_priority(tb, host, port=7400):
+    """SO_PRIORITY of a socket this process accepts in the server namespace on ``port``."""
+    fam = socket.AF_INET6 if isinstance(host, ipaddress.IPv6Address) else socket.AF_INET
+    with in_netns(tb.server_ns):
+        srv = socket.socket(fam, socket.SOCK_STREAM)
+    with srv:
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind(("::" if fam == socket.AF_INET6 else "0.0.0.0", port))
+        srv.listen(8)
+        srv.settimeout(10)
+        with in_netns(tb.client_ns):
+            c = socket.create_connection((str(tb.server_v6 if fam == socket.AF_INET6
+                                              else tb.server_v4), port), timeout=10)
+        with c:
+            conn, _ = srv.accept()
+            with conn:
+                return conn.getsockopt(socket.SOL_SOCKET, socket.SO_PRIORITY) & 0xFFFFFFFF
+
+
+def _pool_classes(tb):
+    """Pool-range classes that no filter points at."""
+    flt = tc_show(tb, "filter")
+    targets = {ln.split("flowid", 1)[1].split()[0] for ln in flt.splitlines() if "flowid" in ln}
+    out = []
+    for ln in tc_show(tb, "class").splitlines():
+        if ln.startswith("class "):
+            h = ln.split()[2]
+            if int(h.split(":")[1] or "0", 16) >= POOL_FIRST_MINOR and h not in targets:
+                out.append(h)
+    return out
+
+
+@pytest.mark.kernel
+def test_crash_leaves_no_program_and_no_pool_class(fbed, tmp_path):
+    tb, d = fbed
+    prio = _accepted_priority(tb, tb.server_v4)
+    assert prio >> 16 == 0xF1F0 and prio & 0xFFFF >= POOL_FIRST_MINOR, hex(prio)
+    ready = len(_pool_classes(tb))
+    assert ready >= firstbyte.POOL_TARGET * 3 - 3      # three kernel rules, pools refilled
+    d.kill()
+    # the bpf_link went with the daemon's fds: a new socket gets no class any more
+    assert _accepted_priority(tb, tb.server_v4) == 0
+    # the orphaned pool classes are removed by the next start's adoption, which makes new pools
+    d2 = Daemon(tb, d.workdir, None, "--rescan", "1", "--no-metrics").start()
+    try:
+        st = d2.status()
+        assert "rules shaped from the first byte" in st["flow_source"]
+        wait_for(lambda: len(_pool_classes(tb)) == firstbyte.POOL_TARGET * 3, 10, 0.05,
+                 "exactly the new daemon's pools")
+        prio = _accepted_priority(tb, tb.server_v6)
+        assert prio >> 16 == 0xF1F0, hex(prio)
+    finally:
+        d2.stop()
+    # a clean stop deletes the pools with the qdisc, and detaches the program
+    assert _accepted_priority(tb, tb.server_v4) == 0
