@@ -273,8 +273,14 @@ def test_make_deb_builds_both_packages_lintian_clean(debs):
     conf = (ROOT / "flowpacer/kmod/dkms.conf").read_text()
     version = re.search(r'^PACKAGE_VERSION="?([^"\n]+)"?', conf, re.M).group(1)
     have = contents(psp)
-    for name in ("dkms.conf", "Kbuild", "Makefile", "sch_psp.c", "psp_sched.h", "uapi/pkt_sch_psp.h"):
+    kmod = ROOT / "flowpacer/kmod"
+    sources = [p.relative_to(kmod).as_posix() for p in kmod.rglob("*")
+               if p.is_file() and re.search(r"\.[ch]$|^Kbuild$|^Makefile$|^dkms\.conf$", p.name)
+               and p.relative_to(kmod).parts[0] != "sim"]
+    assert "sch_psp.c" in sources and "uapi/pkt_sch_psp.h" in sources, sources
+    for name in sources:     # every source the module's build may include
         assert f"/usr/src/sch_psp-{version}/{name}" in have, name
+    assert not [p for p in have if "/sim/" in p], "the userspace simulator is not the module"
     assert "dkms" in field(psp, "Depends")
 
 
