@@ -1,8 +1,11 @@
 """Pacing precision in the VM: psp vs htb vs tbf vs fq (maxrate), inter-packet gaps (issues 4, 6).
 
-One VM boot; for each rate (1, 2, 10, 100, 500 Mbit/s) and GSO/TSO on and off, the four qdiscs
+One VM boot, in virtual time (``--clock``, vm/README.md); for each rate (10, 100, 1000, 2500
+Mbit/s) and GSO/TSO on and off, the four qdiscs
 carry the same traffic one after the other: one iperf3 TCP stream for ``--seconds`` through the
-sender's veth, every data packet captured as it leaves that veth (the qdisc's output, the "wire"
+sender's veth, every data packet captured as it leaves that veth by tcpdump (``--capture pcap``: nanosecond
+stamps to the guest's tmpfs, kernel drops counted, a run with drops marked invalid; the Python
+AF_PACKET capture drops above ~150 Mbit/s) (the qdisc's output, the "wire"
 of a veth; ``pacing.sender_capture`` says why not at the receiver) with its kernel timestamp
 (``tests/guest/pacing.py``: GSO skbs counted as the wire packets a NIC would send back to back).
 Figures per run (after a 1 s warm-up): rate error (frame bytes/s over the target), share of gaps
@@ -33,20 +36,39 @@ from bench.vm_sharing import Bed, guest_tools, run_guest, vm_unavailable
 log = logging.getLogger("bench.vm_gaps")
 
 QDISCS = ("psp", "htb", "tbf", "fq")
-RATES = (1, 2, 10, 100, 500)
+RATES = (10, 100, 1000, 2500)
+
+
+def cpu_busy_ns() -> int:
+    """CPU time the guest spent on anything but idle (all CPUs, /proc/stat, USER_HZ 100)."""
+    with open("/proc/stat") as f:
+        vals = [int(x) for x in f.readline().split()[1:]]
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
+    return (sum(vals[:8]) - idle) * 10_000_000
+
+
+def psp_xstats(bed: Bed) -> dict:
+    import psplib
+    with psplib.PspNl(bed.sender_ns) as sock:
+        return dict(sock.root(bed.sender_dev).xstats)
 
 
 def one_run(bed: Bed, qdisc: str, rate_mbit: float, gso: bool, seconds: int, gap_sample: int,
-            window_ms: int) -> dict:
+            window_ms: int, capture: str = "pcap") -> dict:
     pacing = guest_tools()
     target = pacing.mbit(rate_mbit)
     setup = {"psp": pacing.Psp, "htb": pacing.Htb, "tbf": pacing.Tbf, "fq": pacing.Fq}[qdisc](target)
     bed.clear_qdisc()
     bed.set_gso(gso)
     setup(bed)
-    with pacing.sender_capture(bed) as cap:
+    cap = (pacing.PcapCapture(bed.sender_ns, bed.sender_dev, pacing.IPERF_PORT)
+           if capture == "pcap" else pacing.sender_capture(bed))
+    with cap:
+        busy0 = cpu_busy_ns()
         with pacing.Iperf(bed, [pacing.IPERF_PORT], seconds) as ip:
             rep = ip.wait()[pacing.IPERF_PORT]
+        busy1 = cpu_busy_ns()
+    xs = psp_xstats(bed) if qdisc == "psp" else None
     bed.clear_qdisc()
     st = pacing.analyze(cap.packets, target, warmup_s=1.0)
     # the raw series again, for the bounded samples (same flow and window as analyze)
@@ -68,16 +90,25 @@ def one_run(bed: Bed, qdisc: str, rate_mbit: float, gso: bool, seconds: int, gap
         k = (t - t_a) // 1_000_000
         if 0 <= k < window_ms:
             bins[k] += 1
-    return {"qdisc": qdisc, "rate_mbit": rate_mbit, "gso": gso, "seconds": seconds,
+    sent_pkts = rep["end"]["sum_sent"]["bytes"] / 1448
+    out = {"qdisc": qdisc, "rate_mbit": rate_mbit, "gso": gso, "seconds": seconds,
+            "capture": capture, "valid": cap.drops == 0,
+            "cpu_ns_per_pkt": round((busy1 - busy0) / max(1.0, sent_pkts), 1),
+            "within10": st.within10, "fit_rate_error": st.fit_rate_error,
             "rate_error": st.rate_error, "rate_bit_s": st.rate_bps * 8, "goodput_bit_s": st.goodput_bps * 8,
             "iperf_bit_s": pacing.received_bps(rep) * 8, "within25": st.within25, "b2b_share": st.b2b_share,
             "ideal_gap_us": st.ideal_gap_us, "median_gap_us": st.median_gap_us, "p99_gap_us": st.p99_gap_us,
             "longest_run": st.longest_run, "max_per_ms": st.max_per_ms, "empty_ms": st.empty_ms,
             "mean_segs": st.mean_segs, "packets": st.packets, "capture_drops": cap.drops,
             "gaps_sample_us": [round(x, 2) for x in sample], "per_ms_sample": bins}
+    if xs is not None:
+        out["psp"] = {k: xs[k] for k in ("paced_pkts", "gso_split", "late_ns_total", "late_ns_max",
+                                         "clamps", "longest_run", "timer_fires",
+                                         "timer_late_ns_max") if k in xs}
+    return out
 
 
-def run_all(rates, qdiscs, gsos, seconds, gap_sample, window_ms) -> list:
+def run_all(rates, qdiscs, gsos, seconds, gap_sample, window_ms, capture="pcap") -> list:
     from flowpacer.testbed import Testbed
     out = []
     with Testbed(tag="vgap") as tb:
@@ -87,7 +118,7 @@ def run_all(rates, qdiscs, gsos, seconds, gap_sample, window_ms) -> list:
                 for q in qdiscs:
                     t0 = time.monotonic()
                     try:
-                        r = one_run(bed, q, rate, gso, seconds, gap_sample, window_ms)
+                        r = one_run(bed, q, rate, gso, seconds, gap_sample, window_ms, capture)
                     except Exception as e:       # one failed run must not lose the others
                         r = {"qdisc": q, "rate_mbit": rate, "gso": gso, "error": f"{type(e).__name__}: {e}"}
                         bed.clear_qdisc()
@@ -96,10 +127,12 @@ def run_all(rates, qdiscs, gsos, seconds, gap_sample, window_ms) -> list:
                     if "error" in r:
                         log.info("%-4s %5g Mbit GSO %-3s: %s", q, rate, "on" if gso else "off", r["error"])
                     else:
-                        log.info("%-4s %5g Mbit GSO %-3s: rate %+6.2f %%, within25 %5.1f %%, run %3d, "
-                                 "max/ms %3d, drops %d", q, rate, "on" if gso else "off",
-                                 100 * r["rate_error"], 100 * r["within25"], r["longest_run"],
-                                 r["max_per_ms"], r["capture_drops"])
+                        log.info("%-4s %5g Mbit GSO %-3s: %7.1f Mbit/s, rate %+6.2f %%, within10 %5.1f %%, "
+                                 "within25 %5.1f %%, run %3d, max/ms %3d, cpu %6.0f ns/pkt, drops %d",
+                                 q, rate, "on" if gso else "off", r["iperf_bit_s"] / 1e6,
+                                 100 * r["rate_error"], 100 * r["within10"], 100 * r["within25"],
+                                 r["longest_run"], r["max_per_ms"], r["cpu_ns_per_pkt"],
+                                 r["capture_drops"])
     return out
 
 
@@ -112,6 +145,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=int, default=None, help="per run (4; quick 3)")
     ap.add_argument("--gap-sample", type=int, default=3000)
     ap.add_argument("--window-ms", type=int, default=200)
+    ap.add_argument("--capture", choices=("pcap", "packet"), default="pcap",
+                    help="pcap: tcpdump to tmpfs (keeps up at 1 Gbit/s); packet: Python AF_PACKET")
+    ap.add_argument("--clock", choices=("virtual", "real"), default="virtual",
+                    help="the VM's clock (virtual: exact guest time, vm/README.md)")
     ap.add_argument("--guest", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -121,7 +158,7 @@ def main(argv=None) -> int:
     qdiscs = args.qdiscs.split(",")
     gsos = [x == "on" for x in args.gso.split(",")]
     if args.guest:
-        runs = run_all(rates, qdiscs, gsos, seconds, args.gap_sample, args.window_ms)
+        runs = run_all(rates, qdiscs, gsos, seconds, args.gap_sample, args.window_ms, args.capture)
         Path(args.out).write_text(json.dumps({"guest_kernel": os.uname().release, "runs": runs}))
         return 0
     if os.geteuid() != 0:
@@ -131,9 +168,12 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     fig = {"setup": {"rates_mbit": rates, "qdiscs": qdiscs, "gso": [("on" if x else "off") for x in gsos],
                      "seconds_per_run": seconds, "warmup_s": 1.0, "gap_sample": args.gap_sample,
-                     "window_ms": args.window_ms,
+                     "window_ms": args.window_ms, "capture": args.capture, "clock": args.clock,
                      "description": "One iperf3 TCP stream per run through the sender's veth in the VM "
-                                    "(qemu TCG, Debian 6.1), captured leaving the sender's veth; GSO skbs count as "
+                                    "(qemu TCG, virtual time unless clock says otherwise), captured leaving the sender's veth "
+                                    "(pcap: tcpdump with ns stamps to tmpfs; a run with capture drops is not valid); "
+                                    "cpu_ns_per_pkt: guest CPU (all of TCP, qdisc, capture) per 1448-byte segment "
+                                    "sent, = instructions in virtual time; GSO skbs count as "
                                     "back-to-back wire packets. psp: one class, link 1 Gbit/s; htb: one "
                                     "class, tc's default burst; tbf: bucket of 2 frames; fq: maxrate."}}
     rc = 0
@@ -144,9 +184,10 @@ def main(argv=None) -> int:
     else:
         budget = len(rates) * len(gsos) * len(qdiscs) * (seconds + 20) + 300
         ga = ["--rates", ",".join(map(str, rates)), "--qdiscs", args.qdiscs, "--gso", args.gso,
-              "--seconds", str(seconds), "--gap-sample", str(args.gap_sample), "--window-ms", str(args.window_ms)]
+              "--seconds", str(seconds), "--gap-sample", str(args.gap_sample), "--window-ms", str(args.window_ms),
+              "--capture", args.capture]
         try:
-            doc = run_guest("bench.vm_gaps", ga, budget)
+            doc = run_guest("bench.vm_gaps", ga, budget, clock=args.clock)
             fig.update({"vm": doc["vm"], "runs": doc["runs"]})
         except RuntimeError as e:
             fig["failed"] = str(e)[-4000:]

@@ -237,7 +237,7 @@ def host_main(args) -> int:
     load0 = os.getloadavg()
     t0 = time.time()
     res = vmrun.run(cmd, cwd=str(REPO), timeout=args.timeout, out_dir=out,
-                    env={"FLOWPACER_PSP_KO": str(ko)},
+                    env={"FLOWPACER_PSP_KO": str(ko)}, clock=vmrun.Clock.VIRTUAL,
                     on_output=lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     load1 = os.getloadavg()
     if res.rc != 0 or not guest_json.exists():

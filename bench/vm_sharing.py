@@ -98,9 +98,11 @@ def build_psp_for_guest() -> Path:
     return ko
 
 
-def run_guest(module: str, guest_args: Sequence[str], timeout: float) -> dict:
+def run_guest(module: str, guest_args: Sequence[str], timeout: float, clock: str = "virtual") -> dict:
     """Boot the VM, run ``python -m MODULE --guest --out FILE ARGS`` there, return its JSON
-    (plus boot facts). Raises RuntimeError with the reason when the run failed."""
+    (plus boot facts). Pacing benchmarks run in the VM's virtual time (``clock``, see
+    vm/README.md): exact guest time, whatever the host's load. Raises RuntimeError with the
+    reason when the run failed."""
     from vm import run as vmrun
     ko = build_psp_for_guest()
     out = Path(tempfile.mkdtemp(prefix="fpbench-vm-"))
@@ -109,6 +111,7 @@ def run_guest(module: str, guest_args: Sequence[str], timeout: float) -> dict:
     t0 = time.monotonic()
     try:
         r = vmrun.run(cmd, cwd=str(REPO), timeout=timeout, env={"FLOWPACER_PSP_KO": str(ko)},
+                      clock=clock,
                       out_dir=out, on_output=lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     except vmrun.VMError as e:
         raise RuntimeError(e.details(40)) from None
@@ -117,7 +120,8 @@ def run_guest(module: str, guest_args: Sequence[str], timeout: float) -> dict:
                            + "\n".join(r.output.rstrip().splitlines()[-30:]))
     doc = json.loads(result.read_text())
     doc["vm"] = {"boot_s": round(r.boot_s, 1), "wall_s": round(time.monotonic() - t0, 1),
-                 "dmesg_problems": r.dmesg_problems()[:20], "kernel": doc.get("guest_kernel")}
+                 "dmesg_problems": r.dmesg_problems()[:20], "kernel": doc.get("guest_kernel"),
+                 "clock": r.clock.value}
     shutil.rmtree(out, ignore_errors=True)
     return doc
 

@@ -29,7 +29,6 @@ import pytest
 import psplib
 from pacing import (Capture, Htb, Iperf, IPERF_PORT, PacingStats, Psp, mbit, measure,
                     require_virtual_time, to_mbit, wait_for, window_rate)
-from psplib import bed, psp_module  # noqa: F401
 
 DURATION_S = {2: 5.0, 10: 4.0, 100: 3.0}
 RATES = (2, 10, 100)
