@@ -383,7 +383,7 @@ def test_borrowing_up_to_ceil_inside_the_client_cap(site):
     """rate 4, ceil 12, client_rate 20 Mbit/s: one stream alone borrows up to its ceil (12);
     three streams of one client borrow too but together stop at the client's 20."""
     one, _ = received(iperf(site, site.v4[0], 5321, 1))
-    three, streams = received(iperf(site, site.v6[2], 5322, 3))
+    three, streams = received(iperf(site, site.v6[2], 5322, 3, seconds=8))
     lines = [report("one stream (ceil)", one, payload(12, False)),
              report("three streams (client cap)", three, payload(20, True)) + " streams " +
              ", ".join(f"{s * 8 / 1e6:.2f}" for s in streams)]

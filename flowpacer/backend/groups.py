@@ -162,8 +162,8 @@ def targets(tree: GroupTree, flows: Mapping[Hashable, Member], link_rate_bps: in
         n = tree.nodes[m]
         ceil = max(rate, min(n.ceil_bps, parent_ceil))
         node_out[m] = (rate, ceil)
-        fk = sorted(kids_f.get(m, ()), key=repr)
-        nk = sorted(kids_n.get(m, ()))
+        fk = kids_f.get(m, [])
+        nk = kids_n.get(m, [])
         wants = [flows[k].rate_bps for k in fk] + [nom(c) for c in nk]
         total = sum(wants)
         shares = wants if total <= rate else [max(1, w * rate // total) for w in wants]
