@@ -547,8 +547,23 @@ class TcBackend(PoolMixin):     # PoolMixin: first-byte pools (issue 16, pool.py
                 where.pop(op.key, None)
             else:
                 where[op.key], rates[op.key] = parent, op.shape
-        members = {k: Member(p, rates[k].rate_bps, rates[k].ceil_bps) for k, p in where.items()}
-        flow_t, node_t = targets(tree, members, self.link_rate_bps)
+        # only the trees this plan touches are computed again (a tree is one top group)
+        root_of: Dict[Optional[int], Optional[int]] = {None: None}
+
+        def root(p):
+            if p not in root_of:
+                root_of[p] = tree.chain(p)[0] if p in tree.nodes else None
+            return root_of[p]
+        roots = set()
+        for _kind, op, inst, parent in actions:
+            roots.add(root(parent))
+            if inst is not None:
+                roots.add(root(inst.parent))
+        roots.update(root(m) for m in created)
+        roots.discard(None)
+        members = {k: Member(p, rates[k].rate_bps, rates[k].ceil_bps) for k, p in where.items()
+                   if root(p) in roots}
+        flow_t, node_t = targets(tree, members, self.link_rate_bps, roots)
         c = self.codec
         for m in created:
             self._queue_group_class(m, node_t.get(m), True, add)
