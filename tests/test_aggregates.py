@@ -411,6 +411,35 @@ def test_borrowing_up_to_ceil_inside_the_client_cap(site):
         assert s == pytest.approx(payload(20, True) / 3, rel=0.10), "\n".join(lines)
 
 
+@pytest.mark.kernel
+def test_daemon_crash_under_load_keeps_the_groups(site):
+    """SIGKILL the daemon while a client's 4 streams fill its client class; the next daemon
+    adopts the classes (parents rebuilt from the kernel, nothing made anew) and names them again;
+    the client stays at its cap all along."""
+    from harness.daemon import Daemon
+    tb, d = site.tb, site.daemon
+    p = iperf(site, site.v4[0], 5301, 4, seconds=10)
+    wait_for(lambda: sum(1 for f in d.status()["flows"] if f["rule"] == "capped") == 5, 8, 0.1,
+             "the 5 flows of the client (4 streams and the control connection)")
+    before = htb_classes(tb)
+    assert len(before) == 2 + 1 + 5                     # link, default, the client, its flows
+    d.kill()
+    d2 = Daemon(tb, d.workdir, None, "--backend", "htb", log_mode="a").start()
+    site.daemon = d2                                    # the module's teardown stops this one
+
+    def named():
+        fl = [f for f in d2.status()["flows"] if f["rule"] == "capped"]
+        return len(fl) == 5 and all(f["client"] == f"{site.v4[0]}/32" for f in fl)
+    wait_for(named, 10, 0.1, "the adopted flows named by their rule and client")
+    assert htb_classes(tb) == before                    # the same classes, parents and rates
+    assert "adopted flowpacer qdisc with 5 flow classes (0 stale objects removed)" in d2.log_text()
+    total, streams = received(p)
+    lines = [report("4 streams across the restart", total, payload(20, False))]
+    print("\n".join(lines))
+    assert total == pytest.approx(payload(20, False), rel=0.03), "\n".join(lines)
+    wait_for(lambda: len(htb_classes(tb)) == 2, 10, 0.1, "the client's classes to go after it")
+
+
 # ------------------------------------------------------- status, top, metrics
 
 def _view(groups, flows=()):
