@@ -10,6 +10,8 @@ import ipaddress
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flowpacer import engine
 from flowpacer.backend import tc as tcb
@@ -70,6 +72,47 @@ def test_shares_change_in_steps_not_with_every_flow():
         seen.add(got[0])
     # 387 client counts, a share each time that htb would have to be told about: 50 steps
     assert len(seen) <= 8 * 6 + 2
+
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 10**8), st.integers(0, 10**8)),
+                min_size=1, max_size=40),
+       st.lists(st.integers(1, 10**9), min_size=6, max_size=6), st.integers(1, 10**9),
+       st.booleans())
+def test_targets_keep_every_cap(members, caps, total, with_rule):
+    """Whatever the flows want: the children's guaranteed rates add up to at most their
+    parent's (what makes a parent a cap in htb), no ceil exceeds a cap, no class gets more than
+    it wants, and equal wants get equal shares."""
+    t = GroupTree()
+    root = None
+    if with_rule:
+        root = 1
+        t.add(Node(1, None, GroupKind.RULE, "r", total, total))
+    for c in range(6):
+        cap = min(caps[c], total) if with_rule else caps[c]
+        t.add(Node(0x10 + c, root, GroupKind.CLIENT, f"r/{c}", cap, cap))
+    flows = {i: Member(0x10 + c, rate, rate + extra) for i, (c, rate, extra) in enumerate(members)}
+    f, n = targets(t, flows, LINK)
+    assert set(f) == set(flows)
+    for m, (rate, ceil) in n.items():
+        node = t.nodes[m]
+        assert 1 <= rate <= ceil <= max(rate, node.ceil_bps), (m, rate, ceil)
+        kids = [f[k][0] for k, fl in flows.items() if fl.parent == m] + \
+            [n[c][0] for c in n if t.nodes[c].parent == m]
+        assert sum(kids) <= rate + len(kids), (m, rate, kids)     # + the 1 B/s floors
+        if node.parent is not None:
+            assert ceil <= max(rate, n[node.parent][1])
+    for k, (rate, ceil) in f.items():
+        fl = flows[k]
+        cap = n[fl.parent][1]
+        assert rate <= fl.rate_bps and ceil <= max(rate, min(fl.ceil_bps, cap))
+    for c in range(6):
+        same = {}
+        for k, fl in flows.items():
+            if fl.parent == 0x10 + c:
+                same.setdefault(fl.rate_bps, set()).add(f[k][0])
+        assert all(len(v) == 1 for v in same.values())
 
 
 # ------------------------------------------------------ the classes in the kernel
