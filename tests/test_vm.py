@@ -36,6 +36,7 @@ GUEST_REL = "tests/guest"
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from vm import build as vmbuild  # noqa: E402
 from vm import kmod as vmkmod  # noqa: E402
 from vm import run as vmrun  # noqa: E402
 
@@ -210,6 +211,15 @@ def test_guest(guest_runs, guest_id):
     if ent["outcome"] == "xfailed":
         pytest.xfail(f"xfailed in the VM: {ent['text']}")
     assert ent["outcome"] == "passed"
+
+
+@pytest.mark.parametrize("series", vmbuild.KERNEL_SERIES)
+def test_psp_module_builds_without_warnings(series, tmp_path):
+    """The module builds at W=1 without a warning against each kernel the project supports
+    (Debian 12's 6.1, Debian 13's 6.12); the VM suite runs on FLOWPACER_VM_KERNEL's (6.1 in
+    make test)."""
+    ko = vmkmod.build_psp(tmp_path / "kmod", series=series, strict=True)
+    assert ko.is_file()
 
 
 def test_psp_module_builds(guest_runs):

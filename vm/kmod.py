@@ -13,6 +13,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Optional
 
 if __package__:
     from . import build as vmbuild
@@ -27,10 +28,13 @@ class KmodError(Exception):
     """The module could not be built; the message has the reason and the build log's tail."""
 
 
-def build_psp(dest: Path, timeout: float = 600) -> Path:
-    """Build sch_psp.ko for the VM's kernel in ``dest``; returns the module file."""
+def build_psp(dest: Path, timeout: float = 600, series: Optional[str] = None,
+              strict: bool = False) -> Path:
+    """Build sch_psp.ko for the VM's kernel (or the newest installed kernel of ``series``,
+    e.g. "6.12") in ``dest``; returns the module file. ``strict``: build with ``W=1`` and
+    refuse any compiler warning."""
     try:
-        kver = vmbuild.find_kernel().version
+        kver = vmbuild.find_kernel(series).version
     except vmbuild.BuildError as e:
         raise KmodError(f"no kernel for the VM: {e}") from None
     dest = Path(dest)
@@ -41,7 +45,7 @@ def build_psp(dest: Path, timeout: float = 600) -> Path:
             shutil.copytree(src, dest / name, dirs_exist_ok=True)
         else:
             shutil.copy2(src, dest / name)
-    argv = ["make", "-C", str(dest), f"KVER={kver}"]
+    argv = ["make", "-C", str(dest), f"KVER={kver}"] + (["W=1"] if strict else [])
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -50,4 +54,7 @@ def build_psp(dest: Path, timeout: float = 600) -> Path:
     if proc.returncode != 0 or not ko.is_file():
         raise KmodError(f"{' '.join(argv)} failed (exit {proc.returncode}):\n"
                         f"{(proc.stdout + proc.stderr)[-4000:]}")
+    warnings = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "warning:" in ln]
+    if strict and warnings:
+        raise KmodError(f"{' '.join(argv)}: {len(warnings)} warnings:\n" + "\n".join(warnings[:20]))
     return ko
