@@ -13,7 +13,7 @@ wire back to back at the same instant.
 
 Rates are bytes per second (``*_bps``) as everywhere in flowpacer; ``mbit(10)`` converts.
 
-    with Testbed() as tb:                       # namespaces fps<sfx>/fpr<sfx>, veth fpvs/fpvr
+    with Testbed() as tb:                       # harness.testbed.Testbed: sender = its server side
         st = measure(tb, Htb(mbit(10)), mbit(10), gso=False, duration=4)
         print(st.within25, st.longest_run, st.goodput_bps)
         st = measure(tb, Psp(mbit(10)), mbit(10), gso=True, duration=4)   # needs sch_psp
@@ -66,9 +66,12 @@ def to_mbit(rate_bps: float) -> float:
     return rate_bps * 8 / 1e6
 
 
-class TestbedError(Exception):
-    """A testbed command failed; one line with the command and its stderr."""
-    __test__ = False
+# the one testbed of the project (flowpacer/testbed.py through the harness package): its
+# server side is the sender here (sender_ns/sender_dev/sender_addr), its client the receiver
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if _REPO not in sys.path:                  # also when run as a script from tests/guest
+    sys.path.insert(0, _REPO)
+from harness.testbed import Testbed, TestbedError  # noqa: E402
 
 
 # In virtual time a wait for the host (a file read over 9p) runs the guest's clock on, tick by
@@ -130,95 +133,6 @@ def modprobe(*names: str) -> None:
     strict = os.path.exists(f"/lib/modules/{os.uname().release}/modules.dep")
     for n in names:
         sh(["modprobe", n], check=strict)
-
-
-# ------------------------------------------------------------------------ testbed
-
-class Testbed:
-    """Sender and receiver network namespaces joined by a veth pair (IPv4 /24).
-
-    Use as a context manager: everything made is deleted on exit, also on failure.
-    """
-    __test__ = False  # not a pytest test class
-
-    def __init__(self, suffix: Optional[str] = None, subnet: str = "10.201.0"):
-        sfx = suffix or uuid.uuid4().hex[:6]
-        self.suffix = sfx
-        self.sender_ns = f"fps{sfx}"
-        self.receiver_ns = f"fpr{sfx}"
-        self.sender_dev = f"fpvs{sfx}"
-        self.receiver_dev = f"fpvr{sfx}"
-        self.sender_addr = f"{subnet}.1"
-        self.receiver_addr = f"{subnet}.2"
-        self._made: List[str] = []
-        self._procs: List[subprocess.Popen] = []
-
-    def __enter__(self) -> "Testbed":
-        try:
-            self.create()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def create(self) -> None:
-        modprobe("veth")
-        for ns in (self.sender_ns, self.receiver_ns):
-            sh(["ip", "netns", "add", ns])
-            self._made.append(ns)
-        sh(["ip", "link", "add", self.sender_dev, "netns", self.sender_ns, "type", "veth",
-            "peer", "name", self.receiver_dev, "netns", self.receiver_ns])
-        for ns, dev, addr in ((self.sender_ns, self.sender_dev, self.sender_addr),
-                              (self.receiver_ns, self.receiver_dev, self.receiver_addr)):
-            sh(["ip", "link", "set", "lo", "up"], ns)
-            sh(["ip", "addr", "add", f"{addr}/24", "dev", dev], ns)
-            sh(["ip", "link", "set", dev, "up"], ns)
-        # the kernel only answers once both ends are up: wait for the carrier
-        wait_for(lambda: "LOWER_UP" in sh(["ip", "-o", "link", "show", self.sender_dev],
-                                         self.sender_ns).stdout, 10, "veth carrier")
-
-    def close(self) -> None:
-        for p in self._procs:
-            if p.poll() is None:
-                p.kill()
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-        self._procs.clear()
-        for ns in reversed(self._made):
-            sh(["ip", "netns", "del", ns], check=False)
-        self._made.clear()
-
-    # -- helpers ---------------------------------------------------------------
-    def s(self, *args: str, **kw) -> subprocess.CompletedProcess:
-        """Run a command in the sender's namespace."""
-        return sh(args, self.sender_ns, **kw)
-
-    def r(self, *args: str, **kw) -> subprocess.CompletedProcess:
-        """Run a command in the receiver's namespace."""
-        return sh(args, self.receiver_ns, **kw)
-
-    def popen(self, ns: str, args: Sequence[str], **kw) -> subprocess.Popen:
-        p = subprocess.Popen(["ip", "netns", "exec", ns] + [str(a) for a in args], **kw)
-        self._procs.append(p)
-        return p
-
-    def set_gso(self, on: bool) -> None:
-        """GSO/TSO on (the default) or off. Off also sets gso_max_segs 1 on the sender's veth:
-        ethtool alone still lets TCP hand the qdisc ~64 KB skbs."""
-        state = "on" if on else "off"
-        self.s("ethtool", "-K", self.sender_dev, "tso", state, "gso", state)
-        self.s("ip", "link", "set", self.sender_dev, "gso_max_segs", "65535" if on else "1")
-
-    def clear_qdisc(self) -> None:
-        self.s("tc", "qdisc", "del", "dev", self.sender_dev, "root", check=False)
-
-    def qdisc_show(self) -> str:
-        return self.s("tc", "-s", "qdisc", "show", "dev", self.sender_dev).stdout
 
 
 QdiscSetup = Callable[[Testbed], None]

@@ -349,29 +349,3 @@ def expect_refused(nlsock: PspNl, mtype: int, flags: int, body: bytes, code: int
                          f"{errno.errorcode.get(code, code)} ({text!r})")
     assert ext is not None and text in ext, f"extack {ext!r} does not say {text!r}"
     return ext
-
-
-
-# ------------------------------------------------------------------------ fixtures
-# Imported by the tests/guest/test_psp*.py modules (pytest finds fixtures imported there).
-
-import pytest  # noqa: E402
-
-
-@pytest.fixture
-def psp_module():
-    """sch_psp is loaded (insmod'ed if it was not): a test that needs it fails, never skips,
-    when the module file is missing or does not load."""
-    try:
-        ensure_loaded()
-    except PspError as e:
-        pytest.fail(str(e), pytrace=False)
-
-
-@pytest.fixture
-def bed(psp_module):
-    """(pacing.Testbed, PspNl in its sender namespace): deleted after the test."""
-    from pacing import Testbed
-    with Testbed() as tb:
-        with PspNl(tb.sender_ns) as sock:
-            yield tb, sock

@@ -16,7 +16,6 @@ from pathlib import Path
 import psplib
 import pspfuzz
 from pacing import Testbed, wait_for
-from psplib import psp_module  # noqa: F401
 
 ITERATIONS = int(os.environ.get("FLOWPACER_FUZZ_ITERATIONS", "3000"))
 SECONDS = float(os.environ.get("FLOWPACER_FUZZ_SECONDS", "150"))
