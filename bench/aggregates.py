@@ -1,0 +1,142 @@
+"""Aggregate rates on htb (issue 15): how close to the caps, and how regular each stream is
+inside a capped group.
+
+    .venv/bin/python -m bench.aggregates        # ~40 s; writes bench/results/aggregates_htb.json
+
+In a testbed with GSO off (one wire packet per skb, so that the receiver sees the pacing), the
+daemon (htb) shapes ``iperf3 -R`` streams of rules with aggregates:
+
+- ``client``: one client, 4 streams, rate 8 Mbit/s each, client_rate 20 Mbit/s;
+- ``total``: three clients of 2 streams, client_rate 16, total_rate 30 Mbit/s.
+
+Each stream is captured at the receiver (AF_PACKET, kernel timestamps). Reported per case: the
+sum against the cap (TCP payload, against the cap times the payload share of a frame), each
+stream's share, and the gaps between a stream's packets against the gap of its share (median,
+p10, p99 against the stream's own mean gap, and the fraction of gaps under a quarter of it:
+back-to-back packets).
+"""
+from __future__ import annotations
+
+import ipaddress
+import statistics
+import sys
+import threading
+import time
+
+from bench.common import percentiles, write
+from harness import traffic
+from harness.daemon import Daemon
+from harness.headcapture import HeadCapture
+from harness.servers import iperf3_server
+from harness.testbed import Testbed, wait_for
+
+RULES = """
+    interface: IFACE
+    backend: htb
+    link_rate: 1gbit
+    rules:
+      - name: client
+        match: {process: iperf3, direction: inbound, local_port: 5401}
+        rate: 8mbit
+        client_rate: 20mbit
+      - name: total
+        match: {process: iperf3, direction: inbound, local_port: 5411-5413}
+        rate: 8mbit
+        client_rate: 16mbit
+        total_rate: 30mbit
+"""
+FRAME = 1514
+SECONDS, OMIT = 8, 2
+
+
+def streams_of(cap: HeadCapture, t_from_ns: int):
+    """{client port: [(t_ns, bytes)]} of the data packets after ``t_from_ns``."""
+    cap.drain()
+    out = {}
+    for port, pk in cap.packets.items():
+        pk = sorted(p for p in pk if p[0] >= t_from_ns)
+        if len(pk) > 100:                       # data streams, not iperf3's control connection
+            out[port] = pk
+    return out
+
+
+def stream_figures(pk) -> dict:
+    """A stream's payload rate and its gaps against its own mean gap (a frame at its rate)."""
+    dur = (pk[-1][0] - pk[0][0]) / 1e9
+    got = sum(n for _, n in pk[1:]) / dur
+    gaps = [(b[0] - a[0]) / 1e3 for a, b in zip(pk, pk[1:])]          # us
+    nominal = dur * 1e6 / (len(pk) - 1)                                # us: its mean gap
+    p = percentiles(gaps, (10, 50, 99))
+    return {"payload_bps": got, "gap_us": {k: p[k] for k in ("p10", "p50", "p99", "max")},
+            "nominal_gap_us": nominal,
+            "back_to_back": sum(1 for g in gaps if g < nominal / 4) / len(gaps)}
+
+
+def run_case(tb, ports, clients, cap_bps, streams):
+    caps = [HeadCapture(tb, p) for p in ports]
+    stop = threading.Event()
+
+    def drain():
+        while not stop.is_set():
+            for c in caps:
+                c.drain()
+            time.sleep(0.05)
+    th = threading.Thread(target=drain, daemon=True)
+    th.start()
+    try:
+        runs = [traffic.iperf3(tb, host, port, seconds=SECONDS, parallel=streams,
+                               extra=["-O", str(OMIT), "-B", str(bind)])
+                for (bind, host), port in zip(clients, ports)]
+        t_omit = time.clock_gettime_ns(time.CLOCK_REALTIME) + OMIT * 1_000_000_000 + 300_000_000
+        docs = [traffic.iperf3_result(r, timeout=60) for r in runs]
+    finally:
+        stop.set()
+        th.join(5)
+    per_client = []
+    for c, doc in zip(caps, docs):
+        st = streams_of(c, t_omit)
+        per_client.append({
+            "iperf3_payload_bps": doc["end"]["sum_received"]["bits_per_second"] / 8,
+            "streams": [stream_figures(pk) for pk in st.values()]})
+        c.close()
+    total = sum(pc["iperf3_payload_bps"] for pc in per_client)
+    wire = 1448 / FRAME
+    return {"cap_bps": cap_bps, "payload_bps": total, "payload_cap_bps": cap_bps * wire,
+            "off_cap": total / (cap_bps * wire) - 1, "clients": per_client}
+
+
+def main() -> int:
+    figures = {}
+    with Testbed(gso=False) as tb:
+        v4 = int(tb.client_v4)
+        extra = [ipaddress.IPv4Address(v4 + 1), ipaddress.IPv4Address(v4 + 2)]
+        for a in extra:
+            tb.run(tb.client_ns, ["ip", "addr", "add", f"{a}/24", "dev", tb.client_if])
+        for p in (5401, 5411, 5412, 5413):
+            iperf3_server(tb, p)
+        d = Daemon(tb, None, RULES, "--backend", "htb").start()
+        try:
+            mbit = 1_000_000 / 8
+            figures["client"] = run_case(tb, [5401], [(tb.client_v4, tb.server_v4)],
+                                         20 * mbit, 4)
+            three = [(a, tb.server_v4) for a in [tb.client_v4] + extra]
+            figures["total"] = run_case(tb, [5411, 5412, 5413], three, 30 * mbit, 2)
+            wait_for(lambda: not d.flows(), 10, 0.1, "the flows to end")
+        finally:
+            d.stop()
+    path = write("aggregates_htb", figures)
+    for name, f in figures.items():
+        print(f"{name}: {f['payload_bps'] * 8 / 1e6:.2f} Mbit/s of a "
+              f"{f['payload_cap_bps'] * 8 / 1e6:.2f} payload cap ({f['off_cap']:+.2%})")
+        for i, c in enumerate(f["clients"]):
+            for s in c["streams"]:
+                g = s["gap_us"]
+                print(f"  client {i}: {s['payload_bps'] * 8 / 1e6:.2f} Mbit/s, gaps p10/p50/p99 "
+                      f"{g['p10']:.0f}/{g['p50']:.0f}/{g['p99']:.0f} us (share's gap "
+                      f"{s['nominal_gap_us']:.0f} us mean), back-to-back {s['back_to_back']:.1%}")
+    print(f"written {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
