@@ -107,7 +107,10 @@ def check_rules_access(path: str) -> None:
 
 def load_rules(path: str) -> RuleSet:
     check_rules_access(path)
-    return rules_loader.load(path)
+    rs = rules_loader.load(path)
+    for w in rs.warnings:           # e.g. total rates oversubscribing the link (issue 15)
+        log.warning("%s", w)
+    return rs
 
 
 def _real_tracer():

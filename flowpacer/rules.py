@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import ipaddress
-import logging
 import os
 import pwd
 import re
@@ -44,8 +43,6 @@ except ImportError:  # pragma: no cover
 from . import units
 from .errors import RuleProblem, RulesError
 from .model import BackendKind, Direction, Match, PortSet, Rule, RuleSet
-
-log = logging.getLogger(__name__)
 
 MAX_BYTES = 1 << 20          # a rules file larger than 1 MiB is refused
 MAX_PROBLEMS = 100           # reported at once; then one "... and N more" line
@@ -839,8 +836,6 @@ def _build(text: str, path: str) -> RuleSet:
     if not ok or col.problems:
         raise RulesError(_capped(col.problems))
     warnings = tuple(_capped(col.warnings)) if col.warnings else ()
-    for w in warnings:
-        log.warning("%s", w)
     return RuleSet(interface=values["interface"], backend=values["backend"],
                    link_rate_bps=values["link_rate"], rules=values["rules"], path=path,
                    warnings=warnings)

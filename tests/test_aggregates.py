@@ -551,3 +551,17 @@ def test_status_json_and_top_show_the_groups():
     text = "\n".join(line for _s, line in top.render(v, 200, 30))
     assert "CLIENT" in text and "2001:db8::/64 @20 Mbit/s" in text
     assert "(total 30 Mbit/s)" in text
+
+
+def test_the_daemon_logs_the_warnings_of_its_rules(tmp_path, caplog):
+    from flowpacer import app
+    f = tmp_path / "rules.yaml"
+    f.write_text("link_rate: 100mbit\nrules:\n"
+                 "  - {name: a, match: {process: a}, rate: 8mbit, total_rate: 60mbit}\n"
+                 "  - {name: b, match: {process: b}, rate: 8mbit, total_rate: 60mbit}\n")
+    f.chmod(0o644)
+    with caplog.at_level("WARNING"):
+        rs = app.load_rules(str(f))
+    assert len(rs.rules) == 2 and len(rs.warnings) == 1
+    assert [r.getMessage() for r in caplog.records] == [str(rs.warnings[0])]
+    assert f"{f}:4:61: rule 'b': total_rate: warning: " in str(rs.warnings[0])
