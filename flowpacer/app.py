@@ -277,27 +277,10 @@ class Daemon:
                 rec.on_events(events)
 
     def _serve_control(self, ctx: StageContext) -> None:
-        srv = self._control
-        if hasattr(srv, "run"):
-            srv.run(ctx)
-            return
-        sel = selectors.DefaultSelector()
-        sel.register(srv.fileno(), selectors.EVENT_READ)
-        try:
-            while not ctx.stopping():
-                if sel.select(MAIN_TICK_S):
-                    srv.serve_one()
-                ctx.beat()
-        finally:
-            sel.close()
+        self._control.run(ctx)
 
     def _serve_metrics(self, ctx: StageContext) -> None:
-        srv = self._metrics
-        if hasattr(srv, "run"):
-            srv.run(ctx)
-            return
-        while not ctx.wait(MAIN_TICK_S):      # the legacy server runs its own thread
-            ctx.beat()
+        self._metrics.run(ctx)
 
     def _main(self, ctx: StageContext) -> None:
         sel = selectors.DefaultSelector()
