@@ -55,6 +55,7 @@ EVENT = struct.Struct("<QIIIIHHHBB16s16s16s")
 assert EVENT.size == 80
 
 POOL_TARGET = 32           # ready classes per rule (< POOL_SLOTS)
+CLAIM_WAIT_S = 5.0         # a claim whose flow the daemon has not seen by then is given back
 GRACE_S = 0.005            # a sock_ops run that saw the old rules has finished by then
 
 _GLOB = set("*?[")
@@ -298,6 +299,7 @@ class FirstByte:
         self._link_fd = -1
         self._raw: List[bytes] = []
         self._pools: Dict[int, _Pool] = {}
+        self._pending: Dict[FlowKey, float] = {}                 # claims not bound yet: since
         self._compiled: Optional[Compiled] = None
         self._rules_seen: Optional[tuple] = None
         self._backend = None
@@ -523,34 +525,49 @@ class FirstByte:
 
     # ------------------------------------------------------------------ step
     def step(self, rec, backend, claims: List[Claim]) -> None:
-        """One round, under the reconciler's lock: claims -> backend + flow table -> apply,
-        unused claims back, pools refilled (remade after a reload or a backend rebuild)."""
+        """One round, under the reconciler's lock: claims bound to their flows in the backend,
+        unused claims given back, pools refilled (remade after a reload or a backend rebuild).
+
+        A claim is a hint, not a flow event: the flow itself is opened and closed by the tracer
+        (or sock_diag) as before, so OPEN and CLOSE keep their one ordered source; the flow's
+        ADD then takes the claimed class. A flow that got its class before its claim was seen
+        is given the claimed one instead (the socket sends into that)."""
         with self._lock, rec.lock:
             if self._bpf is None:
                 return
             if backend is None:
-                if claims:
-                    rec.on_events([c.event for c in claims])
                 return
+            now = time.monotonic()
             fresh = backend is not self._backend or backend.pool_epoch != self._epoch
+            marked = False
             for c in claims:
                 key = c.event.flow.key
                 if fresh or not backend.pool_claimed(key, c.classid):
                     self._counts["stale"] += 1
                     continue
                 self._counts["bound"] += 1
+                self._pending[key] = now
                 cur = backend.classid_of(key)
                 if cur is not None and cur != c.classid:
-                    # the tracer's OPEN got it a class first: the socket uses the claimed one,
-                    # so that becomes the flow's class (filter and status follow it)
                     backend.apply([model.Op(OpKind.REMOVE, key)])
                     self._counts["rebound"] += 1
-            if claims:
-                rec.on_events([c.event for c in claims])
-            for key in backend.pool_pending():
-                backend.pool_release(key)       # no rule wants it, or the apply failed
-                self._counts["released"] += 1
+                if key in rec.table.flows:
+                    rec.table.dirty.add(key)
+                    marked = True
+            if marked:
+                rec.apply_dirty()
+            pend = backend.pool_pending()
+            for key, since in list(self._pending.items()):
+                if key not in pend:
+                    del self._pending[key]              # the flow's ADD took it
+                elif key in rec.table.flows or now - since > CLAIM_WAIT_S:
+                    # planned and not shaped (no rule wants it, the apply failed), or its flow
+                    # never showed up: the class goes, its id waits for the flow's end
+                    backend.pool_release(key)
+                    del self._pending[key]
+                    self._counts["released"] += 1
             if fresh or rec.rules.rules != self._rules_seen:
+                self._pending.clear()
                 self._replan(backend, rec.rules)
             else:
                 self.refill(backend)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import time
 from typing import Dict, Iterable, List, Optional
 
 from ..model import FlowKey, Shape
@@ -31,6 +32,9 @@ log = logging.getLogger(__name__)
 # range is a flow's once a filter points at it.
 POOL_FIRST_MINOR = 0xC000
 POOL_LAST_MINOR = 0xFFFF
+# a claimed id whose class was deleted is handed out again only this long after: the socket that
+# carried it as its priority has finished sending by then (its flow was closed)
+COOL_S = 5.0
 
 
 class PoolMixin:
@@ -58,11 +62,17 @@ class PoolMixin:
     def _pool_ids(self):
         ids = self.__dict__.get("_pool_id_state")
         if ids is None:
-            ids = self.__dict__["_pool_id_state"] = {"next": POOL_FIRST_MINOR, "free": []}
+            ids = self.__dict__["_pool_id_state"] = {"next": POOL_FIRST_MINOR, "free": [],
+                                                     "cooling": []}
         return ids
 
     def _pool_alloc_minor(self) -> int:
         ids = self._pool_ids()
+        cooling = ids["cooling"]
+        if cooling:
+            now = time.monotonic()
+            while cooling and now - cooling[0][1] >= COOL_S:
+                ids["free"].append(cooling.pop(0)[0])
         if ids["free"]:
             return ids["free"].pop()
         if ids["next"] > POOL_LAST_MINOR:
@@ -71,8 +81,12 @@ class PoolMixin:
         ids["next"] += 1
         return m
 
-    def _pool_free_minor(self, minor: int) -> None:
-        self._pool_ids()["free"].append(minor)
+    def _pool_free_minor(self, minor: int, cool: bool = True) -> None:
+        ids = self._pool_ids()
+        if cool:
+            ids["cooling"].append((minor, time.monotonic()))
+        else:
+            ids["free"].append(minor)
 
     def _pool_adopted(self, used) -> None:
         """After adoption: the pool-range ids that adopted flows hold stay taken."""
@@ -80,7 +94,7 @@ class PoolMixin:
         nxt = max([POOL_FIRST_MINOR - 1] + taken) + 1
         self.__dict__["_pool_id_state"] = {
             "next": nxt, "free": [m for m in range(nxt - 1, POOL_FIRST_MINOR - 1, -1)
-                                  if m not in set(taken)]}
+                                  if m not in set(taken)], "cooling": []}
 
     def pool_create(self, shape: Shape, n: int) -> List[int]:
         """Make up to ``n`` ready classes with ``shape``; their class ids (fewer when the kernel
@@ -108,7 +122,7 @@ class PoolMixin:
             else:
                 log.warning("%s: %s", self.interface, err)
                 if err.errno != errno.EEXIST:      # never an id someone else holds
-                    self._free_minor(m)
+                    self._pool_free_minor(m, cool=False)
         return out
 
     def pool_change(self, classids: Iterable[int], shape: Shape) -> List[int]:
@@ -137,7 +151,7 @@ class PoolMixin:
         for c, err in zip(classids, self._rtnl.transact(reqs)):
             st["classes"].discard(c)
             if err is None or err.errno == errno.ENOENT:
-                self._free_minor(c & 0xFFFF)
+                self._pool_free_minor(c & 0xFFFF, cool=False)     # never claimed
             else:
                 log.warning("%s: %s", self.interface, err)
 
