@@ -350,6 +350,15 @@ def _issue14(R, key, rates=(100, 1000)):
     return out
 
 
+def _share_1g(R):
+    f = R.fig("vm_sharing")
+    unit = g(f, "setup", "unit_mbit")
+    if not unit or unit * 10 < 1000:
+        return None
+    err = lambda q: g(f, "vm", "runs", q, "all_running", "max_abs_error")
+    return {"psp": err("psp"), "htb": err("htb"), "unit": unit}
+
+
 def _issue14_cpu(R):
     out = {}
     for r in pacing_rows(R):
@@ -422,6 +431,10 @@ def goals() -> List[Goal]:
              lambda v: all(x is not None and abs(x) <= 0.001 for x in v.values()),
              lambda v: ", ".join(f"{r:g} Mbit: {pct(x, 3) if x is not None else 'no valid run'}"
                                  for r, x in v.items()), "1"),
+        Goal(14, "VM, virtual time: 4,4,4,2,2 on a 1 Gbit/s psp link, every flow within 1 % of 2:2:2:1:1 (all running)",
+             "vm_sharing", "vm_sharing", _share_1g, lambda v: v["psp"] is not None and v["psp"] <= 0.01,
+             lambda v: f"psp worst {pct(v['psp'], 2) if v['psp'] is not None else '—'}, htb worst "
+                       f"{pct(v['htb'], 2) if v['htb'] is not None else '—'} (unit {v['unit']:g} Mbit/s)", "2"),
         Goal(14, "VM: psp per-packet guest CPU beside htb's and fq's at 100 Mbit and 1 Gbit (report)",
              "vm_gaps", "vm_gaps", _issue14_cpu, None,
              lambda v: "; ".join(f"{r:g} Mbit GSO {g}: " + ", ".join(
