@@ -108,7 +108,33 @@ def one_run(bed: Bed, qdisc: str, rate_mbit: float, gso: bool, seconds: int, gap
     return out
 
 
-def run_all(rates, qdiscs, gsos, seconds, gap_sample, window_ms, capture="pcap") -> list:
+def pktgen_run(bed: Bed, qdisc: str, rate_mbit: float, seconds: int) -> dict:
+    """pktgen (queue_xmit, 1514-byte UDP frames at 1.1x the rate) through the qdisc, dropped at
+    the receiver's ingress; tcpdump where the packets leave the sender's veth."""
+    pacing = guest_tools()
+    target = pacing.mbit(rate_mbit)
+    setup = {"psp": pacing.Psp, "htb": pacing.Htb, "tbf": pacing.Tbf, "fq": pacing.Fq}[qdisc](target)
+    busy0 = cpu_busy_ns()
+    st = pacing.measure_pktgen(bed, setup, target, duration=seconds)
+    busy1 = cpu_busy_ns()
+    xs = psp_xstats(bed) if qdisc == "psp" else None
+    bed.clear_qdisc()
+    out = {"qdisc": qdisc, "rate_mbit": rate_mbit, "gso": False, "source": "pktgen", "seconds": seconds,
+           "capture": "pcap", "valid": st.capture_drops == 0,
+           "cpu_ns_per_pkt": round((busy1 - busy0) / max(1, st.packets) , 1),
+           "within10": st.within10, "within25": st.within25, "fit_rate_error": st.fit_rate_error,
+           "rate_error": st.rate_error, "rate_bit_s": st.rate_bps * 8, "goodput_bit_s": st.goodput_bps * 8,
+           "b2b_share": st.b2b_share, "ideal_gap_us": st.ideal_gap_us, "median_gap_us": st.median_gap_us,
+           "p99_gap_us": st.p99_gap_us, "longest_run": st.longest_run, "max_per_ms": st.max_per_ms,
+           "empty_ms": st.empty_ms, "mean_segs": st.mean_segs, "packets": st.packets,
+           "capture_drops": st.capture_drops}
+    if xs is not None:
+        out["psp"] = {k: xs[k] for k in ("paced_pkts", "late_ns_total", "late_ns_max", "clamps",
+                                         "longest_run", "timer_fires", "timer_late_ns_max") if k in xs}
+    return out
+
+
+def run_all(rates, qdiscs, gsos, seconds, gap_sample, window_ms, capture="pcap", source="iperf3") -> list:
     from flowpacer.testbed import Testbed
     out = []
     with Testbed(tag="vgap") as tb:
@@ -118,7 +144,12 @@ def run_all(rates, qdiscs, gsos, seconds, gap_sample, window_ms, capture="pcap")
                 for q in qdiscs:
                     t0 = time.monotonic()
                     try:
-                        r = one_run(bed, q, rate, gso, seconds, gap_sample, window_ms, capture)
+                        if source == "pktgen":
+                            if not gso:
+                                continue          # pktgen's frames are never GSO: one pass
+                            r = pktgen_run(bed, q, rate, seconds)
+                        else:
+                            r = one_run(bed, q, rate, gso, seconds, gap_sample, window_ms, capture)
                     except Exception as e:       # one failed run must not lose the others
                         r = {"qdisc": q, "rate_mbit": rate, "gso": gso, "error": f"{type(e).__name__}: {e}"}
                         bed.clear_qdisc()
@@ -129,7 +160,7 @@ def run_all(rates, qdiscs, gsos, seconds, gap_sample, window_ms, capture="pcap")
                     else:
                         log.info("%-4s %5g Mbit GSO %-3s: %7.1f Mbit/s, rate %+6.2f %%, within10 %5.1f %%, "
                                  "within25 %5.1f %%, run %3d, max/ms %3d, cpu %6.0f ns/pkt, drops %d",
-                                 q, rate, "on" if gso else "off", r["iperf_bit_s"] / 1e6,
+                                 q, rate, "on" if gso else "off", r.get("iperf_bit_s", r["rate_bit_s"]) / 1e6,
                                  100 * r["rate_error"], 100 * r["within10"], 100 * r["within25"],
                                  r["longest_run"], r["max_per_ms"], r["cpu_ns_per_pkt"],
                                  r["capture_drops"])
@@ -147,6 +178,8 @@ def main(argv=None) -> int:
     ap.add_argument("--window-ms", type=int, default=200)
     ap.add_argument("--capture", choices=("pcap", "packet"), default="pcap",
                     help="pcap: tcpdump to tmpfs (keeps up at 1 Gbit/s); packet: Python AF_PACKET")
+    ap.add_argument("--source", choices=("iperf3", "pktgen"), default="iperf3",
+                    help="pktgen: kernel pktgen through the qdisc, dropped at the receiver's ingress")
     ap.add_argument("--clock", choices=("virtual", "real"), default="virtual",
                     help="the VM's clock (virtual: exact guest time, vm/README.md)")
     ap.add_argument("--guest", action="store_true", help=argparse.SUPPRESS)
@@ -158,7 +191,8 @@ def main(argv=None) -> int:
     qdiscs = args.qdiscs.split(",")
     gsos = [x == "on" for x in args.gso.split(",")]
     if args.guest:
-        runs = run_all(rates, qdiscs, gsos, seconds, args.gap_sample, args.window_ms, args.capture)
+        runs = run_all(rates, qdiscs, gsos, seconds, args.gap_sample, args.window_ms, args.capture,
+                       args.source)
         Path(args.out).write_text(json.dumps({"guest_kernel": os.uname().release, "runs": runs}))
         return 0
     if os.geteuid() != 0:
@@ -185,7 +219,7 @@ def main(argv=None) -> int:
         budget = len(rates) * len(gsos) * len(qdiscs) * (seconds + 20) + 300
         ga = ["--rates", ",".join(map(str, rates)), "--qdiscs", args.qdiscs, "--gso", args.gso,
               "--seconds", str(seconds), "--gap-sample", str(args.gap_sample), "--window-ms", str(args.window_ms),
-              "--capture", args.capture]
+              "--capture", args.capture, "--source", args.source]
         try:
             doc = run_guest("bench.vm_gaps", ga, budget, clock=args.clock)
             fig.update({"vm": doc["vm"], "runs": doc["runs"]})
@@ -193,7 +227,8 @@ def main(argv=None) -> int:
             fig["failed"] = str(e)[-4000:]
             rc = 1
     fig["duration_s"] = round(time.monotonic() - t0, 1)
-    path = write("vm_gaps", fig, {})
+    fig["setup"]["source"] = args.source
+    path = write("vm_gaps" if args.source == "iperf3" else "vm_gaps_pktgen", fig, {})
     print(f"wrote {path}", file=sys.stderr)
     return rc
 

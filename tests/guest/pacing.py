@@ -734,6 +734,76 @@ class Iperf:
                     pass
 
 
+class Pktgen:
+    """A cheap traffic source for rates a TCP stream cannot fill in the guest: the kernel's
+    pktgen in ``queue_xmit`` mode (every packet goes through the sender's root qdisc) sends
+    ``frame_bytes`` UDP frames to ``port`` at ``source_bps`` (a little above the rate under
+    test, so the qdisc stays backlogged) for ``seconds``, and the receiver drops them at its
+    ingress (clsact + matchall drop), so the guest spends its instructions on the qdisc.
+
+        with Pktgen(tb, mbit(1100), 3) as pg: ...; pg.wait()
+    """
+
+    def __init__(self, tb: Testbed, source_bps: int, seconds: float, frame_bytes: int = 1514,
+                 port: int = IPERF_PORT):
+        self.tb, self.source_bps, self.seconds = tb, source_bps, seconds
+        self.frame_bytes, self.port = frame_bytes, port
+        self._proc: Optional[subprocess.Popen] = None
+        self.started = 0.0
+
+    def _pg(self, path: str, cmd: str) -> None:
+        self.tb.s("sh", "-c", f"echo {shlex_quote(cmd)} > /proc/net/pktgen/{path}")
+
+    def __enter__(self) -> "Pktgen":
+        tb = self.tb
+        modprobe("pktgen", "sch_ingress", "cls_matchall", "act_gact")
+        tb.r("tc", "qdisc", "replace", "dev", tb.receiver_dev, "clsact")
+        tb.r("tc", "filter", "replace", "dev", tb.receiver_dev, "ingress", "pref", "1",
+             "matchall", "action", "drop")
+        link = tb.r("ip", "-o", "link", "show", tb.receiver_dev).stdout.split()
+        mac = link[link.index("link/ether") + 1]
+        dev = tb.sender_dev
+        self._pg("kpktgend_0", "rem_device_all")
+        self._pg("kpktgend_0", f"add_device {dev}")
+        gap_ns = max(1, int(self.frame_bytes * 1e9 / self.source_bps))
+        count = int(self.seconds * 1e9 / gap_ns)
+        for cmd in ("xmit_mode queue_xmit", "clone_skb 0", "burst 1", f"count {count}",
+                    f"pkt_size {self.frame_bytes}", f"delay {gap_ns}", f"dst {tb.receiver_addr}",
+                    f"dst_mac {mac}", f"udp_dst_min {self.port}", f"udp_dst_max {self.port}",
+                    "udp_src_min 9", "udp_src_max 9"):
+            self._pg(dev, cmd)
+        self._proc = tb.popen(tb.sender_ns, ["sh", "-c", "echo start > /proc/net/pktgen/pgctrl"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.started = time.monotonic()
+        return self
+
+    def wait(self) -> None:
+        try:
+            self._proc.communicate(timeout=self.seconds + guest_timeout(60))
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise TestbedError("pktgen did not finish") from None
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self.tb.s("sh", "-c", "echo stop > /proc/net/pktgen/pgctrl", check=False)
+            try:
+                self._proc.communicate(timeout=guest_timeout(30))
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        tb = self.tb
+        tb.s("sh", "-c", "echo rem_device_all > /proc/net/pktgen/kpktgend_0", check=False)
+        tb.r("tc", "qdisc", "del", "dev", tb.receiver_dev, "clsact", check=False)
+
+
+def shlex_quote(s: str) -> str:
+    import shlex
+    return shlex.quote(s)
+
+
 def received_bps(report: dict) -> float:
     """iperf3's receiver goodput (bytes/s) over the whole run."""
     return report["end"]["sum_received"]["bits_per_second"] / 8
@@ -747,6 +817,21 @@ def sender_capture(tb: Testbed, port=IPERF_PORT) -> Capture:
     squeezes gaps that left the qdisc evenly (at 10 Mbit/s a receiver sees runs of 3 back to
     back from a qdisc whose output has none)."""
     return Capture(tb.sender_ns, tb.sender_dev, port, outgoing=True)
+
+
+def measure_pktgen(tb: Testbed, setup: Optional[QdiscSetup], target_bps: int, *,
+                   duration: float = 3.0, warmup_s: float = 0.5, overload: float = 1.1) -> PacingStats:
+    """Like ``measure``, with ``Pktgen`` at ``overload`` x the target as the source and the
+    tcpdump capture (``PcapCapture``) where the packets leave the sender's veth."""
+    tb.clear_qdisc()
+    if setup is not None:
+        setup(tb)
+    with PcapCapture(tb.sender_ns, tb.sender_dev, IPERF_PORT) as cap:
+        with Pktgen(tb, int(target_bps * overload), duration) as pg:
+            pg.wait()
+    stats = analyze(cap.packets, target_bps, warmup_s=warmup_s)
+    stats.capture_drops = cap.drops
+    return stats
 
 
 def measure(tb: Testbed, setup: Optional[QdiscSetup], target_bps: int, *, gso: bool = True,
