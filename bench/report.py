@@ -344,7 +344,8 @@ def _issue14(R, key, rates=(100, 1000)):
         for src, name in (("iperf3", "vm_gaps"), ("pktgen", "vm_gaps_pktgen")):
             f = R.fig(name) or {}
             for r in f.get("runs", []) or []:
-                if r.get("qdisc") == "psp" and float(r.get("rate_mbit")) == rate and r.get("gso", True) \
+                if r.get("qdisc") == "psp" and float(r.get("rate_mbit")) == rate \
+                        and (src == "pktgen" or r.get("gso", True)) \
                         and not r.get("error") and r.get("valid", r.get("capture_drops") == 0):
                     vals[src] = r.get(key)
         out[rate] = vals

@@ -39,6 +39,14 @@ QDISCS = ("psp", "htb", "tbf", "fq")
 RATES = (10, 100, 1000, 2500)
 
 
+def make_setup(pacing, qdisc: str, target: int):
+    """The qdisc under test at ``target`` bytes/s; psp's link at the veth's 10 Gbit/s, so that
+    only the class paces (its 1 Gbit/s default link would cap the runs above 1 Gbit/s)."""
+    if qdisc == "psp":
+        return pacing.Psp(target, link_bps=pacing.mbit(10_000))
+    return {"htb": pacing.Htb, "tbf": pacing.Tbf, "fq": pacing.Fq}[qdisc](target)
+
+
 def cpu_busy_ns() -> int:
     """CPU time the guest spent on anything but idle (all CPUs, /proc/stat, USER_HZ 100)."""
     with open("/proc/stat") as f:
@@ -57,7 +65,7 @@ def one_run(bed: Bed, qdisc: str, rate_mbit: float, gso: bool, seconds: int, gap
             window_ms: int, capture: str = "pcap") -> dict:
     pacing = guest_tools()
     target = pacing.mbit(rate_mbit)
-    setup = {"psp": pacing.Psp, "htb": pacing.Htb, "tbf": pacing.Tbf, "fq": pacing.Fq}[qdisc](target)
+    setup = make_setup(pacing, qdisc, target)
     bed.clear_qdisc()
     bed.set_gso(gso)
     setup(bed)
@@ -113,7 +121,7 @@ def pktgen_run(bed: Bed, qdisc: str, rate_mbit: float, seconds: int) -> dict:
     the receiver's ingress; tcpdump where the packets leave the sender's veth."""
     pacing = guest_tools()
     target = pacing.mbit(rate_mbit)
-    setup = {"psp": pacing.Psp, "htb": pacing.Htb, "tbf": pacing.Tbf, "fq": pacing.Fq}[qdisc](target)
+    setup = make_setup(pacing, qdisc, target)
     busy0 = cpu_busy_ns()
     st = pacing.measure_pktgen(bed, setup, target, duration=seconds)
     busy1 = cpu_busy_ns()
