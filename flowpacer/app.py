@@ -241,6 +241,8 @@ class Daemon:
         """Issue 16: classes claimed in the kernel at the handshake (firstbyte.py)."""
         if not self.opts.tracer or self._firstbyte_factory is None:
             return Stage.disabled("firstbyte", "no tracer")
+        if os.environ.get("FLOWPACER_NO_FIRST_BYTE"):     # benchmarks' "before" figures
+            return Stage.disabled("firstbyte", "FLOWPACER_NO_FIRST_BYTE")
         try:
             fb = self._firstbyte_factory()
             fb.start()

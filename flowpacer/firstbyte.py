@@ -46,7 +46,7 @@ COMM_LEN = 16
 MAX_RULES = 64
 POOL_SLOTS = 64
 FB_DIR_OUTBOUND, FB_DIR_INBOUND = 1, 2
-FB_F_ATTRIBUTED = 0x01
+FB_F_ATTRIBUTED, FB_F_CLOSED = 0x01, 0x02
 COUNTERS = ("claimed", "pool_empty", "undecided", "unattributed", "setsockopt_failed", "lost",
             "no_match")
 # struct fb_event: ts_ns classid rule pid uid family lport rport direction flags
@@ -299,16 +299,19 @@ class FirstByte:
         self._link_fd = -1
         self._raw: List[bytes] = []
         self._pools: Dict[int, _Pool] = {}
-        self._pending: Dict[FlowKey, float] = {}                 # claims not bound yet: since
+        self._pending: Dict[FlowKey, tuple] = {}     # claims not bound yet: (since, class id)
+        self._new_listeners = False
+        self._closed: List[int] = []                             # class ids of closed sockets
         self._compiled: Optional[Compiled] = None
         self._rules_seen: Optional[tuple] = None
         self._backend = None
         self._epoch = -1
         self._counts = {"claims": 0, "bound": 0, "released": 0, "rebound": 0, "bad_records": 0,
-                        "stale": 0}
+                        "stale": 0, "closed": 0}
         self._poll_lock = threading.Lock()
         self._lock = threading.RLock()
         self.summary = "not started"
+        self.current_helpers = False
 
     # -------------------------------------------------------------- start-up
     def start(self) -> None:
@@ -321,13 +324,27 @@ class FirstByte:
             except Exception as e:
                 raise FirstByteUnavailable(f"bcc is not importable: {e}") from None
             t0 = time.monotonic()
-            try:
-                b = bcc.BPF(src_file=BPF_SRC.encode(),
-                            cflags=[f"-I{BPF_DIR}", f"-DFB_RING_PAGES={self.ring_pages}"])
-                fn = b.load_func(b"fb_sockops", bcc.BPF.SOCK_OPS)
-            except Exception as e:
-                msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-                raise FirstByteUnavailable(f"sock_ops program refused: {msg}") from None
+            b = fn = None
+            for current in (1, 0):
+                try:
+                    b = bcc.BPF(src_file=BPF_SRC.encode(),
+                                cflags=[f"-I{BPF_DIR}", f"-DFB_RING_PAGES={self.ring_pages}",
+                                        f"-DFB_CURRENT={current}"])
+                    fn = b.load_func(b"fb_sockops", bcc.BPF.SOCK_OPS)
+                    break
+                except Exception as e:
+                    if b is not None:
+                        b.cleanup()
+                        b = None
+                    msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+                    if not current:
+                        raise FirstByteUnavailable(f"sock_ops program refused: {msg}") from None
+            self.current_helpers = bool(current)
+            if not current:
+                log.info("first byte: this kernel's sock_ops programs cannot ask for the current "
+                         "process (Linux 6.1): listeners' owners are found by user space, and "
+                         "outbound flows of rules naming a process or user get their class "
+                         "after the handshake")
             root = "cgroup2"
             try:
                 cg, root = open_cgroup2_root()
@@ -498,7 +515,14 @@ class FirstByte:
             if len(rec) != EVENT.size:
                 self._counts["bad_records"] += 1
                 continue
-            out.append(self._to_claim(EVENT.unpack(rec)))
+            r = EVENT.unpack(rec)
+            if r[9] & FB_F_CLOSED:          # a claiming socket is closed
+                self._closed.append(r[1])
+                continue
+            if r[1] == 0:                   # classid 0: a new listener (no current helpers)
+                self._new_listeners = True
+                continue
+            out.append(self._to_claim(r))
         self._counts["claims"] += len(out)
         return out
 
@@ -535,10 +559,14 @@ class FirstByte:
         with self._lock, rec.lock:
             if self._bpf is None:
                 return
+            if self._new_listeners:
+                self._new_listeners = False
+                self._seed_listeners()
             if backend is None:
                 return
             now = time.monotonic()
             fresh = backend is not self._backend or backend.pool_epoch != self._epoch
+            closed, self._closed = self._closed, []
             marked = False
             for c in claims:
                 key = c.event.flow.key
@@ -546,7 +574,7 @@ class FirstByte:
                     self._counts["stale"] += 1
                     continue
                 self._counts["bound"] += 1
-                self._pending[key] = now
+                self._pending[key] = (now, c.classid)
                 cur = backend.classid_of(key)
                 if cur is not None and cur != c.classid:
                     backend.apply([model.Op(OpKind.REMOVE, key)])
@@ -556,22 +584,27 @@ class FirstByte:
                     marked = True
             if marked:
                 rec.apply_dirty()
+            gone = set()
+            if closed and not fresh:
+                gone = set(closed)
+                self._counts["closed"] += len(closed)
             pend = backend.pool_pending()
-            for key, since in list(self._pending.items()):
+            for key, (since, cid) in list(self._pending.items()):
                 if key not in pend:
                     del self._pending[key]              # the flow's ADD took it
-                elif key in rec.table.flows or now - since > CLAIM_WAIT_S:
+                elif key in rec.table.flows or cid in gone or now - since > CLAIM_WAIT_S:
                     # planned and not shaped (no rule wants it, the apply failed), or its flow
                     # never showed up: the class goes, its id waits for the flow's end
                     backend.pool_release(key)
                     del self._pending[key]
                     self._counts["released"] += 1
+            for cid in gone:
+                backend.pool_socket_closed(cid)
             if fresh or rec.rules.rules != self._rules_seen:
                 self._pending.clear()
                 self._replan(backend, rec.rules)
             else:
                 self.refill(backend)
-            backend.pool_unquarantine(rec.table.flows)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> Dict[str, int]:

@@ -8,9 +8,9 @@ and reports the claim. The claim is recorded here and the flow's ADD then takes 
 instead of making one: the class's rates are set to the flow's shape and the flow's own u32
 filter is added as usual, so ``_flows`` and the filters stay the source of truth.
 
-Class ids are never handed out twice while a socket may still point at them: a claimed class
-that ends up not being the flow's (the daemon decided otherwise) is deleted, and its id stays
-in quarantine until the flow is gone from the flow table. Pool classes left by a daemon that
+Class ids are never handed out twice while a socket may still point at them: the id of a
+claimed class is free again only when its class is gone *and* the program reported the claiming
+socket's close (or a minute passed without that report). Pool classes left by a daemon that
 died are orphans (classes without a filter) and go at the next start's adoption.
 """
 from __future__ import annotations
@@ -32,9 +32,10 @@ log = logging.getLogger(__name__)
 # range is a flow's once a filter points at it.
 POOL_FIRST_MINOR = 0xC000
 POOL_LAST_MINOR = 0xFFFF
-# a claimed id whose class was deleted is handed out again only this long after: the socket that
-# carried it as its priority has finished sending by then (its flow was closed)
-COOL_S = 5.0
+# A claimed id is its socket's priority until the socket closes: after its class was deleted it
+# is handed out again only once the program reported that close (FB_F_CLOSED), or after
+# AWAIT_CLOSE_S when that report was lost.
+AWAIT_CLOSE_S = 60.0
 
 
 class PoolMixin:
@@ -44,7 +45,7 @@ class PoolMixin:
     def _pool_state(self):
         st = self.__dict__.get("_pool")
         if st is None:
-            st = self.__dict__["_pool"] = {"claims": {}, "quarantine": {}, "classes": set()}
+            st = self.__dict__["_pool"] = {"claims": {}, "classes": set()}
         return st
 
     @property
@@ -63,16 +64,16 @@ class PoolMixin:
         ids = self.__dict__.get("_pool_id_state")
         if ids is None:
             ids = self.__dict__["_pool_id_state"] = {"next": POOL_FIRST_MINOR, "free": [],
-                                                     "cooling": []}
+                                                     "awaiting": {}, "closed": set()}
         return ids
 
     def _pool_alloc_minor(self) -> int:
         ids = self._pool_ids()
-        cooling = ids["cooling"]
-        if cooling:
+        if not ids["free"] and ids["awaiting"]:
             now = time.monotonic()
-            while cooling and now - cooling[0][1] >= COOL_S:
-                ids["free"].append(cooling.pop(0)[0])
+            for m in [m for m, t in ids["awaiting"].items() if now - t >= AWAIT_CLOSE_S]:
+                del ids["awaiting"][m]
+                ids["free"].append(m)
         if ids["free"]:
             return ids["free"].pop()
         if ids["next"] > POOL_LAST_MINOR:
@@ -81,12 +82,28 @@ class PoolMixin:
         ids["next"] += 1
         return m
 
-    def _pool_free_minor(self, minor: int, cool: bool = True) -> None:
+    def _pool_free_minor(self, minor: int, claimed: bool = True) -> None:
+        """The class of id ``minor`` is gone. A claimed id waits for its socket's close."""
         ids = self._pool_ids()
-        if cool:
-            ids["cooling"].append((minor, time.monotonic()))
-        else:
+        if not claimed or minor in ids["closed"]:
+            ids["closed"].discard(minor)
             ids["free"].append(minor)
+        else:
+            ids["awaiting"][minor] = time.monotonic()
+
+    def pool_socket_closed(self, classid: int) -> None:
+        """The socket that claimed ``classid`` is closed: no packet carries it any more."""
+        ids = self._pool_ids()
+        m = classid & 0xFFFF
+        if m < POOL_FIRST_MINOR:
+            return
+        if ids["awaiting"].pop(m, None) is not None:
+            ids["free"].append(m)
+        else:
+            ids["closed"].add(m)        # its class is still there (the flow's): freed with it
+
+    def pool_ids_waiting(self) -> int:
+        return len(self._pool_ids()["awaiting"])
 
     def _pool_adopted(self, used) -> None:
         """After adoption: the pool-range ids that adopted flows hold stay taken."""
@@ -94,7 +111,7 @@ class PoolMixin:
         nxt = max([POOL_FIRST_MINOR - 1] + taken) + 1
         self.__dict__["_pool_id_state"] = {
             "next": nxt, "free": [m for m in range(nxt - 1, POOL_FIRST_MINOR - 1, -1)
-                                  if m not in set(taken)], "cooling": []}
+                                  if m not in set(taken)], "awaiting": {}, "closed": set()}
 
     def pool_create(self, shape: Shape, n: int) -> List[int]:
         """Make up to ``n`` ready classes with ``shape``; their class ids (fewer when the kernel
@@ -122,7 +139,7 @@ class PoolMixin:
             else:
                 log.warning("%s: %s", self.interface, err)
                 if err.errno != errno.EEXIST:      # never an id someone else holds
-                    self._pool_free_minor(m, cool=False)
+                    self._pool_free_minor(m, claimed=False)
         return out
 
     def pool_change(self, classids: Iterable[int], shape: Shape) -> List[int]:
@@ -151,7 +168,7 @@ class PoolMixin:
         for c, err in zip(classids, self._rtnl.transact(reqs)):
             st["classes"].discard(c)
             if err is None or err.errno == errno.ENOENT:
-                self._pool_free_minor(c & 0xFFFF, cool=False)     # never claimed
+                self._pool_free_minor(c & 0xFFFF, claimed=False)
             else:
                 log.warning("%s: %s", self.interface, err)
 
@@ -191,26 +208,14 @@ class PoolMixin:
             f"delete unused claimed class {nl.fmt_handle(cid)}")])[0]
         if err is not None and err.errno != errno.ENOENT:
             log.warning("%s: %s", self.interface, err)
-        # the socket may still carry the id as its priority: not reused while the flow lives
-        st["quarantine"].setdefault(key, []).append(cid & 0xFFFF)
+        # the socket may still carry the id as its priority: reused after its close
+        self._pool_free_minor(cid & 0xFFFF)
 
     def pool_release(self, key: FlowKey) -> None:
-        """Flow ``key`` claimed a class but will not be shaped by it (no rule wants it, or it
-        already has a class of its own): the class goes, its id waits for the flow's end."""
+        """Flow ``key`` claimed a class but will not be shaped by it (no rule wants it, its flow
+        is over, or it already has a class of its own): the class goes, its id waits for the
+        socket's close."""
         self._pool_drop_claim(key)
-
-    def pool_unquarantine(self, live: Iterable[FlowKey]) -> int:
-        """Free the ids of released claims whose flows are gone; how many."""
-        st = self.__dict__.get("_pool")
-        if not st or not st["quarantine"]:
-            return 0
-        live = live if isinstance(live, (set, frozenset, dict)) else set(live)
-        n = 0
-        for key in [k for k in st["quarantine"] if k not in live]:
-            for m in st["quarantine"].pop(key):
-                self._free_minor(m)
-                n += 1
-        return n
 
     def pool_classes(self) -> int:
         st = self.__dict__.get("_pool")

@@ -27,7 +27,7 @@
  * ready.  User space (one writer) writes a slot, then advances fb_fill;
  * this program takes a ticket by compare-and-swap on fb_take, so two CPUs
  * never get the same class.  User space writes fb_take only while the rules
- * are switched off (config.nrules == 0).
+ * are switched off (config.live == 0).
  */
 #include <uapi/linux/bpf.h>
 #include <linux/socket.h>
@@ -46,6 +46,13 @@
 #endif
 #ifndef FB_MAX_KEYS
 #define FB_MAX_KEYS 4096
+#endif
+/* 1: sock_ops may call bpf_get_current_{pid_tgid,uid_gid,comm} (Linux 6.12 has them, 6.1
+ * refuses them); 0: the listen() callback reports the port and user space writes its owner,
+ * and connect() callers stay unknown (rules naming a process or user are then decided in user
+ * space for outbound flows) */
+#ifndef FB_CURRENT
+#define FB_CURRENT 1
 #endif
 
 #ifndef AF_INET
@@ -70,6 +77,7 @@ BPF_HASH(fb_uids, u32, u64, FB_MAX_KEYS);
 BPF_LPM_TRIE(fb_remote, struct fb_remote_key, u64, FB_MAX_KEYS);
 BPF_HASH(fb_listeners, u32, struct fb_owner, FB_MAX_LISTENERS);
 BPF_TABLE("lru_hash", u64, struct fb_owner, fb_conn, FB_MAX_CONN);
+BPF_TABLE("lru_hash", u64, u32, fb_claimed, FB_MAX_CONN);	/* cookie -> class id */
 BPF_ARRAY(fb_pool, u32, FB_MAX_RULES * FB_POOL_SLOTS);
 BPF_ARRAY(fb_fill, u64, FB_MAX_RULES);
 BPF_ARRAY(fb_take, u64, FB_MAX_RULES);
@@ -83,12 +91,14 @@ static __always_inline void count(u32 idx)
 		*v += 1;
 }
 
+#if FB_CURRENT
 static __always_inline void owner_current(struct fb_owner *o)
 {
 	o->pid = bpf_get_current_pid_tgid() >> 32;
 	o->uid = (u32)bpf_get_current_uid_gid();
 	bpf_get_current_comm(o->comm, sizeof(o->comm));
 }
+#endif
 
 /* The flow as the rules see it (filled from the callback's context). */
 struct fb_flow {
@@ -254,10 +264,16 @@ static __always_inline void established(struct bpf_sock_ops *skops, struct fb_co
 	}
 	int prio = (int)classid;
 
-	if (bpf_setsockopt(skops, SOL_SOCKET, SO_PRIORITY, &prio, sizeof(prio)) != 0)
+	if (bpf_setsockopt(skops, SOL_SOCKET, SO_PRIORITY, &prio, sizeof(prio)) != 0) {
 		count(FB_C_SETSOCKOPT);	/* still reported: the daemon gives the class back */
-	else
+	} else {
 		count(FB_C_CLAIMED);
+		/* tell user space when this socket is closed: until then the class id
+		 * is its priority and must not be handed to another flow */
+		fb_claimed.update(&cookie, &classid);
+		bpf_sock_ops_cb_flags_set(skops, skops->bpf_sock_ops_cb_flags |
+					  BPF_SOCK_OPS_STATE_CB_FLAG);
+	}
 	struct fb_event *e = fb_events.ringbuf_reserve(sizeof(*e));
 
 	if (!e) {
@@ -279,6 +295,31 @@ int fb_sockops(struct bpf_sock_ops *skops)
 	u32 zero = 0, op = skops->op;
 	struct fb_config *cfg;
 
+	if (op == BPF_SOCK_OPS_STATE_CB) {
+		/* only sockets that claimed a class asked for this callback */
+		u64 cookie;
+		u32 *cid;
+
+		if (skops->args[1] != 7 /* TCP_CLOSE */)
+			return 1;
+		cookie = bpf_get_socket_cookie(skops);
+		cid = fb_claimed.lookup(&cookie);
+		if (cid) {
+			struct fb_event *e = fb_events.ringbuf_reserve(sizeof(*e));
+
+			if (e) {
+				__builtin_memset(e, 0, sizeof(*e));
+				e->classid = *cid;
+				e->flags = FB_F_CLOSED;
+				e->ts_ns = bpf_ktime_get_ns();
+				fb_events.ringbuf_submit(e, 0);
+			} else {
+				count(FB_C_LOST);
+			}
+			fb_claimed.delete(&cookie);
+		}
+		return 1;
+	}
 	if (op != BPF_SOCK_OPS_TCP_LISTEN_CB && op != BPF_SOCK_OPS_TCP_CONNECT_CB &&
 	    op != BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB &&
 	    op != BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB)
@@ -291,14 +332,26 @@ int fb_sockops(struct bpf_sock_ops *skops)
 
 	switch (op) {
 	case BPF_SOCK_OPS_TCP_LISTEN_CB: {
-		struct fb_owner o = {};
 		u32 port = skops->local_port;
+#if FB_CURRENT
+		struct fb_owner o = {};
 
 		owner_current(&o);
 		fb_listeners.update(&port, &o);
+#else
+		/* classid 0: "a new listener on lport", user space finds its owner */
+		struct fb_event *e = fb_events.ringbuf_reserve(sizeof(*e));
+
+		if (e) {
+			__builtin_memset(e, 0, sizeof(*e));
+			e->lport = port;
+			fb_events.ringbuf_submit(e, 0);
+		}
+#endif
 		break;
 	}
 	case BPF_SOCK_OPS_TCP_CONNECT_CB: {
+#if FB_CURRENT
 		struct fb_owner o = {};
 		u64 cookie = bpf_get_socket_cookie(skops);
 
@@ -306,6 +359,7 @@ int fb_sockops(struct bpf_sock_ops *skops)
 			break;
 		owner_current(&o);
 		fb_conn.update(&cookie, &o);
+#endif
 		break;
 	}
 	case BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB:

@@ -20,6 +20,8 @@
 
 /* fb_event.flags */
 #define FB_F_ATTRIBUTED 0x01 /* pid/uid/comm are the owner's */
+#define FB_F_CLOSED     0x02 /* not a claim: the socket that claimed `classid`
+                              * is closed (its priority is free again) */
 
 /* indexes of the per-cpu counters */
 #define FB_C_CLAIMED      0 /* a class was given from a pool */
