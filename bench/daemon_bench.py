@@ -6,6 +6,10 @@
    to zero, tracer losses), and its CPU use (goal: >= 2000 flows/s sustained);
 3. bytes that leave unshaped before the filter is in place, per flow (the default class's byte
    counter around each of 100 sequential flows whose server writes 256 KB at once).
+4. ``unshaped_churn`` (issue 16): the same 256 KB replies as probes while 200 or 2 000 other
+   target flows/s open and close, IPv4 and IPv6, with and without first-byte shaping: how far
+   ahead of the rule's rate line each probe's bytes arrived (kernel-timestamped capture at the
+   client, GSO off on the server so that a packet is one frame).
 1 and 2 again as ``time_to_shape_mixed`` and ``churn_mixed`` with half of the flows over IPv6.
 
 Writes bench/results/daemon.json (parts not run keep their previous figures unless ``--fresh``).
@@ -161,8 +165,71 @@ def unshaped_bytes(tb, n=100) -> dict:
             "flows_with_any_unshaped_payload": sum(1 for x in per_flow if x > 0)}
 
 
+def unshaped_churn(tb, probes=20, rates=(200, 2000)) -> dict:
+    """Issue 16: bytes of each probe's 256 KB reply ahead of its 20 Mbit/s rate line, while
+    ``rate`` other target flows/s churn, per family, with first-byte shaping off ("before",
+    FLOWPACER_NO_FIRST_BYTE) and on ("after"). A flow paced from its first byte is ahead by
+    its class's burst (htb: 2 ms at the rate, 5000 B) plus about one packet."""
+    import os
+    import threading
+    from flowpacer.backend.htb import burst_for
+    from harness.headcapture import HeadCapture
+    rate_bps = 20_000_000 // 8
+    tb.set_gso(False)
+    tb.popen(tb.server_ns, [PY, "-m", "flowpacer.tools.blaster", "burst-serve", "--port", "7100"])
+    tb.popen(tb.server_ns, [PY, "-m", "flowpacer.tools.blaster", "burst-serve", "--port", "7102",
+                            "--bytes", str(256 * 1024)])
+    tb.wait_listening(7100)
+    tb.wait_listening(7102)
+    out = {"probe_payload_bytes": 256 * 1024, "rate_bps": rate_bps,
+           "class_burst_bytes": burst_for(rate_bps), "probes_per_case": probes}
+    for mode in ("before", "after"):
+        if mode == "before":
+            os.environ["FLOWPACER_NO_FIRST_BYTE"] = "1"
+        try:
+            d = bench_daemon(tb, rate="20mbit")
+        finally:
+            os.environ.pop("FLOWPACER_NO_FIRST_BYTE", None)
+        try:
+            src = d.status()["flow_source"]
+            assert ("first byte" in src) == (mode == "after"), src
+            for rate in rates:
+                for fam in (4, 6):
+                    host = tb.server_v4 if fam == 4 else tb.server_v6
+                    res = {}
+                    bg = threading.Thread(target=lambda: res.update(
+                        churn(tb, rate, 3 + probes * 0.25, procs=2, mixed=fam == 6)))
+                    bg.start()
+                    time.sleep(1.0)         # the churn is under way
+                    ahead = []
+                    with HeadCapture(tb, 7102) as cap:
+                        for _ in range(probes):
+                            with in_netns(tb.client_ns):
+                                c = socket.create_connection((str(host), 7102), timeout=10)
+                            cport = c.getsockname()[1]
+                            got = 0
+                            while True:
+                                b = c.recv(1 << 16)
+                                if not b:
+                                    break
+                                got += len(b)
+                            c.close()
+                            a, seen = cap.ahead_bytes(cport, rate_bps)
+                            if seen == got == 256 * 1024:
+                                ahead.append(a)
+                    bg.join(timeout=120)
+                    case = {"ahead_bytes": percentiles(ahead, (50, 99)),
+                            "background": res, "probes_measured": len(ahead)}
+                    out.setdefault(mode, {})[f"{rate}_per_s_ipv{fam}"] = case
+                    print(json.dumps({mode: {f"{rate}_per_s_ipv{fam}": case}}), flush=True)
+                    wait_for(lambda: d.status()["shaped_flows"] == 0, 60, 0.1, "drained")
+        finally:
+            d.stop()
+    return out
+
+
 # *_mixed: the same with half of the flows over IPv6 (issue 12), reported beside IPv4 only
-PARTS = {"time_to_shape": "dbn1", "churn": "dbn2", "unshaped": "dbn3",
+PARTS = {"time_to_shape": "dbn1", "churn": "dbn2", "unshaped": "dbn3", "unshaped_churn": "dbn6",
          "time_to_shape_mixed": "dbn4", "churn_mixed": "dbn5"}
 
 
@@ -183,6 +250,8 @@ def main(argv=None) -> int:
             mixed = name.endswith("_mixed")
             if name.startswith("time_to_shape"):
                 figures[name] = time_to_shape(tb, 3 if args.quick else 5, mixed)
+            elif name == "unshaped_churn":
+                figures[name] = unshaped_churn(tb, 10 if args.quick else 20)
             elif name.startswith("churn"):
                 figures[name] = churn_ceiling(tb, (500, 2000, 4000) if args.quick else
                                               (500, 1000, 2000, 3000, 4000), 3 if args.quick else 5,
