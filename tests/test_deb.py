@@ -348,3 +348,43 @@ def test_purge_removes_what_the_packages_added(installed, chroot):
     leftovers = sorted(p for p in after if re.search(r"flowpacer|sch_psp|sch-psp", p)
                        and not re.match(r"srv/fptest/|var/lib/dpkg/info/flowpacer-test-|var/cache/", p))
     assert not leftovers, leftovers
+
+
+# ------------------------------------------------------------------ under a real systemd (VM)
+
+@pytest.mark.vm
+def test_unit_under_systemd_in_the_vm(debs, root, tmp_path, monkeypatch):
+    """The VM booted with systemd as PID 1 (vm/guest/stage2.sh, fp.init=systemd); there
+    tests/deb_guest.py installs the packages (DKMS builds sch_psp for the guest's kernel) and
+    drives the unit: start (ready after the first apply), reload with a changed rate, kill -9,
+    a hung main loop (watchdog), stop. Its steps' results are in deb_guest.json."""
+    import json
+    from harness import vm
+    fp, psp, _ = debs
+    out = tmp_path / "vm"          # the job share, at the same path in the guest
+    d = out / "debs"
+    (d / "deps").mkdir(parents=True)
+    for f in (fp, psp):
+        shutil.copy(f, d)
+    # what the guest lacks: the guest's root is this host's, so apt's resolution here says
+    sim = run(["apt-get", "install", "-s", str(fp), str(psp)], 120, "apt-get install -s").stdout
+    deps = [f"{n}={v}" for n, v in re.findall(r"^Inst (\S+) (?:\[\S+\] )?\((\S+)", sim, re.M)
+            if n not in ("flowpacer", "sch-psp-dkms")]
+    if deps:
+        p = run(["apt-get", "download", *deps], 300, "apt-get download", check=False, cwd=d / "deps")
+        if p.returncode != 0:        # stale lists
+            run(["apt-get", "update", "-qq"], 300, "apt-get update")
+            run(["apt-get", "download", *deps], 300, "apt-get download", cwd=d / "deps")
+    monkeypatch.setenv("FLOWPACER_VM_APPEND",
+                       (os.environ.get("FLOWPACER_VM_APPEND", "") + " fp.init=systemd").strip())
+    try:
+        # systemd's own start (sysinit) under TCG: 30 s here, several times that on a busy host
+        res = vm.run([str(ROOT / ".venv/bin/python"), str(ROOT / "tests/deb_guest.py"), str(d)],
+                     cwd=str(ROOT), timeout=1500, out_dir=out, boot_timeout=300)
+    except vm.VMError as e:
+        pytest.fail(f"the VM: {e.details()[-4000:]}")
+    results = json.loads((out / "deb_guest.json").read_text()) if (out / "deb_guest.json").exists() else {}
+    print(json.dumps(results, indent=1))
+    assert res.rc == 0 and results.get("ok"), \
+        f"guest: {results.get('failed')}\n{json.dumps(results, indent=1)[-4000:]}\n{res.output[-3000:]}"
+    assert not res.dmesg_problems(), res.dmesg_problems()
