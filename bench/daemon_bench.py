@@ -129,10 +129,16 @@ def unshaped_bytes(tb, n=100) -> dict:
         ifindex = socket.if_nametoindex(tb.server_if)
 
     def default_bytes():
-        for mtype, body in rtnl.dump(nl.RTM_GETTCLASS, nl.tcmsg(ifindex)):
-            obj = nl.parse_tcmsg(mtype, body)
-            if obj.handle == nl.tc_handle(MAJOR, DEFAULT_MINOR):
-                return nl.parse_stats2(obj)["bytes"]
+        for attempt in range(20):   # a dump the daemon's class changes interrupt is asked again
+            try:
+                for mtype, body in rtnl.dump(nl.RTM_GETTCLASS, nl.tcmsg(ifindex)):
+                    obj = nl.parse_tcmsg(mtype, body)
+                    if obj.handle == nl.tc_handle(MAJOR, DEFAULT_MINOR):
+                        return nl.parse_stats2(obj)["bytes"]
+                return 0
+            except nl.NetlinkError as e:
+                if attempt == 19 or "busy" not in str(e):
+                    raise
         return 0
 
     def one(port):

@@ -572,11 +572,15 @@ class FirstByte:
                 key = c.event.flow.key
                 if fresh or not backend.pool_claimed(key, c.classid):
                     self._counts["stale"] += 1
+                    log.debug("stale claim of %x by %s", c.classid, key)
                     continue
                 self._counts["bound"] += 1
                 self._pending[key] = (now, c.classid)
+                log.debug("claim of %x by %s", c.classid, key)
                 cur = backend.classid_of(key)
                 if cur is not None and cur != c.classid:
+                    log.debug("%s had class %x before its claim of %x: rebound", key, cur,
+                              c.classid)
                     backend.apply([model.Op(OpKind.REMOVE, key)])
                     self._counts["rebound"] += 1
                 if key in rec.table.flows:
@@ -589,12 +593,20 @@ class FirstByte:
                 gone = set(closed)
                 self._counts["closed"] += len(closed)
             pend = backend.pool_pending()
+            flows = rec.table.flows
             for key, (since, cid) in list(self._pending.items()):
+                f = flows.get(key)
+                # a flow sock_diag found before its accept() has no owner yet: the rules
+                # cannot be judged on it, the tracer's OPEN will tell
+                planned = f is not None and f.proc.pid != 0
                 if key not in pend:
                     del self._pending[key]              # the flow's ADD took it
-                elif key in rec.table.flows or cid in gone or now - since > CLAIM_WAIT_S:
+                elif planned or cid in gone or now - since > CLAIM_WAIT_S:
                     # planned and not shaped (no rule wants it, the apply failed), or its flow
                     # never showed up: the class goes, its id waits for the flow's end
+                    log.debug("claim of %x by %s given back (%s)", cid, key,
+                              "planned" if planned else
+                              "closed" if cid in gone else "timed out")
                     backend.pool_release(key)
                     del self._pending[key]
                     self._counts["released"] += 1
@@ -627,6 +639,10 @@ class FirstByte:
             b = self._bpf
             if b is None:
                 return
+            try:
+                log.info("first byte: %s", ", ".join(f"{k} {v}" for k, v in self.stats().items()))
+            except Exception as e:
+                log.debug("first byte stats: %s", e)
             free = self._drain()
             if self._link_fd >= 0:
                 os.close(self._link_fd)

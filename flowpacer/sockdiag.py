@@ -27,6 +27,11 @@ from .model import Direction, Flow, FlowKey, FlowSource, ProcessInfo, wire_addre
 log = logging.getLogger(__name__)
 
 TCP_ESTABLISHED = 1
+# states in which the socket may still send data (after close() too: FIN_WAIT1 until the peer
+# has acked what was queued): a flow leaves the snapshot only when it has nothing left to send,
+# as the tracer's CLOSE (at FIN_WAIT2) -- otherwise a reconcile pass deletes the class of a flow
+# whose application closed while its reply was still being paced out, and its tail goes unshaped
+SENDING_STATES = (1, 4, 8, 9, 11)   # ESTABLISHED, FIN_WAIT1, CLOSE_WAIT, LAST_ACK, CLOSING
 TCP_LISTEN = 10
 NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
@@ -104,7 +109,10 @@ class SockDiagSource:
         listeners: Set[Tuple[object, int]] = set()
         wildcard_ports: Set[int] = set()
         established = []
-        for body in self._dump((1 << TCP_ESTABLISHED) | (1 << TCP_LISTEN)):
+        mask = (1 << TCP_LISTEN)
+        for st in SENDING_STATES:
+            mask |= 1 << st
+        for body in self._dump(mask):
             family, state = body[0], body[1]
             if state == TCP_LISTEN:
                 port = PORTS.unpack_from(body, 4)[0]
@@ -112,7 +120,7 @@ class SockDiagSource:
                 if addr.is_unspecified:
                     wildcard_ports.add(port)
                 listeners.add((addr, port))
-            elif state == TCP_ESTABLISHED:
+            elif state in SENDING_STATES:
                 established.append(body)
         inodes = {TAIL.unpack_from(b, TAIL_OFF)[4] for b in established}
         inodes.discard(0)
