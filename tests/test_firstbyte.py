@@ -38,6 +38,9 @@ RULES = """
       - name: byport
         match: {local_port: 7400, direction: inbound}
         rate: 20mbit
+      - name: upport
+        match: {direction: outbound, remote_port: 7301}
+        rate: 20mbit
       - name: late2
         match: {process: ["fp-late-*"], direction: inbound}
         rate: 20mbit
@@ -70,7 +73,7 @@ def test_compile_rules_kernel_decided_and_masks(tmp_path):
 """)
     c = firstbyte.compile_rules(rs)
     names = {r.name for r in c.kernel.values()}
-    assert names == {"burst", "up", "byport", "nets", "users"}
+    assert names == {"burst", "up", "byport", "upport", "nets", "users"}
     assert "exe" in c.not_kernel["late"] and "glob" in c.not_kernel["late2"]
     bit = {r.name: 1 << i for i, r in enumerate(rs.rules)}
     assert c.inbound & bit["burst"] and not c.outbound & bit["burst"]
@@ -126,7 +129,7 @@ def fbed(testbed, tmp_path):
 def test_head_of_inbound_flows_leaves_at_the_rule_rate(fbed):
     tb, d = fbed
     st = d.status()
-    assert "rules shaped from the first byte: burst, up, byport" in st["flow_source"], \
+    assert "rules shaped from the first byte: burst, up, byport, upport" in st["flow_source"], \
         st["flow_source"]
     with HeadCapture(tb, 7100) as cap:
         for host in (tb.server_v4, tb.server_v6):
@@ -157,24 +160,35 @@ def test_a_rule_the_kernel_cannot_decide_keeps_todays_path(fbed):
 SENDER = """
 import ctypes, socket, sys
 ctypes.CDLL(None).prctl(15, b"fp-up-cli", 0, 0, 0)
-s = socket.create_connection((sys.argv[1], 7300), timeout=10)
+s = socket.create_connection((sys.argv[1], int(sys.argv[3])), timeout=10)
 s.sendall(b"x" * int(sys.argv[2]))
 s.close()
 """
 
 
+def _current_helpers(d) -> bool:
+    """Whether this kernel's sock_ops may ask for the current process (6.12+, not 6.1)."""
+    return "cannot ask for the current process" not in d.log_text()
+
+
 @pytest.mark.kernel
-def test_head_of_outbound_flows_leaves_at_the_rule_rate(fbed):
+@pytest.mark.parametrize("port", [7300, 7301])
+def test_head_of_outbound_flows_leaves_at_the_rule_rate(fbed, port):
+    """7300: a rule naming the connecting process (needs the current-task helpers in sock_ops,
+    which Linux 6.1 lacks: there it is decided after the handshake, as documented); 7301: a
+    port-only rule, from the first byte on every kernel."""
     tb, d = fbed
+    if port == 7300 and not _current_helpers(d):
+        pytest.skip("Linux 6.1: sock_ops cannot name the connect() caller (docs/firstbyte.md)")
     for fam, host in ((socket.AF_INET, tb.client_v4), (socket.AF_INET6, tb.client_v6)):
         with in_netns(tb.client_ns):
             srv = socket.socket(fam, socket.SOCK_STREAM)
-        with srv, HeadCapture(tb, 7300, side="dst") as cap:
+        with srv, HeadCapture(tb, port, side="dst") as cap:
             srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            srv.bind((str(host), 7300))
+            srv.bind((str(host), port))
             srv.listen(8)
             srv.settimeout(10)
-            p = tb.popen(tb.server_ns, [PY, "-c", SENDER, str(host), str(PAYLOAD)])
+            p = tb.popen(tb.server_ns, [PY, "-c", SENDER, str(host), str(PAYLOAD), str(port)])
             conn, peer = srv.accept()
             got = 0
             with conn:
@@ -190,6 +204,14 @@ def test_head_of_outbound_flows_leaves_at_the_rule_rate(fbed):
         assert seen == PAYLOAD
         assert ahead <= ALLOWED_AHEAD, \
             f"outbound IPv{host.version}: {ahead} bytes ahead of the rate line"
+
+
+def _claimed_priority(tb, host, timeout=10):
+    """The first SO_PRIORITY of ours a socket accepted on 7400 gets. On a kernel without the
+    current-task helpers the daemon learns a new listener's owner from user space, and until
+    then the process rule before "byport" cannot be judged: a few sockets may get none."""
+    return wait_for(lambda: (lambda p: p if p >> 16 == 0xF1F0 else 0)(
+        _accepted_priority(tb, host)), timeout, 0.05, "a socket with a claimed class")
 
 
 def _accepted_priority(tb, host, port=7400):
@@ -227,10 +249,11 @@ def _pool_classes(tb):
 @pytest.mark.kernel
 def test_crash_leaves_no_program_and_no_pool_class(fbed, tmp_path):
     tb, d = fbed
-    prio = _accepted_priority(tb, tb.server_v4)
-    assert prio >> 16 == 0xF1F0 and prio & 0xFFFF >= POOL_FIRST_MINOR, hex(prio)
-    ready = len(_pool_classes(tb))
-    assert ready >= firstbyte.POOL_TARGET * 3 - 3      # three kernel rules, pools refilled
+    prio = _claimed_priority(tb, tb.server_v4)
+    assert prio & 0xFFFF >= POOL_FIRST_MINOR, hex(prio)
+    kernel_rules = 4
+    wait_for(lambda: len(_pool_classes(tb)) == firstbyte.POOL_TARGET * kernel_rules, 10, 0.05,
+             "the pools refilled")
     d.kill()
     # the bpf_link went with the daemon's fds: a new socket gets no class any more
     assert _accepted_priority(tb, tb.server_v4) == 0
@@ -239,10 +262,9 @@ def test_crash_leaves_no_program_and_no_pool_class(fbed, tmp_path):
     try:
         st = d2.status()
         assert "rules shaped from the first byte" in st["flow_source"]
-        wait_for(lambda: len(_pool_classes(tb)) == firstbyte.POOL_TARGET * 3, 10, 0.05,
-                 "exactly the new daemon's pools")
-        prio = _accepted_priority(tb, tb.server_v6)
-        assert prio >> 16 == 0xF1F0, hex(prio)
+        wait_for(lambda: len(_pool_classes(tb)) == firstbyte.POOL_TARGET * kernel_rules, 10,
+                 0.05, "exactly the new daemon's pools")
+        _claimed_priority(tb, tb.server_v6)
     finally:
         d2.stop()
     # a clean stop deletes the pools with the qdisc, and detaches the program
