@@ -31,7 +31,9 @@ TCP_ESTABLISHED = 1
 # has acked what was queued): a flow leaves the snapshot only when it has nothing left to send,
 # as the tracer's CLOSE (at FIN_WAIT2) -- otherwise a reconcile pass deletes the class of a flow
 # whose application closed while its reply was still being paced out, and its tail goes unshaped
-SENDING_STATES = (1, 4, 8, 9, 11)   # ESTABLISHED, FIN_WAIT1, CLOSE_WAIT, LAST_ACK, CLOSING
+# (CLOSE_WAIT, the peer's half closed and ours not, stays out as before: such a flow is over
+# for the reconcile pass until the application closes or writes)
+SENDING_STATES = (1, 4, 9, 11)   # ESTABLISHED, FIN_WAIT1, LAST_ACK, CLOSING
 TCP_LISTEN = 10
 NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
