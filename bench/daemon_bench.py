@@ -235,7 +235,8 @@ def unshaped_churn(tb, probes=20, rates=(200, 2000)) -> dict:
 
 
 # *_mixed: the same with half of the flows over IPv6 (issue 12), reported beside IPv4 only
-PARTS = {"time_to_shape": "dbn1", "churn": "dbn2", "unshaped": "dbn3", "unshaped_churn": "dbn6",
+PARTS = {"time_to_shape": "dbn1", "churn": "dbn2", "unshaped": "dbn3",
+         "unshaped_churn": "dbn6",
          "time_to_shape_mixed": "dbn4", "churn_mixed": "dbn5"}
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import errno
 import ipaddress
 import logging
 import os
@@ -342,7 +341,8 @@ class FirstByte:
             self.current_helpers = bool(current)
             if not current:
                 log.info("first byte: this kernel's sock_ops programs cannot ask for the current "
-                         "process (Linux 6.1): listeners' owners are found by user space, and "
+                         "process (Debian's 6.1 and 6.12 cannot): listeners' owners are found "
+                         "by user space, and "
                          "outbound flows of rules naming a process or user get their class "
                          "after the handshake")
             root = "cgroup2"

@@ -167,7 +167,7 @@ s.close()
 
 
 def _current_helpers(d) -> bool:
-    """Whether this kernel's sock_ops may ask for the current process (6.12+, not 6.1)."""
+    """Whether this kernel's sock_ops may ask for the current process (6.18: yes; 6.1, 6.12: no)."""
     return "cannot ask for the current process" not in d.log_text()
 
 
@@ -175,11 +175,11 @@ def _current_helpers(d) -> bool:
 @pytest.mark.parametrize("port", [7300, 7301])
 def test_head_of_outbound_flows_leaves_at_the_rule_rate(fbed, port):
     """7300: a rule naming the connecting process (needs the current-task helpers in sock_ops,
-    which Linux 6.1 lacks: there it is decided after the handshake, as documented); 7301: a
-    port-only rule, from the first byte on every kernel."""
+    which Debian's 6.1 and 6.12 lack: there it is decided after the handshake, as documented);
+    7301: a port-only rule, from the first byte on every kernel."""
     tb, d = fbed
     if port == 7300 and not _current_helpers(d):
-        pytest.skip("Linux 6.1: sock_ops cannot name the connect() caller (docs/firstbyte.md)")
+        pytest.skip("this kernel's sock_ops cannot name the connect() caller (docs/firstbyte.md)")
     for fam, host in ((socket.AF_INET, tb.client_v4), (socket.AF_INET6, tb.client_v6)):
         with in_netns(tb.client_ns):
             srv = socket.socket(fam, socket.SOCK_STREAM)

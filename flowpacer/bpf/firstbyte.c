@@ -47,8 +47,8 @@
 #ifndef FB_MAX_KEYS
 #define FB_MAX_KEYS 4096
 #endif
-/* 1: sock_ops may call bpf_get_current_{pid_tgid,uid_gid,comm} (Linux 6.12 has them, 6.1
- * refuses them); 0: the listen() callback reports the port and user space writes its owner,
+/* 1: sock_ops may call bpf_get_current_{pid_tgid,uid_gid,comm} (6.18 has them, 6.1 and 6.12
+ * refuse them); 0: the listen() callback reports the port and user space writes its owner,
  * and connect() callers stay unknown (rules naming a process or user are then decided in user
  * space for outbound flows) */
 #ifndef FB_CURRENT
