@@ -217,3 +217,20 @@ def inprocess_daemon(tmp_path, ruleset, *, factory=None, sockdiag=None, tracer=N
         d._stop.set()
         t.join(10)
         d.shutdown()
+
+
+class StageCtx:
+    """What a stage's ``run(ctx)`` sees, for running a server loop in a test's own thread."""
+
+    def __init__(self):
+        self.stop = threading.Event()
+        self.beats = 0
+
+    def stopping(self):
+        return self.stop.is_set()
+
+    def beat(self):
+        self.beats += 1
+
+    def wait(self, s):
+        return self.stop.wait(s)

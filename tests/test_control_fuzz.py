@@ -21,21 +21,7 @@ from flowpacer.control import MAX_CLIENTS, MAX_REQUEST, ControlServer, call, jso
 from harness.capture import qdisc_kind
 from harness.daemon import RULES, Daemon, tracebacks
 from harness.testbed import Testbed, wait_for
-
-
-class Ctx:
-    def __init__(self):
-        self.stop = threading.Event()
-        self.beats = 0
-
-    def stopping(self):
-        return self.stop.is_set()
-
-    def beat(self):
-        self.beats += 1
-
-    def wait(self, s):
-        return self.stop.wait(s)
+from harness.fakes import StageCtx as Ctx
 
 
 def _exchange(path, data: bytes, timeout=3.0, shut=True) -> bytes:

@@ -38,24 +38,10 @@ from flowpacer.model import (BackendHealth, ClassStats, DaemonView, Direction, F
                              FlowSource, FlowView, StageState, StageView)
 from harness.daemon import Daemon, tracebacks
 from harness.testbed import PY, client_argv, in_netns, server_argv, wait_for
+from harness.fakes import StageCtx as Ctx
 
 ESC_NAME = "py\x1b[31mX"            # a process name holding a terminal escape sequence
 ESC_SHOWN = "py\\x1b[31mX"          # how every output must show it
-
-
-class Ctx:
-    def __init__(self):
-        self.stop = threading.Event()
-        self.beats = 0
-
-    def stopping(self):
-        return self.stop.is_set()
-
-    def beat(self):
-        self.beats += 1
-
-    def wait(self, s):
-        return self.stop.wait(s)
 
 
 # ------------------------------------------------------------------ labels
