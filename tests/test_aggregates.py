@@ -464,8 +464,9 @@ def test_daemon_crash_under_load_keeps_the_groups(site):
     p = iperf(site, site.v4[0], 5301, 4, seconds=10)
     wait_for(lambda: sum(1 for f in d.status()["flows"] if f["rule"] == "capped") == 5, 8, 0.1,
              "the 5 flows of the client (4 streams and the control connection)")
+    # link, default, the client, its flows (an earlier case's classes may still be going)
+    wait_for(lambda: len(htb_classes(tb)) == 2 + 1 + 5, 5, 0.1, "only this client's classes")
     before = htb_classes(tb)
-    assert len(before) == 2 + 1 + 5                     # link, default, the client, its flows
     d.kill()
     d2 = Daemon(tb, d.workdir, None, "--backend", "htb", log_mode="a").start()
     site.daemon = d2                                    # the module's teardown stops this one
