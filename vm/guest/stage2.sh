@@ -50,6 +50,10 @@ if grep -qw fp.init=systemd /proc/cmdline; then
         > /run/systemd/system/fp-job.service
     printf '%s\n' '[Unit]' 'Description=flowpacer VM job' 'Requires=fp-job.service' \
         'After=fp-job.service' > /run/systemd/system/fp-job.target
+    # no boot-time clean-up of /tmp: on this overlay of the host's root it would walk (and hide)
+    # every checkout and venv under the host's /tmp over 9p, the job's own among them
+    ln -sf /dev/null /run/systemd/system/systemd-tmpfiles-setup.service
+    ln -sf /dev/null /run/systemd/system/systemd-tmpfiles-clean.timer
     say "starting systemd as PID 1"
     exec /lib/systemd/systemd --system --unit=fp-job.target
 fi
