@@ -47,30 +47,27 @@ class TcBackendFactory:
 
     def make(self, kind, interface, link_rate_bps):
         from .backend import choose
-        from .backend.tc import TcBackend
         codec, reason = choose(kind)
-        b = TcBackend(codec, interface, link_rate_bps, self.take_over)
-        try:
-            b.setup()
-        except BaseException:
-            b.close()
-            raise
-        return b, reason
+        return self._set_up(codec, interface, link_rate_bps), reason
 
     def fallback(self, kind, lost, interface, link_rate_bps):
         from .backend import fallback
-        from .backend.tc import TcBackend
         alt = fallback(kind, lost)
         if alt is None:
             return None
         codec, reason = alt
+        return self._set_up(codec, interface, link_rate_bps), reason
+
+    def _set_up(self, codec, interface, link_rate_bps):
+        """A TcBackend with its root qdisc in place; its netlink socket closed on failure."""
+        from .backend.tc import TcBackend
         b = TcBackend(codec, interface, link_rate_bps, self.take_over)
         try:
             b.setup()
         except BaseException:
             b.close()
             raise
-        return b, reason
+        return b
 
     def psp_available(self) -> bool:
         from .backend import psp_available
