@@ -9,8 +9,8 @@ import fnmatch
 import ipaddress
 from typing import Dict, FrozenSet, Iterable, List, Mapping, Optional, Tuple
 
-from .model import (Direction, Flow, FlowKey, Group, GroupKind, IPAddress, Op, OpKind, Rule,
-                    RuleSet, Shape)
+from .model import (DEFAULT_IDLE_TIMEOUT_NS, Direction, Flow, FlowKey, Group, GroupKind,
+                    IPAddress, Op, OpKind, Protocol, Rule, RuleSet, Shape)
 
 COMM_LEN = 15      # TASK_COMM_LEN - 1: what the kernel reports of a process name
 
@@ -19,6 +19,8 @@ _GLOB_CHARS = set("*?[")
 
 def rule_matches(rule: Rule, flow: Flow) -> bool:
     m = rule.match
+    if m.protocol is not Protocol.ANY and m.protocol is not flow.key.protocol:
+        return False
     if m.direction is not Direction.ANY and m.direction is not flow.direction:
         return False
     if m.process and not any(fnmatch.fnmatchcase(flow.proc.comm, p) for p in m.process):
@@ -99,6 +101,33 @@ def plan(want: Mapping[FlowKey, Shape], have: Mapping[FlowKey, Shape]) -> List[O
         elif cur != s:
             relabels.append(Op(OpKind.RELABEL, k, s))
     return removes + changes + relabels + adds
+
+
+def idle_expired(flows: Mapping[FlowKey, Flow], idle_since: Mapping[FlowKey, int],
+                 ruleset: RuleSet, now_ns: int) -> List[FlowKey]:
+    """The UDP flows that sent nothing for their rule's ``idle_timeout``: ``idle_since`` is the
+    last datagram's time of the flows the tracer reported idle. A flow no rule matches goes after
+    the default timeout (it has no class; this only keeps the table small)."""
+    out = []
+    for key, last_ns in idle_since.items():
+        flow = flows.get(key)
+        if flow is None or key.protocol is not Protocol.UDP:
+            continue
+        r = first_match(ruleset.rules, flow)
+        timeout = r.idle_timeout_ns if r is not None else DEFAULT_IDLE_TIMEOUT_NS
+        if now_ns - last_ns >= timeout:
+            out.append(key)
+    return sorted(out)
+
+
+def udp_idle_timeouts(ruleset: RuleSet) -> Tuple[int, int]:
+    """(shortest, longest) idle timeout a UDP flow can have under ``ruleset``: the tracer reports
+    a flow idle after the shortest, and forgets it after the longest (``idle_expired`` decides
+    in between, per rule)."""
+    ts = [r.idle_timeout_ns for r in ruleset.rules
+          if r.match.protocol in (Protocol.UDP, Protocol.ANY)]
+    ts.append(DEFAULT_IDLE_TIMEOUT_NS)     # flows no rule matches
+    return min(ts), max(ts)
 
 
 def watch_filter(ruleset: RuleSet) -> Tuple[Optional[FrozenSet[str]], Optional[FrozenSet[int]]]:

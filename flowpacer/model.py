@@ -24,6 +24,17 @@ class Direction(str, enum.Enum):
     ANY = "any"            # only used in rule matches
 
 
+class Protocol(str, enum.Enum):
+    """A flow's transport protocol (``ANY`` only in rule matches); ``number`` is IP's."""
+    TCP = "tcp"
+    UDP = "udp"
+    ANY = "any"
+
+    @property
+    def number(self) -> int:
+        return {"tcp": 6, "udp": 17}.get(self.value, 0)
+
+
 class FlowSource(str, enum.Enum):
     TRACER = "tracer"      # eBPF tracepoints, as it happens
     RECONCILE = "reconcile"  # sock_diag snapshot / periodic re-scan
@@ -31,36 +42,47 @@ class FlowSource(str, enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class FlowKey:
-    """The egress 4-tuple of a TCP flow as seen from this host.
+    """The egress 4-tuple of a TCP or UDP flow as seen from this host, and its protocol.
 
     ``local`` is the packet's source on egress, ``remote`` its destination. Both addresses are of
     the same family, and an IPv4-mapped IPv6 address (a dual-stack socket talking IPv4) is the
     IPv4 address it carries, as on the wire: build keys from kernel addresses with ``wire()``.
 
-    Keys of both families are totally ordered (IPv4 before IPv6, then by address and port), so
-    that any mix of them can be sorted; ``ipaddress`` itself refuses to compare across families.
+    Keys of both families are totally ordered (IPv4 before IPv6, then by address and port, then
+    protocol), so that any mix of them can be sorted; ``ipaddress`` itself refuses to compare
+    across families.
+
+    A UDP flow of an unconnected socket bound to the wildcard address (a QUIC server answering
+    many peers) has no fixed local address: its ``local_addr`` is the unspecified address of the
+    packets' family (0.0.0.0 or ::), and its filter matches the local port and the remote only.
     """
     local_addr: IPAddress
     local_port: int
     remote_addr: IPAddress
     remote_port: int
+    protocol: "Protocol" = Protocol.TCP
 
     @classmethod
-    def wire(cls, local_addr, local_port: int, remote_addr, remote_port: int) -> "FlowKey":
+    def wire(cls, local_addr, local_port: int, remote_addr, remote_port: int,
+             protocol: "Protocol" = Protocol.TCP) -> "FlowKey":
         """The key of a socket whose addresses the kernel reported (either family, or mapped)."""
         la, ra = wire_address(local_addr), wire_address(remote_addr)
-        if la.version != ra.version:   # one side v4-mapped, the other not: keep both IPv6
-            la, ra = ipaddress.IPv6Address(local_addr), ipaddress.IPv6Address(remote_addr)
-        return cls(la, local_port, ra, remote_port)
+        if la.version != ra.version:
+            if la.version == 6 and la.is_unspecified:   # dual-stack wildcard socket to IPv4
+                la = ipaddress.IPv4Address(0)
+            else:   # one side v4-mapped, the other not: keep both IPv6
+                la, ra = ipaddress.IPv6Address(local_addr), ipaddress.IPv6Address(remote_addr)
+        return cls(la, local_port, ra, remote_port, protocol)
 
     @property
     def family(self) -> int:
         return self.local_addr.version  # 4 or 6
 
     @property
-    def sort_key(self) -> Tuple[int, int, int, int, int, int]:
+    def sort_key(self) -> Tuple[int, int, int, int, int, int, int]:
         return (self.local_addr.version, int(self.local_addr), self.local_port,
-                self.remote_addr.version, int(self.remote_addr), self.remote_port)
+                self.remote_addr.version, int(self.remote_addr), self.remote_port,
+                self.protocol.number)
 
     def __lt__(self, other: "FlowKey") -> bool:
         if not isinstance(other, FlowKey):
@@ -83,8 +105,9 @@ class FlowKey:
         return self.sort_key >= other.sort_key
 
     def __str__(self) -> str:
+        udp = "/udp" if self.protocol is Protocol.UDP else ""
         return f"{endpoint(self.local_addr, self.local_port)}->" \
-               f"{endpoint(self.remote_addr, self.remote_port)}"
+               f"{endpoint(self.remote_addr, self.remote_port)}{udp}"
 
 
 def wire_address(addr) -> IPAddress:
@@ -125,6 +148,7 @@ class Flow:
 class EventKind(str, enum.Enum):
     OPEN = "open"
     CLOSE = "close"
+    IDLE = "idle"      # a UDP flow sent nothing since ``flow.seen_ns`` (its last datagram)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +178,10 @@ class Match:
     local_port: PortSet = PortSet()
     remote_port: PortSet = PortSet()
     remote: Tuple[IPNetwork, ...] = ()
+    protocol: Protocol = Protocol.TCP     # TCP unless the rule says udp or any
+
+
+DEFAULT_IDLE_TIMEOUT_NS = 30_000_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +195,8 @@ class Rule:
     client_rate_bps: Optional[int] = None     # bytes/s, rate <= client_rate <= total_rate
     total_rate_bps: Optional[int] = None      # bytes/s
     client_prefix: Tuple[int, int] = (32, 64)  # (IPv4, IPv6) prefix lengths that make a client
+    # issue 17: a UDP flow without a datagram for this long is over (TCP flows end at close)
+    idle_timeout_ns: int = DEFAULT_IDLE_TIMEOUT_NS
 
     @property
     def has_groups(self) -> bool:

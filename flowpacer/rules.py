@@ -24,6 +24,7 @@ import pwd
 import re
 import unicodedata
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import yaml
@@ -42,7 +43,8 @@ except ImportError:  # pragma: no cover
 
 from . import units
 from .errors import RuleProblem, RulesError
-from .model import BackendKind, Direction, Match, PortSet, Rule, RuleSet
+from .model import (DEFAULT_IDLE_TIMEOUT_NS, BackendKind, Direction, Match, PortSet, Protocol,
+                    Rule, RuleSet)
 
 MAX_BYTES = 1 << 20          # a rules file larger than 1 MiB is refused
 MAX_PROBLEMS = 100           # reported at once; then one "... and N more" line
@@ -354,6 +356,31 @@ def _p_direction(node: Node, env: _Env, name: str) -> Direction:
                              + _hint(s.lower(), [d.value for d in Direction])) from None
 
 
+def _p_protocol(node: Node, env: _Env, name: str) -> Protocol:
+    s = _scalar(node, "tcp, udp or any")
+    try:
+        return Protocol(s)
+    except ValueError:
+        raise _Invalid(node, f"{_show(s)} is not a protocol: use tcp, udp or any"
+                             + _hint(s.lower(), [p.value for p in Protocol])) from None
+
+
+_DURATION_RE = re.compile(r"([0-9]{1,15}(?:\.[0-9]{1,9})?)\s*(ns|us|ms|s|m|h)?")
+_DURATION_NS = {"ns": 1, "us": 1000, "ms": 1_000_000, "s": 1_000_000_000, "m": 60_000_000_000, "h": 3600_000_000_000}
+MIN_IDLE_TIMEOUT_NS, MAX_IDLE_TIMEOUT_NS = 1_000_000_000, 86400_000_000_000
+
+
+def _p_idle_timeout(node: Node, env: _Env, name: str) -> int:
+    s = _scalar(node, "a duration like 30s, 500ms, 2m")
+    m = _DURATION_RE.fullmatch(s.strip())
+    if m is None:
+        raise _Invalid(node, f"{_show(s)} is not a duration: write e.g. 30s, 1500ms, 2m or 1h")
+    ns = int(Fraction(m[1]) * _DURATION_NS[m[2] or "s"])
+    if not MIN_IDLE_TIMEOUT_NS <= ns <= MAX_IDLE_TIMEOUT_NS:
+        raise _Invalid(node, f"{_show(s)} is out of range: an idle timeout is 1s..24h")
+    return ns
+
+
 _PORT_RE = re.compile(r"([0-9]{1,6})(?:\s*-\s*([0-9]{1,6}))?")
 
 
@@ -420,6 +447,9 @@ MATCH_FIELDS: Tuple[Field, ...] = (
     Field("remote", _p_remote, (), False,
           "the peer's address: an IPv4/IPv6 address or CIDR network, or a list", "192.0.2.0/24",
           "any"),
+    Field("protocol", _p_protocol, Protocol.TCP, False,
+          "tcp, udp (connected sockets, and each peer an unconnected socket sends to) or any",
+          "udp"),
 )
 
 
@@ -435,7 +465,7 @@ def _p_match(node: Node, env: _Env, name: str) -> Match:
     if not ok:
         raise _Reported()
     m = Match(**values)
-    if m == Match():
+    if dataclasses.replace(m, protocol=Protocol.TCP) == Match():
         raise _Invalid(node, "no match fields: the rule would shape every flow of every "
                              "process; give process, exe, user, ports or remote")
     return m
@@ -494,6 +524,9 @@ RULE_FIELDS: Tuple[Field, ...] = (
     Field("client_prefix", _p_client_prefix, DEFAULT_CLIENT_PREFIX, False,
           "what makes one client for client_rate: the remote address masked to these prefix "
           "lengths", "{ipv4: 32, ipv6: 64}", "{ipv4: 32, ipv6: 64}"),
+    Field("idle_timeout", _p_idle_timeout, DEFAULT_IDLE_TIMEOUT_NS, False,
+          "a UDP flow that sent no datagram for this long is over (1s..24h; TCP flows end when "
+          "they close)", "30s", "30s"),
 )
 
 
@@ -551,7 +584,8 @@ def _p_rules(node: Node, env: _Env, name: str) -> Tuple[Rule, ...]:
                           line=item.start_mark.line + 1,
                           client_rate_bps=values.get("client_rate"),
                           total_rate_bps=values.get("total_rate"),
-                          client_prefix=values.get("client_prefix", DEFAULT_CLIENT_PREFIX)))
+                          client_prefix=values.get("client_prefix", DEFAULT_CLIENT_PREFIX),
+                          idle_timeout_ns=values.get("idle_timeout", DEFAULT_IDLE_TIMEOUT_NS)))
     if bad:
         raise _Reported()
     _warn_oversubscribed(totals, env)
@@ -900,6 +934,8 @@ def _match_out(m: Match) -> Dict[str, Any]:
         out["remote_port"] = _ports_out(m.remote_port)
     if m.remote:
         out["remote"] = _one_or_list([str(n) for n in m.remote])
+    if m.protocol != Protocol.TCP:
+        out["protocol"] = Protocol(m.protocol).value
     return out
 
 
@@ -926,10 +962,21 @@ def dump(rs: RuleSet) -> str:
             d["total_rate"] = units.format_rate(r.total_rate_bps)
         if tuple(r.client_prefix) != DEFAULT_CLIENT_PREFIX:
             d["client_prefix"] = {"ipv4": int(r.client_prefix[0]), "ipv6": int(r.client_prefix[1])}
+        if r.idle_timeout_ns != DEFAULT_IDLE_TIMEOUT_NS:
+            d["idle_timeout"] = _duration_out(r.idle_timeout_ns)
         rules.append(d)
     doc["rules"] = rules
     return yaml.safe_dump(doc, sort_keys=False, default_flow_style=False,
                           allow_unicode=True, width=1000)
+
+
+def _duration_out(ns: int) -> str:
+    """A duration ``_p_idle_timeout`` reads back exactly."""
+    if ns % 1_000_000_000 == 0:
+        return f"{ns // 1_000_000_000}s"
+    if ns % 1_000_000 == 0:
+        return f"{ns // 1_000_000}ms"
+    return f"{ns}ns"
 
 
 def without_provenance(rs: RuleSet) -> RuleSet:
@@ -955,6 +1002,8 @@ def _match_summary(m: Match) -> str:
                                                for lo, hi in ps.ranges))
     if m.remote:
         parts.append("remote=" + ",".join(str(n) for n in m.remote))
+    if m.protocol != Protocol.TCP:
+        parts.append("protocol=" + Protocol(m.protocol).value)
     return " ".join(parts) if parts else "(everything)"
 
 
@@ -992,6 +1041,8 @@ def _aggregates_summary(r: Rule) -> str:
                 f"(/{v4} IPv4, /{v6} IPv6)")
     if r.total_rate_bps is not None:
         out += f", total_rate {units.format_bits(r.total_rate_bps)}"
+    if r.match.protocol != Protocol.TCP and r.idle_timeout_ns != DEFAULT_IDLE_TIMEOUT_NS:
+        out += f", idle_timeout {_duration_out(r.idle_timeout_ns)}"
     return out
 
 
@@ -1008,7 +1059,7 @@ def field_docs() -> List[Tuple[str, str, str, str, str]]:
                 default = "required"
             elif f.default_doc:
                 default = f.default_doc
-            elif isinstance(f.default, (BackendKind, Direction)):
+            elif isinstance(f.default, (BackendKind, Direction, Protocol)):
                 default = f.default.value
             else:
                 default = repr(f.default)

@@ -11,7 +11,7 @@ import pytest
 
 from flowpacer import rules
 from flowpacer.errors import RulesError
-from flowpacer.model import BackendKind, Direction, Match, PortSet, Rule, RuleSet
+from flowpacer.model import BackendKind, Direction, Match, PortSet, Protocol, Rule, RuleSet
 
 ROOT = Path(__file__).resolve().parent.parent
 F = "r.yaml"
@@ -285,12 +285,12 @@ def test_match_errors():
     assert err(rule("")) == f"r.yaml:3:11: rule 'r': match: {empty}"
     assert err(rule("musicd")) == (
         "r.yaml:3:12: rule 'r': match: expected a mapping of match fields (process, exe, "
-        "user, direction, local_port, remote_port, remote), found 'musicd'")
+        "user, direction, local_port, remote_port, remote, protocol), found 'musicd'")
     assert err(rule("{procss: x}")) == \
         "r.yaml:3:13: rule 'r': match.procss: unknown key; did you mean 'process'?"
     assert err(rule("{port: 80}")) == (
         "r.yaml:3:13: rule 'r': match.port: unknown key; valid keys: process, exe, user, "
-        "direction, local_port, remote_port, remote")
+        "direction, local_port, remote_port, remote, protocol")
 
 
 @pytest.mark.parametrize("match,col,msg", [
@@ -620,6 +620,30 @@ def test_describe_example():
     ]
 
 
+def test_protocol_and_idle_timeout():
+    # issue 17: UDP rules and their idle timeout
+    rs = rules.loads(rule("{protocol: udp, local_port: 4433}", "    idle_timeout: 1500ms\n"), F)
+    assert rs.rules[0].match.protocol is Protocol.UDP
+    assert rs.rules[0].idle_timeout_ns == 1_500_000_000
+    assert match_of("{local_port: 80}").protocol is Protocol.TCP
+    assert match_of("{local_port: 80, protocol: any}").protocol is Protocol.ANY
+    assert rules.loads(rule("{local_port: 80}"), F).rules[0].idle_timeout_ns == 30 * 10**9
+    for text, ns in (("2m", 120 * 10**9), ("1h", 3600 * 10**9), ("45", 45 * 10**9),
+                     ("1.5s", 1_500_000_000)):
+        assert rules.loads(rule("{local_port: 80}", f"    idle_timeout: {text}\n"),
+                           F).rules[0].idle_timeout_ns == ns
+    assert err(rule("{protocol: udpp, local_port: 80}")) == (
+        "r.yaml:3:23: rule 'r': match.protocol: 'udpp' is not a protocol: use tcp, udp or any; "
+        "did you mean 'udp'?")
+    assert err(rule("{protocol: udp}")).endswith("give process, exe, user, ports or remote")
+    assert err(rule("{local_port: 80}", "    idle_timeout: soon\n")) == (
+        "r.yaml:5:19: rule 'r': idle_timeout: 'soon' is not a duration: write e.g. 30s, 1500ms, "
+        "2m or 1h")
+    assert err(rule("{local_port: 80}", "    idle_timeout: 500ms\n")) == (
+        "r.yaml:5:19: rule 'r': idle_timeout: '500ms' is out of range: an idle timeout is 1s..24h")
+    assert err(rule("{local_port: 80}", "    idle_timeout: 25h\n")).endswith("1s..24h")
+
+
 def test_field_table_is_documented():
     doc = (ROOT / "docs/rules.md").read_text()
     block = doc.split("<!-- fields:begin -->\n", 1)[1].split("<!-- fields:end -->", 1)[0]
@@ -630,7 +654,8 @@ def test_field_table_is_documented():
         seen.add(name)
     assert {"interface", "backend", "link_rate", "rules", "name", "match", "rate", "ceil",
             "process", "exe", "user", "direction", "local_port", "remote_port",
-            "remote", "client_rate", "total_rate", "client_prefix", "ipv4", "ipv6"} == seen
+            "remote", "client_rate", "total_rate", "client_prefix", "ipv4", "ipv6", "protocol",
+            "idle_timeout"} == seen
     for unit in ("kbit", "mibit", "bps", "kibps", "tbps"):
         assert f"`{unit}`" in doc, unit
 

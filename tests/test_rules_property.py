@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from flowpacer import rules, units
 from flowpacer.errors import RulesError
-from flowpacer.model import BackendKind, Direction, Match, PortSet, Rule, RuleSet
+from flowpacer.model import BackendKind, Direction, Match, PortSet, Protocol, Rule, RuleSet
 
 # FP_EXAMPLES=5000 for a deeper run by hand
 SETTINGS = settings(max_examples=int(os.environ.get("FP_EXAMPLES", "200")), deadline=None,
@@ -60,7 +60,8 @@ def matches(n=3):
         local_port=port_sets,
         remote_port=port_sets,
         remote=tuples_of(networks(), n),
-    ).filter(lambda m: m != Match(direction=m.direction))
+        protocol=st.sampled_from(list(Protocol)),
+    ).filter(lambda m: m != Match(direction=m.direction, protocol=m.protocol))
 
 
 MATCHES = {n: matches(n) for n in (1, 3)}    # built once: building strategies is slow
@@ -82,8 +83,12 @@ def rulesets(draw, max_rules=5, min_rules=0, list_size=3):
         total = draw(st.integers(client or lo, top)) if draw(st.booleans()) else None
         prefix = (draw(st.tuples(st.integers(0, 32), st.integers(0, 128)))
                   if client is not None and draw(st.booleans()) else (32, 64))
+        # idle_timeout (issue 17): whole seconds, milliseconds or odd nanoseconds, 1 s..24 h
+        idle = draw(st.one_of(st.just(30 * 10**9), st.integers(1, 86400).map(lambda s: s * 10**9),
+                              st.integers(10**9, 86400 * 10**9)))
         rs.append(Rule(name=n, match=draw(MATCHES[list_size]), rate_bps=rate, ceil_bps=ceil,
-                       client_rate_bps=client, total_rate_bps=total, client_prefix=prefix))
+                       client_rate_bps=client, total_rate_bps=total, client_prefix=prefix,
+                       idle_timeout_ns=idle))
     return RuleSet(interface=draw(ifnames), backend=draw(st.sampled_from(list(BackendKind))),
                    link_rate_bps=link, rules=tuple(rs))
 
