@@ -116,13 +116,26 @@ def test_htb_64bit_rates():
 
 
 def test_u32_keys_roundtrip():
-    for la, ra in (("10.1.2.3", "192.0.2.9"), ("fd00::1", "2001:db8::77")):
+    for la, ra in (("10.1.2.3", "192.0.2.9"), ("fd00::1", "2001:db8::77"),
+                   ("0.0.0.0", "192.0.2.9"), ("::", "2001:db8::77")):
         la, ra = ipaddress.ip_address(la), ipaddress.ip_address(ra)
-        keys = u32.flow_keys(la, 8443, ra, 40001)
-        sel = u32.pack_sel(keys, u32.TC_U32_TERMINAL)
-        flags, hoff, hmask, back = u32.unpack_sel(sel)
-        assert flags == u32.TC_U32_TERMINAL and back == keys
-        assert u32.keys_to_tuple(back) == (la, 8443, ra, 40001)
+        for proto in (u32.IPPROTO_TCP, u32.IPPROTO_UDP):
+            keys = u32.flow_keys(la, 8443, ra, 40001, proto)
+            sel = u32.pack_sel(keys, u32.TC_U32_TERMINAL)
+            flags, hoff, hmask, back = u32.unpack_sel(sel)
+            assert flags == u32.TC_U32_TERMINAL and back == keys
+            assert u32.keys_to_tuple(back) == (la, 8443, ra, 40001, proto)
+            # the protocol byte is the guard's: IPv4 byte 9, IPv6 byte 6 (next header)
+            off, mask, val = keys[0]
+            assert (off, mask) == ((8, 0x00FF0000) if la.version == 4 else (4, 0x0000FF00))
+            assert val == (proto << 16 if la.version == 4 else proto << 8)
+        # unspecified local (unconnected UDP socket on the wildcard): no source address keys
+        n = len(u32.flow_keys(la, 1, ra, 2, u32.IPPROTO_UDP))
+        assert n == (3 if la.version == 4 else 6) if la.is_unspecified else n in (4, 10)
+    # a leaf of the layout before issue 17 (no protocol key) is not ours any more
+    old = [k for k in u32.flow_keys(ipaddress.ip_address("10.1.2.3"), 1,
+                                    ipaddress.ip_address("10.1.2.4"), 2)][1:]
+    assert u32.keys_to_tuple(old) is None
 
 
 def test_u32_plugin_decodes_dumped_keys():

@@ -2,13 +2,15 @@
 
 Per family one u32 instance (``prio`` 1 for IPv4, 2 for IPv6) under the root qdisc:
 
-    root table (800:, the kernel's)     one link node: guard (TCP, no IP options / ext headers),
-      |                                  hash = low byte of the destination (remote) port
+    root table (800:, the kernel's)     two link nodes: guard (TCP, resp. UDP; no IP options /
+      |                                  ext headers), hash = low byte of the destination port
       v
     L1 table (256 buckets)              bucket b1 holds one link node once a flow needs it,
       |                                  hash = low byte of the source (local) port
       v
-    L2 table of bucket b1 (256 buckets) bucket b2 holds the flows' exact 4-tuple leaves
+    L2 table of bucket b1 (256 buckets) bucket b2 holds the flows' exact 4-tuple leaves, each
+                                         with the IP protocol (TCP and UDP flows of the same
+                                         ports share buckets, never leaves; issue 17)
 
 So a server's accepted flows (fixed local port, ephemeral remote ports) and a client's connected
 flows (ephemeral local ports) both spread over 65 536 buckets, and a packet checks at most the
@@ -29,7 +31,8 @@ from ..tc import u32
 PRIO = {4: 1, 6: 2}
 PROTO = {4: u32.ETH_P_IP, 6: u32.ETH_P_IPV6}
 PORTS_OFF = {4: u32.V4_PORTS_OFF, 6: u32.V6_PORTS_OFF}
-GUARD = {4: u32.v4_tcp_guard, 6: u32.v6_tcp_guard}
+GUARD = {4: u32.v4_guard, 6: u32.v6_guard}
+PROTOCOLS = (u32.IPPROTO_TCP, u32.IPPROTO_UDP)     # one root link node each, per family
 # Fixed table ids, away from the ones the kernel hands out itself (1..0x7ff, 0x800):
 L1_HTID = {4: 0xA00, 6: 0xA01}
 L2_HTID_BASE = {4: 0xB00, 6: 0xC00}      # + low byte of the remote port

@@ -22,13 +22,14 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 from ..errors import BackendError, NetlinkError
-from ..model import ApplyResult, BackendHealth, ClassStats, FlowKey, Op, OpError, OpKind, Shape
+from ..model import (ApplyResult, BackendHealth, ClassStats, FlowKey, Op, OpError, OpKind,
+                     Protocol, Shape)
 from ..tc import nl, u32
 from ..tc.nl import (NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE, RTM_DELQDISC, RTM_DELTCLASS,
                      RTM_DELTFILTER, RTM_GETQDISC, RTM_GETTCLASS, RTM_GETTFILTER, RTM_NEWQDISC,
                      RTM_NEWTCLASS, RTM_NEWTFILTER, TC_H_ROOT, Request, RtnlSocket, tc_handle)
 from .filters import (DIVISOR, GUARD, HMASK_LOCAL_PORT, HMASK_REMOTE_PORT, L1_HTID, PORTS_OFF,
-                      PRIO, PROTO, Layout, LayoutFull, Placement, all_tables)
+                      PRIO, PROTO, PROTOCOLS, Layout, LayoutFull, Placement, all_tables)
 from .groups import GroupKind, GroupTree, Member, Node, targets
 from .pool import PoolMixin
 
@@ -190,10 +191,12 @@ class TcBackend(PoolMixin):     # PoolMixin: first-byte pools (issue 16, pool.py
                                          u32.htid_handle(htid), u32.table_options(htid, DIVISOR),
                                          f"create u32 table {htid:x}: (IPv{fam})"))
             if b1 is None:      # L1: linked from the root table, hashed by the remote port
-                reqs.append(self._filter_msg(RTM_NEWTFILTER, NLM_F_CREATE | NLM_F_EXCL, fam, 0,
-                                             u32.link_options(htid, GUARD[fam](), PORTS_OFF[fam],
-                                                              HMASK_REMOTE_PORT),
-                                             f"create u32 root link (IPv{fam})"))
+                for proto in PROTOCOLS:     # TCP and UDP (issue 17)
+                    reqs.append(self._filter_msg(
+                        RTM_NEWTFILTER, NLM_F_CREATE | NLM_F_EXCL, fam, 0,
+                        u32.link_options(htid, GUARD[fam](proto), PORTS_OFF[fam],
+                                         HMASK_REMOTE_PORT),
+                        f"create u32 root link (IPv{fam}, IP protocol {proto})"))
             else:               # L2: linked from L1 bucket b1, hashed by the local port
                 reqs.append(self._filter_msg(
                     RTM_NEWTFILTER, NLM_F_CREATE | NLM_F_EXCL, fam,
@@ -229,7 +232,9 @@ class TcBackend(PoolMixin):     # PoolMixin: first-byte pools (issue 16, pool.py
             elif u32.TCA_U32_CLASSID in opts and u32.TCA_U32_SEL in opts:
                 leaves.append(obj)
         want_tables = {htid for _, htid, _ in all_tables()}
-        if not want_tables <= tables or links < len(want_tables):
+        # a link per table, and a second root link per family for UDP (an older skeleton with
+        # TCP root links only is not ours to patch: it is made anew)
+        if not want_tables <= tables or links < len(want_tables) + 2:
             raise BackendError("u32 hash tables or links missing")
         # link class / default class rates follow the current link rate
         fix = []
@@ -259,7 +264,12 @@ class TcBackend(PoolMixin):     # PoolMixin: first-byte pools (issue 16, pool.py
             if tup is None or cls is None or minor < FIRST_FLOW_MINOR or classid >> 16 != MAJOR:
                 stale_filters.append((fam, obj.handle))
                 continue
-            key = FlowKey(*tup)
+            la, lport, ra, rport, proto = tup
+            if proto not in (Protocol.TCP.number, Protocol.UDP.number):
+                stale_filters.append((fam, obj.handle))
+                continue
+            key = FlowKey(la, lport, ra, rport,
+                          Protocol.UDP if proto == Protocol.UDP.number else Protocol.TCP)
             rate, ceil = self.codec.parse_rates(cls.options)
             self._flows[key] = Installed(classid, obj.handle, Shape("", rate, ceil))
             self._layout.adopt_leaf(obj.handle)
@@ -459,7 +469,8 @@ class TcBackend(PoolMixin):     # PoolMixin: first-byte pools (issue 16, pool.py
                             lambda: f"add class {nl.fmt_handle(classid)} for {key}"), class_done)
         add(self._filter_msg(RTM_NEWTFILTER, NLM_F_CREATE | NLM_F_EXCL, key.family, pl.handle,
                              u32.leaf_options(classid, u32.flow_keys(key.local_addr, key.local_port,
-                                                                     key.remote_addr, key.remote_port),
+                                                                     key.remote_addr, key.remote_port,
+                                                                     key.protocol.number),
                                               pl.in_table),
                              lambda: f"add filter for {key}"), filter_done)
 

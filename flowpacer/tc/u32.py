@@ -122,14 +122,30 @@ V4_PORTS_OFF = 20
 V6_PORTS_OFF = 40
 
 
+IPPROTO_TCP = 6
+IPPROTO_UDP = 17
+
+
+def v4_guard(proto: int = IPPROTO_TCP) -> List[Key]:
+    """Version 4, IHL 5, protocol ``proto``: the only packets whose ports sit at offset 20."""
+    return [(0, 0xFF000000, 0x45000000), (8, 0x00FF0000, (proto & 0xFF) << 16)]
+
+
+def v6_guard(proto: int = IPPROTO_TCP) -> List[Key]:
+    """Version 6 and next header ``proto`` (no extension headers)."""
+    return [(0, 0xF0000000, 0x60000000), (4, 0x0000FF00, (proto & 0xFF) << 8)]
+
+
 def v4_tcp_guard() -> List[Key]:
-    """Version 4, IHL 5, protocol TCP: the only packets whose ports sit at offset 20."""
-    return [(0, 0xFF000000, 0x45000000), (8, 0x00FF0000, 0x00060000)]
+    return v4_guard(IPPROTO_TCP)
 
 
 def v6_tcp_guard() -> List[Key]:
-    """Version 6 and next header TCP (no extension headers)."""
-    return [(0, 0xF0000000, 0x60000000), (4, 0x0000FF00, 0x00000600)]
+    return v6_guard(IPPROTO_TCP)
+
+
+# where the protocol byte is (the guard's second key): (offset, mask, shift)
+PROTO_KEY = {4: (8, 0x00FF0000, 16), 6: (4, 0x0000FF00, 8)}
 
 
 def _addr_words(addr: ipaddress._BaseAddress) -> List[int]:
@@ -137,33 +153,65 @@ def _addr_words(addr: ipaddress._BaseAddress) -> List[int]:
     return [int.from_bytes(raw[i:i + 4], "big") for i in range(0, len(raw), 4)]
 
 
-def flow_keys(local_addr, local_port: int, remote_addr, remote_port: int) -> List[Key]:
-    """Exact keys for the egress 4-tuple: source = local, destination = remote."""
+def flow_keys(local_addr, local_port: int, remote_addr, remote_port: int,
+              proto: int = IPPROTO_TCP) -> List[Key]:
+    """Exact keys for the egress 4-tuple (source = local, destination = remote) and the IP
+    protocol: a TCP leaf never catches a UDP flow of the same addresses and ports. An
+    unspecified local address (an unconnected UDP socket bound to the wildcard) is left out:
+    such a leaf matches the local port and the remote only."""
     ports = (local_port << 16) | remote_port
-    if local_addr.version == 4:
-        return [(12, 0xFFFFFFFF, _addr_words(local_addr)[0]),
-                (16, 0xFFFFFFFF, _addr_words(remote_addr)[0]),
-                (V4_PORTS_OFF, 0xFFFFFFFF, ports)]
-    keys = [(8 + 4 * i, 0xFFFFFFFF, w) for i, w in enumerate(_addr_words(local_addr))]
+    fam = local_addr.version
+    off, mask, shift = PROTO_KEY[fam]
+    keys = [(off, mask, (proto & 0xFF) << shift)]
+    if fam == 4:
+        if not local_addr.is_unspecified:
+            keys.append((12, 0xFFFFFFFF, _addr_words(local_addr)[0]))
+        keys += [(16, 0xFFFFFFFF, _addr_words(remote_addr)[0]),
+                 (V4_PORTS_OFF, 0xFFFFFFFF, ports)]
+        return keys
+    if not local_addr.is_unspecified:
+        keys += [(8 + 4 * i, 0xFFFFFFFF, w) for i, w in enumerate(_addr_words(local_addr))]
     keys += [(24 + 4 * i, 0xFFFFFFFF, w) for i, w in enumerate(_addr_words(remote_addr))]
     keys.append((V6_PORTS_OFF, 0xFFFFFFFF, ports))
     return keys
 
 
 def keys_to_tuple(keys: List[Key]):
-    """Inverse of ``flow_keys``: (local_addr, local_port, remote_addr, remote_port) or None."""
-    by_off = {off: v for off, m, v in keys if m == 0xFFFFFFFF}
-    if len(keys) == 3 and {12, 16, V4_PORTS_OFF} <= by_off.keys():
-        la = ipaddress.IPv4Address(by_off[12])
-        ra = ipaddress.IPv4Address(by_off[16])
-        ports = by_off[V4_PORTS_OFF]
-    elif len(keys) == 9 and all(o in by_off for o in range(8, 44, 4)):
-        la = ipaddress.IPv6Address(b"".join(by_off[o].to_bytes(4, "big") for o in range(8, 24, 4)))
-        ra = ipaddress.IPv6Address(b"".join(by_off[o].to_bytes(4, "big") for o in range(24, 40, 4)))
-        ports = by_off[V6_PORTS_OFF]
-    else:
+    """Inverse of ``flow_keys``: (local_addr, local_port, remote_addr, remote_port, proto), or
+    None for keys ``flow_keys`` does not make (a leaf of an older layout without the protocol
+    key is None too: the backend deletes it and the flow gets a new one)."""
+    exact = {off: v for off, m, v in keys if m == 0xFFFFFFFF}
+    if len(exact) != len(keys) - 1:
         return None
-    return la, ports >> 16, ra, ports & 0xFFFF
+    for fam in (4, 6):
+        off, mask, shift = PROTO_KEY[fam]
+        proto = [v for o, m, v in keys if o == off and m == mask]
+        if len(proto) != 1:
+            continue
+        proto = (proto[0] >> shift) & 0xFF
+        if fam == 4:
+            if set(exact) == {12, 16, V4_PORTS_OFF}:
+                la = ipaddress.IPv4Address(exact[12])
+            elif set(exact) == {16, V4_PORTS_OFF}:
+                la = ipaddress.IPv4Address(0)
+            else:
+                return None
+            ra = ipaddress.IPv4Address(exact[16])
+            ports = exact[V4_PORTS_OFF]
+        else:
+            remote = set(range(24, 40, 4)) | {V6_PORTS_OFF}
+            if set(exact) == remote | set(range(8, 24, 4)):
+                la = ipaddress.IPv6Address(b"".join(exact[o].to_bytes(4, "big")
+                                                    for o in range(8, 24, 4)))
+            elif set(exact) == remote:
+                la = ipaddress.IPv6Address(0)
+            else:
+                return None
+            ra = ipaddress.IPv6Address(b"".join(exact[o].to_bytes(4, "big")
+                                                for o in range(24, 40, 4)))
+            ports = exact[V6_PORTS_OFF]
+        return la, ports >> 16, ra, ports & 0xFFFF, proto
+    return None
 
 
 # --------------------------------------------------------- pyroute2 plugin
