@@ -31,7 +31,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from . import model
+from . import cgroupbpf, model
+from .cgroupbpf import cgroup2_root, link_create  # noqa: F401  (cgroup2_root: tests use it)
 from .errors import TracerUnavailable
 from .model import Direction, FlowKey, OpKind, RuleSet
 
@@ -60,10 +61,7 @@ GRACE_S = 0.005            # a sock_ops run that saw the old rules has finished 
 _GLOB = set("*?[")
 
 # bpf(2)
-_SYS_BPF = 321             # x86-64
-_BPF_LINK_CREATE = 28
 _BPF_CGROUP_SOCK_OPS = 3
-SO_NETNS_COOKIE = 71
 
 
 class FirstByteUnavailable(TracerUnavailable):
@@ -178,65 +176,12 @@ def compile_rules(ruleset: RuleSet) -> Compiled:
 
 # ---------------------------------------------------------------- helpers
 
-def cgroup2_root(mounts: str = "/proc/self/mounts") -> Optional[str]:
-    """Where the cgroup v2 hierarchy is mounted (/sys/fs/cgroup, or .../unified when hybrid);
-    None when this mount namespace shows none (``ip netns exec`` remounts /sys)."""
-    try:
-        with open(mounts) as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) > 2 and parts[2] == "cgroup2":
-                    return parts[1]
-    except OSError:
-        pass
-    return None
-
-
 def open_cgroup2_root() -> Tuple[int, str]:
-    """An fd of the cgroup v2 root directory and what it is. When no cgroup2 is mounted here, it
-    is mounted on a private temporary directory, opened and detached at once (the fd keeps it)."""
-    root = cgroup2_root()
-    if root is not None:
-        return os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), root
-    import tempfile
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    d = tempfile.mkdtemp(prefix="fp-cgroup2-")
-    try:
-        if libc.mount(b"cgroup2", d.encode(), b"cgroup2", 0, None) != 0:
-            err = ctypes.get_errno()
-            raise FirstByteUnavailable(f"cgroup v2 is not mounted and mounting it failed: "
-                                       f"{os.strerror(err)}")
-        try:
-            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        finally:
-            libc.umount2(d.encode(), 2)     # MNT_DETACH
-    finally:
-        os.rmdir(d)
-    return fd, "cgroup2 (mounted privately)"
+    return cgroupbpf.open_cgroup2_root(FirstByteUnavailable)
 
 
 def netns_cookie() -> int:
-    """The cookie of this process's network namespace (SO_NETNS_COOKIE, Linux 5.14)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            raw = s.getsockopt(socket.SOL_SOCKET, SO_NETNS_COOKIE, 8)
-        except OSError as e:
-            raise FirstByteUnavailable(f"no network namespace cookie (SO_NETNS_COOKIE): "
-                                       f"{e.strerror}") from None
-    return struct.unpack("<Q", raw)[0]
-
-
-def link_create(prog_fd: int, target_fd: int, attach_type: int) -> int:
-    """bpf(BPF_LINK_CREATE): an attachment that ends when its fd is closed."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.syscall.restype = ctypes.c_long
-    attr = (ctypes.c_uint32 * 16)(prog_fd, target_fd, attach_type, 0)
-    fd = libc.syscall(ctypes.c_long(_SYS_BPF), ctypes.c_int(_BPF_LINK_CREATE), ctypes.byref(attr),
-                      ctypes.c_uint(ctypes.sizeof(attr)))
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return fd
+    return cgroupbpf.netns_cookie(FirstByteUnavailable)
 
 
 def listeners() -> Dict[int, model.ProcessInfo]:

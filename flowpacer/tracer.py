@@ -1,13 +1,18 @@
-"""eBPF (bcc) flow tracer: TCP flow OPEN/CLOSE events of target processes.
+"""eBPF (bcc) flow tracer: TCP and UDP flow OPEN/CLOSE events of target processes.
 
 The BPF program is ``flowpacer/bpf/flowtrace.c`` (its header comment explains the
-hooks and the per-socket state machine). This module checks what bcc needs,
+hooks and the per-socket state machine) with ``udptrace.c`` compiled into it (UDP:
+connected sockets from connect(), each peer of an unconnected socket from its send
+calls, close at socket release; its header comment explains them). This module checks what bcc needs,
 compiles and attaches the program, keeps the in-kernel watch filter up to date
 and turns ring buffer records into :class:`model.FlowEvent`.
 
-Only tracepoints are used (``sock:inet_sock_set_state`` and
+Only tracepoints are used for TCP (``sock:inet_sock_set_state`` and
 ``syscalls:sys_exit_accept{,4}``): they exist on every kernel we target, unlike
-kprobes (absent here) and fentry (refused here).  The few kernel struct offsets
+kprobes (absent here) and fentry (refused here). UDP adds the tracepoints
+``syscalls:sys_{enter,exit}_connect`` and three cgroup programs on the cgroup v2
+root (sendmsg4/6, sock_release; bpf_link, so they go with the daemon); when those
+cannot attach, the tracer carries on with TCP and connected UDP sockets only.  The few kernel struct offsets
 the program needs (socket -> network namespace, fd table -> socket) are read
 from the running kernel's BTF, so the program is right even when bcc compiles
 against another kernel version's headers.
@@ -25,28 +30,33 @@ import time
 from collections import OrderedDict
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
-from . import model
+from . import cgroupbpf, model
 from .errors import TracerUnavailable
 
 log = logging.getLogger(__name__)
 
 BPF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bpf")
 BPF_SRC = os.path.join(BPF_DIR, "flowtrace.c")
+BPF_UDP_SRC = os.path.join(BPF_DIR, "udptrace.c")     # compiled after flowtrace.c, one text
 BTF_VMLINUX = "/sys/kernel/btf/vmlinux"
 TRACEFS_DIRS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
 COMM_LEN = 16
 MAX_WATCH = 1024
 
 # flowtrace.h
-FT_OPEN, FT_CLOSE = 1, 2
+FT_OPEN, FT_CLOSE, FT_RELEASE = 1, 2, 3
 FT_DIR = {0: model.Direction.ANY, 1: model.Direction.OUTBOUND, 2: model.Direction.INBOUND}
-FT_F_ATTRIBUTED, FT_F_UNTRACKED = 0x01, 0x02
+FT_F_ATTRIBUTED, FT_F_UNTRACKED, FT_F_CONNECTED = 0x01, 0x02, 0x04
 FT_C_LOST, FT_C_FILTERED, FT_C_UNATTRIBUTED, FT_C_ACCEPT_UNTRACKED, FT_C_MAX = range(5)
 # struct ft_event: ts_ns cgroup_id netns_ino pid tid uid family lport rport
-#                  kind direction flags pad[7] laddr[16] raddr[16] comm[16]
-EVENT = struct.Struct("<QQIIIIHHHBBB7x16s16s16s")
-assert EVENT.size == 96
+#                  kind direction flags protocol pad[6] laddr[16] raddr[16] comm[16] cookie
+EVENT = struct.Struct("<QQIIIIHHHBBBB6x16s16s16sQ")
+assert EVENT.size == 104
+# udptrace.h: struct ft_udp_peer (cookie raddr[16] rport family pad), ft_udp_seen (last, open)
+UDP_PEER = struct.Struct("<Q16sHH4x")
+IPPROTO_UDP = 17
 AF_INET, AF_INET6 = 2, 10
+UDP_SWEEP_S = 1.0          # how often the last-send times of UDP peers are read
 
 # The struct members flowtrace.c reads, as (-D name, BTF struct, member path).
 BTF_FIELDS = (
@@ -58,6 +68,15 @@ BTF_FIELDS = (
     ("FT_OFF_FDT_FD", "fdtable", "fd"),
     ("FT_OFF_FILE_PRIVATE", "file", "private_data"),
     ("FT_OFF_SOCKET_SK", "socket", "sk"),
+    # udptrace.c: a connected UDP socket's protocol and tuple
+    ("FT_OFF_SK_PROTOCOL", "sock", "sk_protocol"),
+    ("FT_OFF_SKC_FAMILY", "sock", "__sk_common.skc_family"),
+    ("FT_OFF_SKC_DADDR", "sock", "__sk_common.skc_daddr"),
+    ("FT_OFF_SKC_RCV_SADDR", "sock", "__sk_common.skc_rcv_saddr"),
+    ("FT_OFF_SKC_DPORT", "sock", "__sk_common.skc_dport"),
+    ("FT_OFF_SKC_NUM", "sock", "__sk_common.skc_num"),
+    ("FT_OFF_SKC_V6_DADDR", "sock", "__sk_common.skc_v6_daddr"),
+    ("FT_OFF_SKC_V6_RCV_SADDR", "sock", "__sk_common.skc_v6_rcv_saddr"),
 )
 
 
@@ -394,6 +413,16 @@ class Tracer:
         ("tracepoint__sock__inet_sock_set_state", "sock:inet_sock_set_state"),
         ("tracepoint__syscalls__sys_exit_accept4", "syscalls:sys_exit_accept4"),
         ("tracepoint__syscalls__sys_exit_accept", "syscalls:sys_exit_accept"),
+        ("tracepoint__syscalls__sys_enter_connect", "syscalls:sys_enter_connect"),
+        ("tracepoint__syscalls__sys_exit_connect", "syscalls:sys_exit_connect"),
+    )
+    # (function, program type name in bcc.BPF, attach type): udptrace.c's cgroup programs
+    CGROUP_PROGRAMS = (
+        ("ft_udp_sendmsg4", "CGROUP_SOCK_ADDR", cgroupbpf.BPF_CGROUP_UDP4_SENDMSG),
+        ("ft_udp_sendmsg6", "CGROUP_SOCK_ADDR", cgroupbpf.BPF_CGROUP_UDP6_SENDMSG),
+        ("ft_udp_release", "CGROUP_SOCK", cgroupbpf.BPF_CGROUP_INET_SOCK_RELEASE),
+        ("ft_udp_connect4", "CGROUP_SOCK_ADDR", cgroupbpf.BPF_CGROUP_INET4_CONNECT),
+        ("ft_udp_connect6", "CGROUP_SOCK_ADDR", cgroupbpf.BPF_CGROUP_INET6_CONNECT),
     )
 
     def __init__(self, netns_ino: Optional[int] = None, ring_pages: int = 64, *,
@@ -419,6 +448,16 @@ class Tracer:
         self._late_open_dropped = 0
         self._bad_records = 0
         self._recent_close: "OrderedDict[model.FlowKey, int]" = OrderedDict()
+        # UDP (issue 17): the flows of each unconnected socket (by cookie) and of each peer entry
+        # of the kernel's udp_peers map; the idle bounds the rules give (set_udp_idle)
+        self._udp_by_cookie: Dict[int, Set[model.FlowKey]] = {}
+        self._udp_peer_flow: Dict[Tuple[int, int, bytes, int], model.Flow] = {}
+        self._udp_idle_ns: Tuple[int, int] = (model.DEFAULT_IDLE_TIMEOUT_NS,
+                                              model.DEFAULT_IDLE_TIMEOUT_NS)
+        self._udp_links: List[int] = []
+        self._udp_hooks = ""
+        self._next_sweep = 0.0
+        self._udp_counts = {"idle": 0, "released": 0, "forgotten": 0}
         # pid -> (comm, exe, monotonic s): exe of a busy target read once a second at most;
         # keyed with the comm too, so an exec (new comm) is seen at once
         self._exe_cache: Dict[int, Tuple[str, str, float]] = {}
@@ -469,7 +508,8 @@ class Tracer:
         cflags = self._cflags()
         t0 = time.monotonic()
         try:
-            b = bcc.BPF(src_file=BPF_SRC.encode(), cflags=cflags)
+            text = "".join(open(p).read() + "\n" for p in (BPF_SRC, BPF_UDP_SRC))
+            b = bcc.BPF(text=text.encode(), cflags=cflags)
         except Exception as e:
             msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             if "compile" in msg:
@@ -497,11 +537,59 @@ class Tracer:
             self._bpf = None
             b.cleanup()
             raise TracerUnavailable(f"BPF set-up failed: {e}") from None
-        self.hooks = "tracepoints"
+        self._attach_udp(b)
+        self.hooks = "tracepoints" + (f" + {self._udp_hooks}" if self._udp_hooks else "")
         log.info("tracer attached: hooks=%s (%s), netns %d, ring %d pages, %d flows max, "
                  "struct offsets from %s, compiled in %.2f s",
                  self.hooks, ", ".join(tp for _f, tp in self.PROGRAMS), self.netns_ino,
                  self.ring_pages, self.max_flows, self.offsets_from, time.monotonic() - t0)
+
+    def _attach_udp(self, b) -> None:
+        """udptrace.c's cgroup programs on the cgroup v2 root; without them UDP flows are the
+        connected sockets only (said in the log and in ``hooks``)."""
+        import bcc
+        links: List[int] = []
+        try:
+            cookie = cgroupbpf.netns_cookie()
+            fns = [(b.load_func(fn.encode(), getattr(bcc.BPF, pt), attach_type=at), at)
+                   for fn, pt, at in self.CGROUP_PROGRAMS]
+            cg, root = cgroupbpf.open_cgroup2_root()
+            try:
+                for f, at in fns:
+                    links.append(cgroupbpf.link_create(f.fd, cg, at))
+            finally:
+                os.close(cg)
+        except Exception as e:
+            for fd in links:
+                os.close(fd)
+            msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            log.warning("UDP peers of unconnected sockets are not traced (cgroup sendmsg/"
+                        "sock_release programs: %s): connected UDP sockets only", msg)
+            self._udp_hooks = "udp connect only"
+            return
+        self._udp_links = links
+        self._udp_cookie = cookie
+        self._write_udp_config()
+        self._udp_hooks = "cgroup udp sendmsg/release"
+        log.info("UDP: cgroup sendmsg4/6 and sock_release attached to %s", root)
+
+    def _write_udp_config(self) -> None:
+        b = self._bpf
+        if b is None or not self._udp_links:
+            return
+        t = b[b"udp_config"]
+        t[ctypes.c_int(0)] = t.Leaf(self._udp_cookie, self._udp_idle_ns[0])
+
+    def set_udp_idle(self, shortest_ns: int, longest_ns: int) -> None:
+        """The rules' shortest and longest UDP idle_timeout (``engine.udp_idle_timeouts``): a
+        peer silent for the shortest is reported IDLE at each sweep and announced again at its
+        next datagram; one silent for the longest is forgotten by the kernel map."""
+        if not 0 < shortest_ns <= longest_ns:
+            raise ValueError(f"set_udp_idle: need 0 < shortest <= longest, not "
+                             f"{shortest_ns}, {longest_ns}")
+        with self._lock:
+            self._udp_idle_ns = (int(shortest_ns), int(longest_ns))
+            self._write_udp_config()
 
     # --------------------------------------------------------------- watch
 
@@ -559,8 +647,9 @@ class Tracer:
             b = self._need()
             b.ring_buffer_poll(max(0, int(timeout_ms)))   # consumes all that is there
             raw, self._raw = self._raw, []
+            idle = self._sweep_udp() if self._udp_links else []
         if not raw:
-            return []
+            return idle
         decoded = []
         for rec in raw:
             if len(rec) != EVENT.size:
@@ -570,23 +659,90 @@ class Tracer:
         decoded.sort(key=lambda r: r[0])   # OPEN before CLOSE when both are here
         out: List[model.FlowEvent] = []
         for r in decoded:
+            if r[9] == FT_RELEASE:
+                out.extend(self._released(r))
+                continue
             ev = self._to_event(r)
             if ev is not None:
                 out.append(ev)
+        return out + idle
+
+    def _sweep_udp(self) -> List[model.FlowEvent]:
+        """Every UDP_SWEEP_S: IDLE for each peer silent for the shortest idle timeout (the
+        engine decides per rule), and peers silent for the longest are forgotten."""
+        now_s = time.monotonic()
+        if now_s < self._next_sweep:
+            return []
+        self._next_sweep = now_s + UDP_SWEEP_S
+        shortest, longest = self._udp_idle_ns
+        now = time.monotonic_ns()
+        peers = self._bpf[b"udp_peers"]
+        out, gone = [], []
+        for k, v in peers.items():
+            quiet = now - v.last_ns
+            if quiet < shortest:
+                continue
+            ident = (k.cookie, k.family, bytes(k.raddr), k.rport)
+            flow = self._udp_peer_flow.get(ident)
+            if flow is not None:
+                out.append(model.FlowEvent(model.EventKind.IDLE,
+                                           model.Flow(flow.key, flow.direction, flow.proc,
+                                                      flow.source, flow.netns_ino, v.last_ns)))
+            if quiet >= longest or flow is None:
+                gone.append((k, ident))
+        for k, ident in gone:
+            try:
+                del peers[k]
+            except KeyError:
+                pass
+            flow = self._udp_peer_flow.pop(ident, None)
+            if flow is not None:
+                keys = self._udp_by_cookie.get(ident[0])
+                if keys is not None:
+                    keys.discard(flow.key)
+                    if not keys:
+                        del self._udp_by_cookie[ident[0]]
+        self._udp_counts["idle"] += len(out)
+        self._udp_counts["forgotten"] += len(gone)
         return out
+
+    def _released(self, r) -> List[model.FlowEvent]:
+        """A UDP socket with flows closed: CLOSE for each flow of its cookie."""
+        ts, netns, cookie = r[0], r[2], r[16]
+        keys = self._udp_by_cookie.pop(cookie, set())
+        for ident in [i for i in self._udp_peer_flow if i[0] == cookie] if keys else ():
+            del self._udp_peer_flow[ident]
+        self._udp_counts["released"] += 1
+        out = []
+        for key in sorted(keys):
+            flow = model.Flow(key=key, direction=model.Direction.ANY, proc=model.ProcessInfo(pid=0),
+                              source=model.FlowSource.TRACER, netns_ino=netns, seen_ns=ts)
+            self._counts["close"] += 1
+            self._recent_close[key] = ts
+            self._recent_close.move_to_end(key)
+            out.append(model.FlowEvent(model.EventKind.CLOSE, flow))
+        while len(self._recent_close) > 4096:
+            self._recent_close.popitem(last=False)
+        return out
+
+    @staticmethod
+    def _key(family, laddr, lport, raddr, rport, proto) -> model.FlowKey:
+        la, ra = _addr(family, laddr), _addr(family, raddr)
+        if la.version == ra.version:
+            return model.FlowKey(la, lport, ra, rport, proto)
+        # one side v4-mapped, the other not: the model's rule
+        return model.FlowKey.wire(ipaddress.IPv6Address(laddr), lport,
+                                  ipaddress.IPv6Address(raddr), rport, proto)
 
     def _to_event(self, r) -> Optional[model.FlowEvent]:
         (ts, cgid, netns, pid, tid, uid, family, lport, rport,
-         kind, direction, flags, laddr, raddr, comm) = r
+         kind, direction, flags, proto, laddr, raddr, comm, cookie) = r
         if kind not in (FT_OPEN, FT_CLOSE) or family not in (AF_INET, AF_INET6):
             self._bad_records += 1
             return None
-        la, ra = _addr(family, laddr), _addr(family, raddr)
-        if la.version == ra.version:
-            key = model.FlowKey(la, lport, ra, rport)
-        else:   # one side v4-mapped, the other not: the model's rule (both stay IPv6)
-            key = model.FlowKey.wire(ipaddress.IPv6Address(laddr), lport,
-                                     ipaddress.IPv6Address(raddr), rport)
+        udp = proto == IPPROTO_UDP
+        key = self._key(family, laddr, lport, raddr, rport,
+                        model.Protocol.UDP if udp else model.Protocol.TCP)
         if flags & FT_F_ATTRIBUTED:
             name = _comm(comm)
             proc = model.ProcessInfo(pid=pid, comm=name,
@@ -596,6 +752,11 @@ class Tracer:
             proc = model.ProcessInfo(pid=0)
         flow = model.Flow(key=key, direction=FT_DIR.get(direction, model.Direction.ANY),
                           proc=proc, source=model.FlowSource.TRACER, netns_ino=netns, seen_ns=ts)
+        if kind == FT_OPEN and udp and cookie:
+            # ended by the socket's release (and a peer of an unconnected socket by idleness)
+            self._udp_by_cookie.setdefault(cookie, set()).add(key)
+            if not flags & FT_F_CONNECTED:
+                self._udp_peer_flow[(cookie, family, raddr, rport)] = flow
         if kind == FT_OPEN:
             closed_at = self._recent_close.get(key)
             if closed_at is not None and closed_at >= ts:
@@ -650,6 +811,7 @@ class Tracer:
             "accept_untracked": c[FT_C_ACCEPT_UNTRACKED],
             "missed": missed,          # tracepoint hits the kernel skipped (BPF recursion guard)
             "late_open_dropped": self._late_open_dropped,
+            "udp": dict(self._udp_counts, peers=len(self._udp_peer_flow)),
             "bad_records": self._bad_records,
             "programs": prog,
         }
@@ -664,6 +826,9 @@ class Tracer:
     def close(self) -> None:
         with self._poll_lock, self._lock:
             b, self._bpf = self._bpf, None
+            links, self._udp_links = self._udp_links, []
+        for fd in links:
+            os.close(fd)
         if b is not None:
             try:
                 b.cleanup()

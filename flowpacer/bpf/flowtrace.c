@@ -1,6 +1,9 @@
 // SPDX-License-Identifier: GPL-2.0-only
 /*
  * flowtrace.c: TCP flow open/close events for flowpacer (bcc, tracepoints only).
+ * UDP flows: udptrace.c, compiled after this file as one program text (one
+ * object, one ring buffer; bcc declares tracepoint records only for probes in
+ * the main text, so it cannot be an #include).
  *
  * Hooks (all stable tracepoints, no kprobe/fentry needed):
  *   sock:inet_sock_set_state        every TCP state change: the 4-tuple, the
@@ -54,6 +57,14 @@
 #define FT_OFF_FDT_FD       offsetof(struct fdtable, fd)
 #define FT_OFF_FILE_PRIVATE offsetof(struct file, private_data)
 #define FT_OFF_SOCKET_SK    offsetof(struct socket, sk)
+#define FT_OFF_SK_PROTOCOL  offsetof(struct sock, sk_protocol)
+#define FT_OFF_SKC_FAMILY   offsetof(struct sock, __sk_common.skc_family)
+#define FT_OFF_SKC_DADDR    offsetof(struct sock, __sk_common.skc_daddr)
+#define FT_OFF_SKC_RCV_SADDR offsetof(struct sock, __sk_common.skc_rcv_saddr)
+#define FT_OFF_SKC_DPORT    offsetof(struct sock, __sk_common.skc_dport)
+#define FT_OFF_SKC_NUM      offsetof(struct sock, __sk_common.skc_num)
+#define FT_OFF_SKC_V6_DADDR offsetof(struct sock, __sk_common.skc_v6_daddr)
+#define FT_OFF_SKC_V6_RCV_SADDR offsetof(struct sock, __sk_common.skc_v6_rcv_saddr)
 #endif
 
 #if !defined(FT_OFF_SK_NET) || !defined(FT_OFF_NET_INUM) || \

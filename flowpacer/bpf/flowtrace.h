@@ -14,8 +14,10 @@
 #define FT_COMM_LEN 16
 
 /* ft_event.kind */
-#define FT_OPEN  1
-#define FT_CLOSE 2
+#define FT_OPEN    1
+#define FT_CLOSE   2
+#define FT_RELEASE 3  /* a UDP socket with flows closed (udptrace.c): the flows of
+                       * its cookie end */
 
 /* ft_event.direction (model.Direction) */
 #define FT_DIR_UNKNOWN  0
@@ -27,6 +29,7 @@
 #define FT_F_UNTRACKED  0x02 /* CLOSE of a flow whose OPEN the tracer never
                               * reported (it predates the tracer, or its
                               * state entry was evicted) */
+#define FT_F_CONNECTED  0x04 /* UDP OPEN: a connected socket's tuple */
 
 /* indexes of the per-cpu counters map */
 #define FT_C_LOST             0 /* ring buffer reserve failed: event lost */
@@ -59,11 +62,13 @@ struct ft_event {
 	__u8  kind;       /* FT_OPEN / FT_CLOSE */
 	__u8  direction;  /* FT_DIR_* */
 	__u8  flags;      /* FT_F_* */
-	__u8  pad[7];
+	__u8  protocol;   /* IPPROTO_UDP, or IPPROTO_TCP (0 too: the TCP hooks) */
+	__u8  pad[6];
 	__u8  laddr[16];
 	__u8  raddr[16];
 	char  comm[FT_COMM_LEN];
-};                        /* 96 bytes */
+	__u64 cookie;     /* UDP: the socket's cookie (0 for TCP) */
+};                        /* 104 bytes */
 
 /* What the program keeps per socket (key: the struct sock address). */
 struct ft_sock {
