@@ -224,6 +224,7 @@ class Daemon:
             t = self._tracer_factory()
             t.set_watch(*engine.watch_filter(self.reconciler.rules))  # before anything reports
             t.start()
+            self._set_udp_idle(t, self.reconciler.rules)
         except ImportError as e:
             self.tracer_status = f"sock_diag polling only (tracer cannot load: {e})"
         except (TracerUnavailable, OSError) as e:
@@ -402,6 +403,14 @@ class Daemon:
     def _rules_changed(self, rs: RuleSet) -> None:
         if self.tracer is not None:
             self.tracer.set_watch(*engine.watch_filter(rs))
+            self._set_udp_idle(self.tracer, rs)
+
+    @staticmethod
+    def _set_udp_idle(tracer, rs: RuleSet) -> None:
+        """The rules' UDP idle timeouts to the tracer (issue 17; test stand-ins may lack it)."""
+        set_idle = getattr(tracer, "set_udp_idle", None)
+        if set_idle is not None:
+            set_idle(*engine.udp_idle_timeouts(rs))
 
     # ---------------------------------------------------------------- views
     def view(self) -> DaemonView:

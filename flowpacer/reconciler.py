@@ -67,7 +67,14 @@ class Reconciler:
         with self.lock:
             for ev in events:
                 self.table.on_event(ev)
+            self.expire_idle()
             self.apply_dirty()
+
+    def expire_idle(self) -> None:
+        """UDP flows idle for their rule's idle_timeout end (the caller holds the lock)."""
+        if self.table.idle_since:
+            self.table.expire(engine.idle_expired(self.table.flows, self.table.idle_since,
+                                                  self.rules, self.clock_ns()))
 
     def reconcile(self, snap, started_ns: int) -> None:
         """One reconcile pass: the backend's health, the sock_diag snapshot (None when the scan
@@ -81,6 +88,7 @@ class Reconciler:
                 self.table.mark_all(r.installed)
             if snap is not None:
                 self.table.on_snapshot(snap, started_ns)
+            self.expire_idle()
             self.table.dirty.update(self._retry)
             self._retry.clear()
             self.apply_dirty()

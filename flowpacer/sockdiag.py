@@ -1,4 +1,7 @@
-"""Flow source over netlink sock_diag: the established TCP sockets of this network namespace.
+"""Flow source over netlink sock_diag: the established TCP sockets of this network namespace,
+and its connected UDP sockets (issue 17; sock_diag lists a connected UDP socket as ESTABLISHED,
+an unconnected one as CLOSE: those give only their local ports, ``Snapshot.udp_ports``, so that
+the flows the tracer found for their peers stay while their socket is open).
 
 Used at start-up (flows that existed before the daemon) and periodically as the reconcile pass
 that heals anything the tracer missed. Each socket is attributed to the process holding it by
@@ -22,7 +25,7 @@ from typing import Dict, Iterable, Optional, Set, Tuple
 
 from .tc.nl import RtnlSocket
 
-from .model import Direction, Flow, FlowKey, FlowSource, ProcessInfo, wire_address
+from .model import Direction, Flow, FlowKey, FlowSource, ProcessInfo, Protocol, wire_address
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +38,7 @@ TCP_ESTABLISHED = 1
 # for the reconcile pass until the application closes or writes)
 SENDING_STATES = (1, 4, 9, 11)   # ESTABLISHED, FIN_WAIT1, LAST_ACK, CLOSING
 TCP_LISTEN = 10
+TCP_CLOSE = 7          # an unconnected UDP socket
 NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
 # struct inet_diag_req_v2: family, protocol, ext, pad, states, struct inet_diag_sockid (48 bytes)
@@ -90,6 +94,11 @@ def socket_owners(wanted: Set[int]) -> Dict[int, int]:
     return found
 
 
+class Snapshot(dict):
+    """FlowKey -> Flow, and the local ports of this namespace's unconnected UDP sockets."""
+    udp_ports: frozenset = frozenset()
+
+
 class SockDiagSource:
     def __init__(self) -> None:
         self._owners: Dict[int, ProcessInfo] = {}     # socket inode -> owner
@@ -97,15 +106,16 @@ class SockDiagSource:
         self.scans = 0
         self.proc_walks = 0
 
-    def _dump(self, state_mask: int) -> Iterable[bytes]:
+    def _dump(self, state_mask: int, proto: int = socket.IPPROTO_TCP) -> Iterable[bytes]:
         with RtnlSocket(NETLINK_SOCK_DIAG) as nls:
             for fam in (socket.AF_INET, socket.AF_INET6):
-                req = REQ.pack(fam, socket.IPPROTO_TCP, 0, state_mask)
+                req = REQ.pack(fam, proto, 0, state_mask)
                 for _mtype, body in nls.dump(SOCK_DIAG_BY_FAMILY, req):
                     yield body
 
-    def snapshot(self) -> Dict[FlowKey, Flow]:
-        """Every established TCP flow of this namespace, attributed where the owner is found."""
+    def snapshot(self) -> Snapshot:
+        """Every established TCP flow and connected UDP socket of this namespace, attributed
+        where the owner is found."""
         self.scans += 1
         now = time.monotonic_ns()
         listeners: Set[Tuple[object, int]] = set()
@@ -123,8 +133,14 @@ class SockDiagSource:
                     wildcard_ports.add(port)
                 listeners.add((addr, port))
             elif state in SENDING_STATES:
-                established.append(body)
-        inodes = {TAIL.unpack_from(b, TAIL_OFF)[4] for b in established}
+                established.append((False, body))
+        udp_ports = set()
+        for body in self._dump((1 << TCP_ESTABLISHED) | (1 << TCP_CLOSE), socket.IPPROTO_UDP):
+            if body[1] == TCP_ESTABLISHED:
+                established.append((True, body))     # a connected UDP socket
+            else:
+                udp_ports.add(PORTS.unpack_from(body, 4)[0])
+        inodes = {TAIL.unpack_from(b, TAIL_OFF)[4] for _u, b in established}
         inodes.discard(0)
         unknown = inodes - self._owners.keys()
         if unknown:
@@ -135,11 +151,12 @@ class SockDiagSource:
                     self._owners[ino] = info
         for ino in [i for i in self._owners if i not in inodes]:
             del self._owners[ino]
-        flows: Dict[FlowKey, Flow] = {}
+        flows = Snapshot()
+        flows.udp_ports = frozenset(udp_ports)
         prev = self._prev
         cur: Dict[bytes, Flow] = {}
-        for b in established:
-            ident = b[4:TAIL_OFF] + b[TAIL_OFF + 12:TAIL_OFF + 20]   # sockid + uid + inode
+        for udp, b in established:
+            ident = b[4:TAIL_OFF] + b[TAIL_OFF + 12:TAIL_OFF + 20] + (b"U" if udp else b"")
             f = prev.get(ident)
             ino = TAIL.unpack_from(b, TAIL_OFF)[4]
             owner = self._owners.get(ino)
@@ -147,9 +164,9 @@ class SockDiagSource:
                 family = b[0]
                 sport, dport = PORTS.unpack_from(b, 4)
                 key = FlowKey.wire(_addr(family, b, SRC_OFF), sport, _addr(family, b, DST_OFF),
-                                   dport)
+                                   dport, Protocol.UDP if udp else Protocol.TCP)
                 la = key.local_addr
-                inbound = (la, sport) in listeners or sport in wildcard_ports
+                inbound = not udp and ((la, sport) in listeners or sport in wildcard_ports)
                 proc = owner or ProcessInfo(pid=0, uid=TAIL.unpack_from(b, TAIL_OFF)[3])
                 f = Flow(key, Direction.INBOUND if inbound else Direction.OUTBOUND, proc,
                          FlowSource.RECONCILE, 0, now)
