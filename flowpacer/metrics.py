@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 DEFAULT_LISTEN = "127.0.0.1:9717"
 DEFAULT_MAX_FLOW_SERIES = 10_000
 FLOW_LABELS = ["rule", "process", "direction", "local_address", "local_port", "remote_address",
-               "remote_port"]
+               "remote_port", "protocol"]
 
 # apply latency buckets, seconds
 APPLY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -174,7 +174,7 @@ def flow_labels(rule: str, process: str, direction: str, key, mode: AddressLabel
     else:
         ports = (str(key.local_port), str(key.remote_port))
     return (rule, process, direction, address_label(key.local_addr, mode), ports[0],
-            address_label(key.remote_addr, mode), ports[1])
+            address_label(key.remote_addr, mode), ports[1], key.protocol.value)
 
 
 class FlowSeries:

@@ -150,7 +150,9 @@ class Tracker:
                 avg = (h[-1][1] - h[0][1]) * 8 / (h[-1][0] - h[0][0])
             rows.append(Row(rule=term_safe(f.get("rule", "")), pid=int(f.get("pid", 0)),
                             process=term_safe(f.get("process", "")),
-                            local=term_safe(f["local"]), remote=term_safe(f["remote"]),
+                            local=term_safe(f["local"]),
+                            remote=term_safe(f["remote"]) + ("/udp" if f.get("protocol") == "udp"
+                                                             else ""),
                             rate_bit=int(f.get("rate_bit", 0)),
                             ceil_bit=int(f.get("ceil_bit", 0) or f.get("rate_bit", 0)),
                             bytes=nbytes, actual_bit=actual, avg_bit=avg,

@@ -103,6 +103,7 @@ def to_json(v: DaemonView, stats: Dict[int, ClassStats]) -> dict:
             "local": endpoint(f.key.local_addr, f.key.local_port),
             "remote": endpoint(f.key.remote_addr, f.key.remote_port),
             "family": f.key.family,
+            "protocol": f.key.protocol.value,
             "classid": classid_text(f.classid),
             "rate_bit": f.rate_bps * 8, "ceil_bit": f.ceil_bps * 8,
             "bytes": st.bytes if st else 0, "packets": st.packets if st else 0,

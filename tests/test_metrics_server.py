@@ -10,6 +10,7 @@ holds an escape sequence, checked everywhere its name is printed: the daemon's l
 status`, `flowpacer top` and the metrics.
 """
 import base64
+import dataclasses
 import ipaddress
 import logging
 import os
@@ -35,7 +36,7 @@ from flowpacer.metrics import (MAX_CONNECTIONS, AddressLabels, FlowpacerCollecto
                                LatencyHistogram, MetricsServer, address_label, flow_labels,
                                label_safe)
 from flowpacer.model import (BackendHealth, ClassStats, DaemonView, Direction, FlowKey,
-                             FlowSource, FlowView, StageState, StageView)
+                             FlowSource, FlowView, Protocol, StageState, StageView)
 from harness.daemon import Daemon, tracebacks
 from harness.testbed import PY, client_argv, in_netns, server_argv, wait_for
 from harness.fakes import StageCtx as Ctx
@@ -76,11 +77,13 @@ def _key(i, remote="10.0.0.2"):
 def test_flow_labels_drop_ports_with_addresses():
     k = _key(1, "10.9.8.7")
     assert flow_labels("r", "p", "inbound", k, AddressLabels.FULL) == \
-        ("r", "p", "inbound", "10.0.0.1", "80", "10.9.8.7", "1001")
+        ("r", "p", "inbound", "10.0.0.1", "80", "10.9.8.7", "1001", "tcp")
     assert flow_labels("r", "p", "inbound", k, AddressLabels.PREFIX) == \
-        ("r", "p", "inbound", "10.0.0.0/24", "80", "10.9.8.0/24", "1001")
+        ("r", "p", "inbound", "10.0.0.0/24", "80", "10.9.8.0/24", "1001", "tcp")
     assert flow_labels("r", "p", "inbound", k, AddressLabels.NONE) == \
-        ("r", "p", "inbound", "", "", "", "")
+        ("r", "p", "inbound", "", "", "", "", "tcp")
+    u = dataclasses.replace(k, protocol=Protocol.UDP)      # issue 17: the protocol label
+    assert flow_labels("r", "p", "inbound", u, AddressLabels.NONE)[-1] == "udp"
 
 
 def test_merged_series_never_go_backwards():
