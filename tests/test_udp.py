@@ -1,0 +1,157 @@
+"""UDP flows on real traffic (issue 17), htb on the host, one testbed and one daemon.
+
+- ``iperf3 -u -R`` offering 50 Mbit/s over IPv4 and IPv6 at once (iperf3's server connects its
+  UDP socket to the client: connected-socket flows), ruled at 10 Mbit/s: each receiver sees
+  10 Mbit/s (payload against rate x payload/wire) within 3 %;
+- one unconnected dual-stack socket (``harness.udpflows``, what a QUIC server does) answering an
+  IPv4 peer (IPv4-mapped on the socket) and an IPv6 peer: each shaped on its own, and both
+  removed after the rule's 2 s idle_timeout while the socket stays open;
+- a TCP and a UDP flow of the same ports at once, each shaped by its own rule.
+After each case: no traceback, every stage running, no class or filter left.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import pytest
+
+from harness import traffic
+from harness.capture import kernel_objects, tc_show
+from harness.daemon import Daemon, healthy, tracebacks
+from harness.servers import iperf3_server
+from harness.testbed import PY, wait_for
+
+pytestmark = pytest.mark.kernel
+
+RULES = """
+    interface: IFACE
+    backend: htb
+    link_rate: 1gbit
+    rules:
+      - name: iperf-udp
+        match: {process: iperf3, protocol: udp}
+        rate: 10mbit
+      - name: quic
+        match: {process: fp-udp-srv, protocol: udp, local_port: 7001}
+        rate: 10mbit
+        idle_timeout: 2s
+      - name: same-ports-tcp
+        match: {process: fp-udp-srv, protocol: tcp, local_port: 7001}
+        rate: 20mbit
+"""
+RATE_BPS = 10_000_000 / 8
+SIZE = 1200                       # datagram payload
+IPERF_V4, IPERF_V6, PORT = 5301, 5302, 7001
+
+
+def wire(size: int, v6: bool) -> float:
+    """payload / bytes htb counts (Ethernet + IP + UDP headers)."""
+    return size / (size + 14 + (40 if v6 else 20) + 8)
+
+
+@pytest.fixture(scope="module")
+def site(module_testbed, tmp_path_factory):
+    tb = module_testbed
+    work = tmp_path_factory.mktemp("udp")
+    iperf3_server(tb, IPERF_V4)
+    iperf3_server(tb, IPERF_V6)
+    tb.popen(tb.server_ns, [PY, "-m", "harness.udpflows", "serve", "--port", str(PORT)])
+    tb.wait_listening(PORT)
+    d = Daemon(tb, work, RULES, "--backend", "htb").start()
+    yield tb, d
+    rc = d.stop()
+    assert rc == 0, f"the daemon exited {rc} on SIGTERM:\n{d.log_text()[-3000:]}"
+
+
+def recv(tb, host, seconds=4.0, warmup=1.0, rate=25e6, bind_port=0, tcp=False):
+    argv = [PY, "-m", "harness.udpflows", "recv", "--host", str(host), "--port", str(PORT),
+            "--seconds", str(seconds), "--warmup", str(warmup), "--rate", str(rate),
+            "--size", str(SIZE), "--bind-port", str(bind_port)] + (["--tcp"] if tcp else [])
+    return tb.popen(tb.client_ns, argv, stdout=subprocess.PIPE, text=True)
+
+
+def result(p, timeout=60) -> dict:
+    out, _ = p.communicate(timeout=timeout)
+    assert p.returncode == 0, f"receiver exited {p.returncode}: {out[-500:]}"
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def udp_flows(d):
+    return [f for f in d.flows() if f.get("protocol") == "udp"]
+
+
+def after_case(tb, d, what: str) -> None:
+    log = d.log_text()
+    tbs = list(tracebacks(log))
+    assert not tbs, f"after {what}: a traceback in the daemon's log:\n" + "\n---\n".join(tbs[:3])
+    assert d.alive(), f"after {what}: the daemon exited:\n{log[-3000:]}"
+    bad = healthy(d.status())
+    assert not bad, f"after {what}: {bad}"
+    try:
+        wait_for(lambda: kernel_objects(tb) == (0, 0), 8, 0.1, "every class and filter to go")
+    except TimeoutError:
+        raise AssertionError(f"after {what}: left {kernel_objects(tb)}\n{tc_show(tb, 'class')}\n"
+                             f"flows: {[(f['local'], f['remote'], f.get('protocol')) for f in d.flows()]}"
+                             ) from None
+
+
+def test_iperf3_udp_both_families_at_rate(site):
+    tb, d = site
+    extra = ["-u", "-b", "50M", "-l", str(SIZE), "-O", "1"]
+    runs = [traffic.iperf3(tb, tb.server_v4, IPERF_V4, seconds=4, extra=extra),
+            traffic.iperf3(tb, tb.server_v6, IPERF_V6, seconds=4, extra=extra)]
+    docs = [traffic.iperf3_result(r) for r in runs]
+    for doc, v6 in zip(docs, (False, True)):
+        s = doc["end"]["sum"]
+        got = s["bytes"] / s["seconds"]          # -R: the client is the receiver
+        want = RATE_BPS * wire(SIZE, v6)
+        assert got == pytest.approx(want, rel=0.03), \
+            f"IPv{6 if v6 else 4}: the receiver got {got * 8 / 1e6:.3f} Mbit/s, want " \
+            f"{want * 8 / 1e6:.3f} (10 Mbit/s x payload/wire); lost {s.get('lost_percent')} %"
+    after_case(tb, d, "iperf3 -u")
+
+
+def test_unconnected_server_two_peers_each_shaped_then_idle(site):
+    tb, d = site
+    runs = [recv(tb, tb.server_v4), recv(tb, tb.server_v6)]
+    seen = wait_for(lambda: len(udp_flows(d)) >= 2 and udp_flows(d), 3, 0.05,
+                    "both peers' flows in status")
+    assert {f["rule"] for f in seen} == {"quic"}
+    locals_ = sorted(f["local"] for f in seen)
+    assert locals_ == ["0.0.0.0:7001", "[::]:7001"], locals_   # wildcard socket, both families
+    res = [result(r) for r in runs]
+    ended = time.monotonic()
+    for r, v6 in zip(res, (False, True)):
+        want = RATE_BPS * wire(SIZE, v6)
+        assert r["goodput_bps"] == pytest.approx(want, rel=0.03), \
+            f"IPv{6 if v6 else 4} peer got {r['goodput_bps'] * 8 / 1e6:.3f} Mbit/s, want " \
+            f"{want * 8 / 1e6:.3f}"
+    # the socket stays open: the flows end by idleness, not before the 2 s idle_timeout
+    time.sleep(max(0.0, ended + 1.0 - time.monotonic()))     # a point in time, not a wait
+    assert kernel_objects(tb)[0] == 2 and len(udp_flows(d)) == 2, \
+        "the peers' flows went before their idle_timeout"
+    wait_for(lambda: kernel_objects(tb) == (0, 0) and not udp_flows(d), 6, 0.1,
+             "the idle peers' classes to go")
+    gone = time.monotonic() - ended
+    assert 1.5 <= gone <= 5.0, f"idle flows removed {gone:.2f} s after the last datagram"
+    after_case(tb, d, "two peers of one unconnected socket")
+
+
+def test_tcp_and_udp_same_ports_each_own_rule(site):
+    tb, d = site
+    port = 40777
+    runs = [recv(tb, tb.server_v4, bind_port=port), recv(tb, tb.server_v4, bind_port=port,
+                                                         tcp=True)]
+    seen = wait_for(lambda: len(d.flows()) >= 2 and d.flows(), 3, 0.05, "both flows in status")
+    by_proto = {f["protocol"]: f for f in seen}
+    assert by_proto["udp"]["remote"] == by_proto["tcp"]["remote"], by_proto   # same ports
+    assert {p: f["rule"] for p, f in by_proto.items()} == {"udp": "quic",
+                                                          "tcp": "same-ports-tcp"}
+    udp, tcp = (result(r) for r in runs)
+    want_udp = RATE_BPS * wire(SIZE, False)
+    want_tcp = 2 * RATE_BPS * 1448 / 1514
+    assert udp["goodput_bps"] == pytest.approx(want_udp, rel=0.03), udp
+    assert tcp["goodput_bps"] == pytest.approx(want_tcp, rel=0.05), tcp
+    after_case(tb, d, "TCP and UDP of the same ports")
