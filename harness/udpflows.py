@@ -16,6 +16,7 @@ Every loop is bounded in time.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import socket
 import threading
@@ -41,11 +42,10 @@ def _stream_udp(sock: socket.socket, peer, seconds: float, rate_bit: float, size
             continue
         try:
             sock.sendto(payload, peer)
-        except BlockingIOError:
-            time.sleep(0.0005)
-            continue
-        except OSError:
-            return
+        except OSError as e:
+            if e.errno not in (errno.ENOBUFS, errno.EAGAIN):
+                return
+            time.sleep(0.0005)     # the qdisc's queue is full: what a sender over its rate sees
         n += 1
 
 

@@ -107,6 +107,8 @@ def test_iperf3_udp_both_families_at_rate(site):
         s = doc["end"]["sum"]
         got = s["bytes"] / s["seconds"]          # -R: the client is the receiver
         want = RATE_BPS * wire(SIZE, v6)
+        print(f"iperf3 -u IPv{6 if v6 else 4}: {got * 8 / 1e6:.3f} Mbit/s payload, want "
+              f"{want * 8 / 1e6:.3f}")
         assert got == pytest.approx(want, rel=0.03), \
             f"IPv{6 if v6 else 4}: the receiver got {got * 8 / 1e6:.3f} Mbit/s, want " \
             f"{want * 8 / 1e6:.3f} (10 Mbit/s x payload/wire); lost {s.get('lost_percent')} %"
@@ -125,6 +127,8 @@ def test_unconnected_server_two_peers_each_shaped_then_idle(site):
     ended = time.monotonic()
     for r, v6 in zip(res, (False, True)):
         want = RATE_BPS * wire(SIZE, v6)
+        print(f"unconnected peer IPv{6 if v6 else 4}: {r['goodput_bps'] * 8 / 1e6:.3f} Mbit/s, "
+              f"want {want * 8 / 1e6:.3f}")
         assert r["goodput_bps"] == pytest.approx(want, rel=0.03), \
             f"IPv{6 if v6 else 4} peer got {r['goodput_bps'] * 8 / 1e6:.3f} Mbit/s, want " \
             f"{want * 8 / 1e6:.3f}"
@@ -135,6 +139,7 @@ def test_unconnected_server_two_peers_each_shaped_then_idle(site):
     wait_for(lambda: kernel_objects(tb) == (0, 0) and not udp_flows(d), 6, 0.1,
              "the idle peers' classes to go")
     gone = time.monotonic() - ended
+    print(f"idle peers' classes gone {gone:.2f} s after the last datagram (idle_timeout 2 s)")
     assert 1.5 <= gone <= 5.0, f"idle flows removed {gone:.2f} s after the last datagram"
     after_case(tb, d, "two peers of one unconnected socket")
 
@@ -152,6 +157,9 @@ def test_tcp_and_udp_same_ports_each_own_rule(site):
     udp, tcp = (result(r) for r in runs)
     want_udp = RATE_BPS * wire(SIZE, False)
     want_tcp = 2 * RATE_BPS * 1448 / 1514
+    print(f"same ports: UDP {udp['goodput_bps'] * 8 / 1e6:.3f} Mbit/s (want "
+          f"{want_udp * 8 / 1e6:.3f}), TCP {tcp['goodput_bps'] * 8 / 1e6:.3f} (want "
+          f"{want_tcp * 8 / 1e6:.3f})")
     assert udp["goodput_bps"] == pytest.approx(want_udp, rel=0.03), udp
     assert tcp["goodput_bps"] == pytest.approx(want_tcp, rel=0.05), tcp
     after_case(tb, d, "TCP and UDP of the same ports")
