@@ -13,7 +13,8 @@ from flowpacer import engine, view as views
 from flowpacer.flows import FlowTable
 from flowpacer.metrics import FlowpacerCollector
 from flowpacer.model import (BackendKind, Direction, EventKind, Flow, FlowEvent, FlowKey,
-                             FlowSource, Match, Op, OpKind, ProcessInfo, Rule, RuleSet, Shape)
+                             FlowSource, Match, Op, OpKind, ProcessInfo, Protocol, Rule, RuleSet,
+                             Shape)
 from flowpacer.reconciler import Reconciler
 from flowpacer.supervisor import BackendSupervisor
 from flowpacer.top import Tracker
@@ -28,7 +29,14 @@ mapped = v4.map(lambda a: ipaddress.IPv6Address("::ffff:" + str(a)))
 
 @st.composite
 def keys(draw):
-    kind = draw(st.sampled_from(["v4", "v6", "mapped", "half-mapped"]))
+    """Keys of every family, TCP or UDP (issue 17), and a UDP peer of an unconnected socket
+    bound to the wildcard (local address unspecified; a dual-stack one to a mapped peer)."""
+    proto = draw(st.sampled_from([Protocol.TCP, Protocol.UDP]))
+    kind = draw(st.sampled_from(["v4", "v6", "mapped", "half-mapped", "wildcard"]))
+    if kind == "wildcard":
+        la = draw(st.sampled_from([ipaddress.IPv4Address(0), ipaddress.IPv6Address(0)]))
+        ra = draw(v4 if la.version == 4 else st.one_of(v6, mapped))
+        return FlowKey.wire(la, draw(ports), ra, draw(ports), Protocol.UDP)
     if kind == "v4":
         la, ra = draw(v4), draw(v4)
     elif kind == "v6":
@@ -37,13 +45,15 @@ def keys(draw):
         la, ra = draw(mapped), draw(mapped)
     else:                       # one side mapped, the other plain IPv6: stays IPv6
         la, ra = draw(mapped), draw(v6)
-    return FlowKey.wire(la, draw(ports), ra, draw(ports))
+    return FlowKey.wire(la, draw(ports), ra, draw(ports), proto)
 
 
 RULES = RuleSet("x", BackendKind.HTB, 10**9, (
-    Rule("v4net", Match(process=("srv",), remote=(ipaddress.ip_network("0.0.0.0/1"),)), 1000),
-    Rule("v6net", Match(process=("srv",), remote=(ipaddress.ip_network("8000::/1"),)), 2000),
-    Rule("rest", Match(process=("srv",)), 3000),
+    Rule("v4net", Match(process=("srv",), remote=(ipaddress.ip_network("0.0.0.0/1"),),
+                        protocol=Protocol.ANY), 1000),
+    Rule("v6net", Match(process=("srv",), remote=(ipaddress.ip_network("8000::/1"),),
+                        protocol=Protocol.ANY), 2000),
+    Rule("rest", Match(process=("srv",), protocol=Protocol.ANY), 3000),
 ))
 
 
@@ -148,6 +158,12 @@ def test_real_htb_backend_mixed_batch_adoption_and_audit(testbed):
         ks.append(FlowKey(tb.server_v4, 80, tb.client_v4, 30000 + i))
         ks.append(FlowKey(tb.server_v6, 80, tb.client_v6, 30000 + i))
         ks.append(FlowKey.wire(mapped_server, 8080, mapped_client, 31000 + i))
+        # issue 17: UDP flows of the very same tuples, and peers of wildcard-bound sockets
+        ks += [FlowKey(k.local_addr, k.local_port, k.remote_addr, k.remote_port, Protocol.UDP)
+               for k in ks[-3:]]
+        ks.append(FlowKey.wire(ipaddress.IPv6Address(0), 443, mapped_client, 32000 + i,
+                               Protocol.UDP))
+        ks.append(FlowKey(ipaddress.IPv6Address(0), 443, tb.client_v6, 32000 + i, Protocol.UDP))
     with in_netns(tb.server_ns):
         b = tcb.TcBackend(HtbCodec(), tb.server_if, 125_000_000)
         b.setup()

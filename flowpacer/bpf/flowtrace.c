@@ -38,7 +38,7 @@
 #include <uapi/linux/ptrace.h>
 #include <linux/socket.h>
 #include <linux/in.h>
-#include <linux/tcp.h>
+
 
 #include "flowtrace.h"
 
