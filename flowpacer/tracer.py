@@ -550,7 +550,7 @@ class Tracer:
         import bcc
         links: List[int] = []
         try:
-            cookie = cgroupbpf.netns_cookie()
+            cookie = cgroupbpf.netns_cookie_of(self.netns_ino)
             fns = [(b.load_func(fn.encode(), getattr(bcc.BPF, pt), attach_type=at), at)
                    for fn, pt, at in self.CGROUP_PROGRAMS]
             cg, root = cgroupbpf.open_cgroup2_root()

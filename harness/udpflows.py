@@ -132,6 +132,27 @@ def recv(host: str, port: int, seconds: float, warmup: float, rate: float, size:
             "datagrams": datagrams, "seconds": span}
 
 
+def probe(v4: str, v6: str, port: int, hold: float) -> None:
+    """Tracer checks: one unconnected dual-stack socket sends 3 datagrams to an IPv4 peer (as
+    IPv4-mapped) and 3 to an IPv6 peer, one connected IPv4 socket sends 1; prints the ports,
+    holds the sockets ``hold`` seconds, closes them and prints "closed"."""
+    u = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+    u.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    u.bind(("::", 0))
+    c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    c.connect((v4, port))
+    for _ in range(3):
+        u.sendto(b"x", ("::ffff:" + v4, port))
+        u.sendto(b"x", (v6, port))
+    c.send(b"y")
+    print(json.dumps({"unconnected": u.getsockname()[1], "connected": c.getsockname()[1],
+                      "connected_local": c.getsockname()[0]}), flush=True)
+    time.sleep(min(hold, MAX_SECONDS))
+    u.close()
+    c.close()
+    print(json.dumps({"closed": True}), flush=True)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="harness.udpflows")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -148,8 +169,17 @@ def main(argv=None) -> None:
     r.add_argument("--bind-port", type=int, default=0)
     r.add_argument("--tcp", action="store_true")
     r.add_argument("--name", default="fp-udp-cli")
+    pr = sub.add_parser("probe")
+    pr.add_argument("--v4", required=True)
+    pr.add_argument("--v6", required=True)
+    pr.add_argument("--port", type=int, default=9)
+    pr.add_argument("--hold", type=float, default=0.5)
+    pr.add_argument("--name", default="fp-udp-probe")
     a = ap.parse_args(argv)
-    if a.cmd == "serve":
+    if a.cmd == "probe":
+        set_comm(a.name)
+        probe(a.v4, a.v6, a.port, a.hold)
+    elif a.cmd == "serve":
         serve(a.port, a.name)
     else:
         set_comm(a.name)

@@ -97,6 +97,62 @@ def after_case(tb, d, what: str) -> None:
                              ) from None
 
 
+def test_tracer_udp_peers_connected_release_idle_and_filter(module_testbed):
+    """The tracer alone in the server namespace: a target's unconnected dual-stack socket gives
+    one OPEN per peer (IPv4 via the mapped address, IPv6), its connected socket one OPEN; closing
+    them gives their CLOSEs; a silent peer is reported IDLE after the shortest idle_timeout; a
+    non-target's datagrams are filtered in the kernel."""
+    import os
+    from flowpacer import model
+    from flowpacer.tracer import Tracer
+    tb = module_testbed
+    ino = os.stat(f"/run/netns/{tb.server_ns}").st_ino
+    t = Tracer(netns_ino=ino, ring_pages=8)
+    t.set_watch({"fp-udp-probe"}, None)
+    t.start()
+    try:
+        assert "cgroup udp" in t.hooks, t.hooks
+        t.set_udp_idle(1_000_000_000, 10_000_000_000)
+        events = []
+
+        def run(name, hold):
+            p = tb.popen(tb.server_ns, [PY, "-m", "harness.udpflows", "probe", "--v4",
+                                        str(tb.client_v4), "--v6", str(tb.client_v6), "--hold",
+                                        str(hold), "--name", name], stdout=subprocess.PIPE,
+                         text=True)
+            return p, json.loads(p.stdout.readline())
+        other, _ = run("fp-not-target", 0)
+        p, ports = run("fp-udp-probe", 2.5)
+        u, c = ports["unconnected"], ports["connected"]
+        want = {
+            ("0.0.0.0", u, str(tb.client_v4)), ("::", u, str(tb.client_v6)),
+            (ports["connected_local"], c, str(tb.client_v4))}
+
+        def got(kind):
+            return {(str(e.flow.key.local_addr), e.flow.key.local_port,
+                     str(e.flow.key.remote_addr)) for e in events
+                    if e.kind is kind and e.flow.key.protocol is model.Protocol.UDP}
+
+        def until(kind, keys, timeout):
+            def have():
+                events.extend(t.poll(50))
+                return keys <= got(kind)
+            wait_for(have, timeout, 0.0, f"{kind.value} of {sorted(keys)}")
+        until(model.EventKind.OPEN, want, 5)
+        opens = [e for e in events if e.kind is model.EventKind.OPEN]
+        assert len(opens) == 3, opens            # the first datagram per peer only
+        assert {e.flow.proc.comm for e in opens} == {"fp-udp-probe"}
+        assert {e.flow.direction for e in opens} == {model.Direction.INBOUND,
+                                                     model.Direction.OUTBOUND}
+        until(model.EventKind.IDLE, want - {(ports["connected_local"], c, str(tb.client_v4))}, 5)
+        until(model.EventKind.CLOSE, want, 5)
+        p.wait(10)
+        other.wait(10)
+        assert t.stats()["filtered"] >= 1          # the non-target's datagrams
+    finally:
+        t.close()
+
+
 def test_iperf3_udp_both_families_at_rate(site):
     tb, d = site
     extra = ["-u", "-b", "50M", "-l", str(SIZE), "-O", "1"]
