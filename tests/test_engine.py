@@ -2,8 +2,8 @@
 import ipaddress
 
 from flowpacer import engine
-from flowpacer.model import (Direction, Flow, FlowKey, Group, GroupKind, Match, Op, OpKind, PortSet, ProcessInfo, Rule,
-                             RuleSet, Shape)
+from flowpacer.model import (Direction, Flow, FlowKey, Group, GroupKind, Match, Op, OpKind, PortSet,
+                             ProcessInfo, Protocol, Rule, RuleSet, Shape)
 
 A = ipaddress.ip_address
 
@@ -142,3 +142,72 @@ def test_group_rate_change_is_a_change_and_a_group_rename_a_relabel():
     # gaining or losing a level is a change (the flow moves under other parents)
     assert engine.plan({k: Shape("dl", 1, 1)}, have)[0].kind is OpKind.CHANGE
     assert engine.plan(have, have) == []
+
+
+# ------------------------------------------------------------------ UDP (issue 17)
+
+def udp(f: Flow) -> Flow:
+    k = f.key
+    return Flow(FlowKey(k.local_addr, k.local_port, k.remote_addr, k.remote_port,
+                        Protocol.UDP), f.direction, f.proc, f.source, f.netns_ino, f.seen_ns)
+
+
+def test_protocol_matching_keeps_tcp_and_udp_of_the_same_ports_apart():
+    t = flow()
+    u = udp(t)
+    assert t.key != u.key and t.key < u.key and str(u.key).endswith("/udp")
+    rs = RuleSet("eth0", rules=(rule("tcp", local_port=PortSet(((8443, 8443),))),
+                                rule("udp", rate=2, local_port=PortSet(((8443, 8443),)),
+                                     protocol=Protocol.UDP)))
+    want = engine.desired({t.key: t, u.key: u}, rs)
+    assert {k.protocol: s.rule for k, s in want.items()} == {Protocol.TCP: "tcp",
+                                                             Protocol.UDP: "udp"}
+    anyp = RuleSet("eth0", rules=(rule("any", local_port=PortSet(((8443, 8443),)),
+                                       protocol=Protocol.ANY),))
+    assert len(engine.desired({t.key: t, u.key: u}, anyp)) == 2
+
+
+def test_idle_expiry_per_rule_and_bounds():
+    short = Rule("short", Match(local_port=PortSet(((1, 1),)), protocol=Protocol.UDP), 1,
+                 idle_timeout_ns=2 * 10**9)
+    long_ = Rule("long", Match(local_port=PortSet(((2, 2),)), protocol=Protocol.UDP), 1,
+                 idle_timeout_ns=60 * 10**9)
+    rs = RuleSet("eth0", rules=(short, long_))
+    assert engine.udp_idle_timeouts(rs) == (2 * 10**9, 60 * 10**9)
+    assert engine.udp_idle_timeouts(RuleSet("eth0")) == (30 * 10**9, 30 * 10**9)
+    a, b, c = udp(flow(lport=1)), udp(flow(lport=2)), udp(flow(lport=3))   # c: no rule
+    flows = {f.key: f for f in (a, b, c)}
+    idle = {a.key: 0, b.key: 0, c.key: 0}
+    assert engine.idle_expired(flows, idle, rs, 1 * 10**9) == []
+    assert engine.idle_expired(flows, idle, rs, 2 * 10**9) == [a.key]
+    assert engine.idle_expired(flows, idle, rs, 30 * 10**9) == sorted([a.key, c.key])
+    assert engine.idle_expired(flows, idle, rs, 60 * 10**9) == sorted([a.key, b.key, c.key])
+    # TCP flows never end by idleness
+    t = flow(lport=1)
+    assert engine.idle_expired({t.key: t}, {t.key: 0}, rs, 10**12) == []
+
+
+def test_flow_table_idle_reopen_and_snapshot_keeps_peers_of_open_sockets():
+    from flowpacer.flows import FlowTable
+    from flowpacer.model import EventKind, FlowEvent, FlowSource
+    from flowpacer.sockdiag import Snapshot
+    ft = FlowTable()
+    u = udp(flow())
+    u = Flow(u.key, u.direction, u.proc, FlowSource.TRACER, 0, 5)
+    ft.on_event(FlowEvent(EventKind.OPEN, u))
+    ft.take_dirty()
+    ft.on_event(FlowEvent(EventKind.IDLE, Flow(u.key, u.direction, u.proc, u.source, 0, 7)))
+    assert ft.idle_since == {u.key: 7} and not ft.dirty          # idle is not an end
+    ft.on_event(FlowEvent(EventKind.OPEN, u))                     # a datagram again
+    assert ft.idle_since == {}
+    # a snapshot without the peer (sock_diag cannot list it) keeps it while its port's socket
+    # is open, and drops it once no UDP socket has that port
+    snap = Snapshot()
+    snap.udp_ports = frozenset({u.key.local_port})
+    ft.on_snapshot(snap, started_ns=100)
+    assert u.key in ft.flows
+    ft.on_snapshot(Snapshot(), started_ns=100)
+    assert u.key not in ft.flows
+    ft.on_event(FlowEvent(EventKind.OPEN, u))
+    ft.expire([u.key])
+    assert u.key not in ft.flows and u.key in ft.dirty and ft.events[("idle", "close")] == 1
