@@ -132,9 +132,11 @@ def status(socket_path, as_json):
             for s in stages))
     if not st["flows"]:
         return
-    rows = [("RULE", "PID", "PROCESS", "LOCAL", "REMOTE", "CLASS", "RATE", "SENT", "SOURCE")]
+    rows = [("RULE", "PID", "PROCESS", "PROTO", "LOCAL", "REMOTE", "CLASS", "RATE", "SENT",
+             "SOURCE")]
     for f in st["flows"]:
-        rows.append((safe(f["rule"]), str(f["pid"]), safe(f["process"]), f["local"], f["remote"],
+        rows.append((safe(f["rule"]), str(f["pid"]), safe(f["process"]),
+                     safe(f.get("protocol", "tcp")), f["local"], f["remote"],
                      f["classid"], _bits(f["rate_bit"]), _bytes(f["bytes"]), f["source"]))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
