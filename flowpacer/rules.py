@@ -208,13 +208,18 @@ def _p_ifname(node: Node, env: _Env, name: str) -> str:
     return s
 
 
-def _p_backend(node: Node, env: _Env, name: str) -> BackendKind:
-    s = _scalar(node, "auto, psp or htb")
+def _choice(node: Node, kind, what: str, choices: str):
+    """One of an enum's values, or "'x' is not a WHAT: use CHOICES; did you mean ...?"."""
+    s = _scalar(node, choices)
     try:
-        return BackendKind(s)
+        return kind(s)
     except ValueError:
-        raise _Invalid(node, f"{_show(s)} is not a backend: use auto, psp or htb"
-                             + _hint(s.lower(), [b.value for b in BackendKind])) from None
+        raise _Invalid(node, f"{_show(s)} is not a {what}: use {choices}"
+                             + _hint(s.lower(), [k.value for k in kind])) from None
+
+
+def _p_backend(node: Node, env: _Env, name: str) -> BackendKind:
+    return _choice(node, BackendKind, "backend", "auto, psp or htb")
 
 
 def _rate_text(node: Node) -> str:
@@ -357,12 +362,7 @@ def _p_direction(node: Node, env: _Env, name: str) -> Direction:
 
 
 def _p_protocol(node: Node, env: _Env, name: str) -> Protocol:
-    s = _scalar(node, "tcp, udp or any")
-    try:
-        return Protocol(s)
-    except ValueError:
-        raise _Invalid(node, f"{_show(s)} is not a protocol: use tcp, udp or any"
-                             + _hint(s.lower(), [p.value for p in Protocol])) from None
+    return _choice(node, Protocol, "protocol", "tcp, udp or any")
 
 
 _DURATION_RE = re.compile(r"([0-9]{1,15}(?:\.[0-9]{1,9})?)\s*(ns|us|ms|s|m|h)?")
