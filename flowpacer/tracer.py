@@ -678,7 +678,11 @@ class Tracer:
         now = time.monotonic_ns()
         peers = self._bpf[b"udp_peers"]
         out, gone = [], []
-        for k, v in peers.items():
+        for k in peers.keys():
+            try:
+                v = peers[k]
+            except KeyError:        # evicted (LRU) or released meanwhile
+                continue
             quiet = now - v.last_ns
             if quiet < shortest:
                 continue
