@@ -153,6 +153,27 @@ def test_tracer_udp_peers_connected_release_idle_and_filter(module_testbed):
         t.close()
 
 
+def test_sockdiag_lists_connected_udp_and_unconnected_ports(module_testbed):
+    """sock_diag (the reconcile pass): a connected UDP socket is a UDP flow with its owner; an
+    unconnected socket gives only its local port (its peers are the tracer's)."""
+    from flowpacer import model
+    from flowpacer.sockdiag import SockDiagSource
+    from flowpacer.testbed import in_netns
+    tb = module_testbed
+    p = tb.popen(tb.server_ns, [PY, "-m", "harness.udpflows", "probe", "--v4", str(tb.client_v4),
+                                "--v6", str(tb.client_v6), "--hold", "3"],
+                 stdout=subprocess.PIPE, text=True)
+    ports = json.loads(p.stdout.readline())
+    with in_netns(tb.server_ns):
+        snap = SockDiagSource().snapshot()
+    p.kill()
+    key = model.FlowKey(tb.server_v4, ports["connected"], tb.client_v4, 9, model.Protocol.UDP)
+    assert key in snap, sorted(map(str, snap))
+    assert snap[key].proc.comm == "fp-udp-probe" and snap[key].direction is model.Direction.OUTBOUND
+    assert ports["unconnected"] in snap.udp_ports
+    assert not [k for k in snap if k.local_port == ports["unconnected"]]
+
+
 def test_iperf3_udp_both_families_at_rate(site):
     tb, d = site
     extra = ["-u", "-b", "50M", "-l", str(SIZE), "-O", "1"]
