@@ -24,6 +24,13 @@ class Direction(str, enum.Enum):
     ANY = "any"            # only used in rule matches
 
 
+class Side(str, enum.Enum):
+    """Which way a flow class shapes: what the server sends (the interface's egress) or what it
+    receives (the interface's ingress, redirected to flowpacer's ifb device; issue 17)."""
+    SEND = "send"
+    RECEIVE = "receive"
+
+
 class FlowSource(str, enum.Enum):
     TRACER = "tracer"      # eBPF tracepoints, as it happens
     RECONCILE = "reconcile"  # sock_diag snapshot / periodic re-scan
@@ -167,6 +174,9 @@ class Rule:
     client_rate_bps: Optional[int] = None     # bytes/s, rate <= client_rate <= total_rate
     total_rate_bps: Optional[int] = None      # bytes/s
     client_prefix: Tuple[int, int] = (32, 64)  # (IPv4, IPv6) prefix lengths that make a client
+    # uploads (issue 17): what the server accepts from each flow, shaped on the ingress ifb
+    receive_rate_bps: Optional[int] = None   # bytes/s per flow; None: receiving is not shaped
+    receive_ceil_bps: Optional[int] = None   # bytes/s, >= receive_rate_bps
 
     @property
     def has_groups(self) -> bool:
@@ -331,6 +341,7 @@ class FlowView:
     direction: Optional[Direction] = None
     source: Optional[FlowSource] = None
     groups: Tuple[Group, ...] = ()       # its rule and client groups (issue 15), outermost first
+    side: Side = Side.SEND               # which way its class shapes (issue 17)
 
 
 @dataclass(frozen=True, slots=True)

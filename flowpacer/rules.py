@@ -484,6 +484,13 @@ RULE_FIELDS: Tuple[Field, ...] = (
     Field("ceil", _p_rate, None, False,
           "optional: a flow may borrow idle capacity up to this rate (>= rate)", "600mbit",
           "none (no borrowing)"),
+    Field("receive_rate", _p_rate, None, False,
+          "optional: what the server accepts from EACH matching flow per second (uploads), "
+          "shaped on an ifb device fed from the interface's ingress", "10mbit",
+          "none (what the flow sends us is not shaped)"),
+    Field("receive_ceil", _p_rate, None, False,
+          "optional: a flow's uploads may borrow idle capacity up to this rate "
+          "(>= receive_rate; needs receive_rate)", "100mbit", "none (no borrowing)"),
     Field("client_rate", _p_rate, None, False,
           "optional: all flows of this rule from one client together get at most this, shared in "
           "proportion to their rates (rate <= client_rate <= total_rate)", "20mbit",
@@ -540,6 +547,8 @@ def _p_rules(node: Node, env: _Env, name: str) -> Tuple[Rule, ...]:
                         f"{units.format_bits(ceil)} is below rate {units.format_bits(rate)} "
                         "(ceil must be >= rate)")
             ok = False
+        if not _check_receive(item, values, renv, link):
+            ok = False
         if not _check_aggregates(item, values, renv, link):
             ok = False
         if not ok:
@@ -549,6 +558,8 @@ def _p_rules(node: Node, env: _Env, name: str) -> Tuple[Rule, ...]:
             totals.append((values["total_rate"], _lookup(item, "total_rate"), renv))
         rules.append(Rule(name=rname, match=values["match"], rate_bps=rate, ceil_bps=ceil,
                           line=item.start_mark.line + 1,
+                          receive_rate_bps=values.get("receive_rate"),
+                          receive_ceil_bps=values.get("receive_ceil"),
                           client_rate_bps=values.get("client_rate"),
                           total_rate_bps=values.get("total_rate"),
                           client_prefix=values.get("client_prefix", DEFAULT_CLIENT_PREFIX)))
@@ -556,6 +567,30 @@ def _p_rules(node: Node, env: _Env, name: str) -> Tuple[Rule, ...]:
         raise _Reported()
     _warn_oversubscribed(totals, env)
     return tuple(rules)
+
+
+def _check_receive(item, values: dict, renv, link: Optional[int]) -> bool:
+    """receive_rate <= receive_ceil, both within the link; receive_ceil only with receive_rate.
+    Reports every problem; True when there was none."""
+    rrate, rceil = values.get("receive_rate"), values.get("receive_ceil")
+    ok = True
+    for key, val in (("receive_rate", rrate), ("receive_ceil", rceil)):
+        if val is not None and link is not None and val > link:
+            renv.report(_lookup(item, key), key,
+                        f"{units.format_bits(val)} is above link_rate "
+                        f"{units.format_bits(link)}: a flow can never get it")
+            ok = False
+    if rceil is not None and rrate is None and "receive_rate" not in {
+            k.value for k, _ in item.value if isinstance(k, ScalarNode)}:
+        renv.report(_lookup(item, "receive_ceil"), "receive_ceil",
+                    "needs receive_rate (the rate a flow's uploads are guaranteed)")
+        ok = False
+    if rrate is not None and rceil is not None and rceil < rrate:
+        renv.report(_lookup(item, "receive_ceil"), "receive_ceil",
+                    f"{units.format_bits(rceil)} is below receive_rate "
+                    f"{units.format_bits(rrate)} (receive_ceil must be >= receive_rate)")
+        ok = False
+    return ok
 
 
 def _check_aggregates(item: MappingNode, values: Dict[str, Any], renv: _Env,
@@ -920,6 +955,10 @@ def dump(rs: RuleSet) -> str:
                              "rate": units.format_rate(r.rate_bps)}
         if r.ceil_bps is not None:
             d["ceil"] = units.format_rate(r.ceil_bps)
+        if r.receive_rate_bps is not None:
+            d["receive_rate"] = units.format_rate(r.receive_rate_bps)
+        if r.receive_ceil_bps is not None:
+            d["receive_ceil"] = units.format_rate(r.receive_ceil_bps)
         if r.client_rate_bps is not None:
             d["client_rate"] = units.format_rate(r.client_rate_bps)
         if r.total_rate_bps is not None:
@@ -986,6 +1025,9 @@ def describe(rs: RuleSet) -> List[str]:
 
 def _aggregates_summary(r: Rule) -> str:
     out = ""
+    if r.receive_rate_bps is not None:
+        rc = units.format_bits(r.receive_ceil_bps) if r.receive_ceil_bps is not None else "none"
+        out += f", receive_rate {units.format_bits(r.receive_rate_bps)} per flow (ceil {rc})"
     if r.client_rate_bps is not None:
         v4, v6 = r.client_prefix
         out += (f", client_rate {units.format_bits(r.client_rate_bps)} per client "
