@@ -98,11 +98,6 @@ def desired_receive(flows: Mapping[FlowKey, Flow], ruleset: RuleSet) -> Dict[Flo
     return out
 
 
-def receives(ruleset: RuleSet) -> bool:
-    """Whether any rule shapes what the server receives (the ingress side is needed)."""
-    return any(r.receive_rate_bps is not None for r in ruleset.rules)
-
-
 def plan(want: Mapping[FlowKey, Shape], have: Mapping[FlowKey, Shape]) -> List[Op]:
     """Operations that turn ``have`` into ``want``: removals first (they free room), then rate
     changes (in place, the class and its queue stay), then additions; each group in key order

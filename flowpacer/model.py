@@ -200,6 +200,11 @@ class RuleSet:
     # as errors.RuleProblem: FILE:LINE:COL lines like the errors
     warnings: tuple = field(default=(), compare=False)
 
+    @property
+    def receives(self) -> bool:
+        """Whether a rule shapes what the server receives (the receive side is needed)."""
+        return any(r.receive_rate_bps is not None for r in self.rules)
+
     def rule(self, name: str) -> Optional[Rule]:
         for r in self.rules:
             if r.name == name:
@@ -343,6 +348,12 @@ class FlowView:
     groups: Tuple[Group, ...] = ()       # its rule and client groups (issue 15), outermost first
     side: Side = Side.SEND               # which way its class shapes (issue 17)
 
+    @property
+    def stats_key(self):
+        """Its class's key in a class-statistics map: the classid on the send side,
+        (Side.RECEIVE, classid) on the receive side (its classes have the same ids, on the ifb)."""
+        return self.classid if self.side is Side.SEND else (Side.RECEIVE, self.classid)
+
 
 @dataclass(frozen=True, slots=True)
 class GroupView:
@@ -373,3 +384,7 @@ class DaemonView:
     counters: dict
     events: dict
     groups: Tuple[GroupView, ...] = ()   # group classes (issue 15)
+    # the receive side (issue 17): its ifb (None: no rule receives), health and problem
+    receive_interface: Optional[str] = None
+    receive_health: BackendHealth = BackendHealth.OK
+    receive_problem: str = ""

@@ -159,4 +159,4 @@ def test_receive_side_is_its_own_map_first_match_wins():
     assert engine.desired_receive(flows, rs) == {f1.key: Shape("up", 1_250_000, 1_250_000),
                                                  f3.key: Shape("upc", 1_000, 1_000)}
     assert set(engine.desired(flows, rs)) == {f1.key, f2.key, f3.key}
-    assert engine.receives(rs) and not engine.receives(RuleSet("eth0", rules=(rule("x"),)))
+    assert rs.receives and not RuleSet("eth0", rules=(rule("x"),)).receives
