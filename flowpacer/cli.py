@@ -199,12 +199,15 @@ def top(socket_path, interval):
 @click.option("--interface", required=True)
 def cleanup(interface):
     """Remove everything flowpacer made on INTERFACE (no daemon needed)."""
+    from .backend.ingress import cleanup as receive_cleanup
     from .backend.tc import cleanup as do_cleanup
     try:
         removed = do_cleanup(interface)
+        rx = receive_cleanup(interface)       # the receive side's ifb and redirect (issue 17)
     except FlowpacerError as e:
         _fail(str(e))
-    click.echo(f"{interface}: {'flowpacer qdisc removed' if removed else 'nothing of flowpacer found'}")
+    what = [w for w, done in (("flowpacer qdisc", removed), ("receive side (ifb)", rx)) if done]
+    click.echo(f"{interface}: {' and '.join(what) + ' removed' if what else 'nothing of flowpacer found'}")
 
 
 def _bits(bit_per_s: int) -> str:

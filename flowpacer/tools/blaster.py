@@ -40,6 +40,9 @@ def _client(conn: socket.socket) -> None:
                 req += d
             path = req.split(b" ", 2)[1] if req.count(b" ") >= 2 else b"/"
             want = int(path[1:]) if path[1:].isdigit() else None
+            # whatever the client sends after its request is read and dropped: a client may
+            # upload on the same connection while it downloads (tests of both directions)
+            threading.Thread(target=_drain, args=(conn,), daemon=True).start()
             hdr = b"HTTP/1.0 200 OK\r\nContent-Type: application/octet-stream\r\n"
             if want is not None:
                 hdr += b"Content-Length: %d\r\n" % want
@@ -52,6 +55,15 @@ def _client(conn: socket.socket) -> None:
                     left -= n
         except OSError:
             return
+
+
+def _drain(conn: socket.socket) -> None:
+    buf = bytearray(1 << 16)
+    try:
+        while conn.recv_into(buf):
+            pass
+    except OSError:
+        return
 
 
 def serve(ports, v6: bool, name: str) -> None:

@@ -1,0 +1,248 @@
+"""Uploads (issue 17): what the server receives, shaped on flowpacer's ifb, on real traffic.
+
+One testbed for the module: in its server namespace four iperf3 servers (one bound to the IPv4
+address: pure IPv4 flows; two dual-stack listeners: IPv6 flows and IPv4-mapped flows; one that no
+rule matches) and flowpacer's own delivery server for a flow that goes both ways. Each test runs
+its own daemon (htb); the rule ``ingest`` gives the iperf3 servers' flows ``receive_rate: 10mbit``.
+Clients send from the client namespace (``iperf3`` without ``-R``: the client uploads); goodput
+is what the server received, against 10 Mbit/s x 1448/1514 (1428/1514 over IPv6).
+
+After each case (``after_case``): no traceback in the daemon's log, every stage running, the
+receive side reported ok in status, and no flow class or filter left on either side within 3 s
+of the last flow's end.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from flowpacer.backend.ingress import ifb_name
+from harness import traffic
+from harness.capture import kernel_objects, tc_show
+from harness.daemon import Daemon, healthy, tracebacks
+from harness.servers import blaster_server, iperf3_server
+from harness.testbed import wait_for
+
+pytestmark = pytest.mark.kernel
+
+RECV_BIT = 10_000_000
+SEND_BIT = 40_000_000
+P_V4, P_V6, P_MAPPED, P_FREE, P_DUPLEX = 5301, 5302, 5303, 5310, 5320
+RULES = """
+    interface: IFACE
+    backend: htb
+    link_rate: 1gbit
+    rules:
+      - name: ingest
+        match: {process: iperf3, direction: inbound, local_port: 5301-5303}
+        rate: 40mbit
+        receive_rate: 10mbit
+      - name: duplex
+        match: {process: fp-duplex-srv, direction: inbound}
+        rate: 40mbit
+        receive_rate: 10mbit
+"""
+
+
+@pytest.fixture(scope="module")
+def bed(module_testbed):
+    tb = module_testbed
+    iperf3_server(tb, P_V4, bind=str(tb.server_v4))     # AF_INET socket: plain IPv4 flows
+    iperf3_server(tb, P_V6)                             # dual-stack: the IPv6 client
+    iperf3_server(tb, P_MAPPED)                         # dual-stack: an IPv4-mapped flow
+    iperf3_server(tb, P_FREE)                           # no rule: must not be limited
+    blaster_server(tb, [P_DUPLEX], name="fp-duplex-srv", v6=True)
+    return tb
+
+
+@pytest.fixture
+def daemon(bed, tmp_path):
+    d = Daemon(bed, tmp_path, RULES).start()
+    yield d
+    d.stop()
+
+
+def ifb(tb) -> str:
+    return ifb_name(tb.server_if)
+
+
+def rx_objects(tb):
+    return kernel_objects(tb, dev=ifb(tb))
+
+
+def uploads(tb, seconds: float = 5.0):
+    """IPv4, IPv6 and IPv4-mapped iperf3 uploads at once (started, not waited for)."""
+    kinds = (("ipv4", tb.server_v4, P_V4), ("ipv6", tb.server_v6, P_V6),
+             ("ipv4-mapped", tb.server_v4, P_MAPPED))
+    return [(kind, traffic.iperf3(tb, host, port, seconds=seconds, reverse=False,
+                                  extra=("-O", "1")))
+            for kind, host, port in kinds]
+
+
+def received_bps(doc: dict) -> float:
+    """What the iperf3 server received, bytes of payload per second (omitted second excluded)."""
+    return doc["end"]["sum_received"]["bits_per_second"] / 8
+
+
+def check_uploads(started, what: str) -> dict:
+    got = {}
+    for kind, p in started:
+        r = received_bps(traffic.iperf3_result(p, timeout=60))
+        want = RECV_BIT / 8 * traffic.wire(kind == "ipv6")
+        got[kind] = r * 8
+        assert r == pytest.approx(want, rel=0.05), \
+            f"{what}: the {kind} upload got {r * 8 / 1e6:.2f} Mbit/s, receive_rate says " \
+            f"{RECV_BIT / 1e6:.0f} (x wire {want * 8 / 1e6:.2f})"
+    return got
+
+
+def after_case(tb, d, what: str) -> None:
+    log = d.log_text()
+    tbs = list(tracebacks(log))
+    assert not tbs, f"after {what}: a traceback in the daemon's log:\n" + "\n---\n".join(tbs[:3])
+    assert d.alive(), f"after {what}: the daemon exited {d.proc.returncode}:\n{log[-3000:]}"
+    st = d.status()
+    assert not healthy(st), f"after {what}: {healthy(st)}"
+    assert st["receive"] == {"interface": ifb(tb), "state": "ok", "problem": ""}, st["receive"]
+
+    def clean():
+        return kernel_objects(tb) == (0, 0) and rx_objects(tb) == (0, 0)
+    try:
+        wait_for(clean, 3, 0.05, "every flow class and filter to go")
+    except TimeoutError:
+        raise AssertionError(
+            f"after {what}: classes/filters left 3 s after the last flow: send "
+            f"{kernel_objects(tb)}, receive {rx_objects(tb)}\n{tc_show(tb, 'class', dev=ifb(tb))}"
+        ) from None
+
+
+def receive_flows(d) -> list:
+    return [f for f in d.flows() if f["side"] == "receive"]
+
+
+def test_uploads_shaped_ipv4_ipv6_mapped_at_once(bed, daemon):
+    tb = bed
+    started = uploads(tb)
+    # while they run: each data connection has a receive class of 10 Mbit/s, keyed by its
+    # own (local, remote) tuple, and status says so
+    wait_for(lambda: len([f for f in receive_flows(daemon) if f["bytes"] > 100_000]) >= 3, 10,
+             0.1, "three busy receive classes")
+    busy = [f for f in receive_flows(daemon) if f["bytes"] > 100_000]
+    assert {f["rate_bit"] for f in busy} == {RECV_BIT} and {f["rule"] for f in busy} == {"ingest"}
+    assert {f["family"] for f in busy} == {4, 6}
+    got = check_uploads(started, "the batch")
+    print(f"uploads received (Mbit/s): { {k: round(v / 1e6, 3) for k, v in got.items()} }")
+    after_case(tb, daemon, "the upload batch")
+
+
+def test_unruled_uploads_pass_the_ifb_unlimited(bed, daemon):
+    """Every received packet goes through the ifb: the default class must not limit a flow that
+    has no receive_rate (it borrows up to the link rate)."""
+    tb = bed
+    doc = traffic.iperf3_result(traffic.iperf3(tb, tb.server_v4, P_FREE, seconds=3,
+                                               reverse=False, extra=("-O", "1")))
+    got = received_bps(doc) * 8
+    print(f"unruled upload through the ifb: {got / 1e6:.0f} Mbit/s")
+    assert got > 200e6, f"an unruled upload got only {got / 1e6:.1f} Mbit/s through the ifb"
+    assert not receive_flows(daemon)
+    after_case(tb, daemon, "an unruled upload")
+
+
+def duplex(tb, host, port: int, seconds: float, warmup: float) -> dict:
+    """One TCP connection that downloads (an endless GET from the duplex server) and uploads
+    (a thread sending all the time) at once; the download's goodput after ``warmup``."""
+    s = traffic.client_socket(tb, host, port)
+    stop = threading.Event()
+    sent = [0]
+
+    def up():
+        chunk = b"u" * 65536
+        try:
+            while not stop.is_set():
+                sent[0] += s.send(chunk)
+        except OSError:
+            pass
+    try:
+        s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        t = threading.Thread(target=up, daemon=True)
+        t.start()
+        buf = bytearray(1 << 16)
+        t0 = time.monotonic()
+        n0 = n = 0
+        while time.monotonic() - t0 < seconds:
+            got = s.recv_into(buf)
+            if not got:
+                raise ConnectionError("the duplex server closed the connection")
+            n += got
+            if n0 == 0 and time.monotonic() - t0 >= warmup:
+                n0, t1 = n, time.monotonic()
+        return {"down_bps": (n - n0) / (time.monotonic() - t1), "sent": sent[0]}
+    finally:
+        stop.set()
+        s.close()
+
+
+def test_one_flow_download_and_upload_shaped_independently(bed, daemon):
+    """One connection both ways: its download at ``rate`` (send class), its upload at
+    ``receive_rate`` (receive class), at once; the upload's rate read from its receive class's
+    counters (wire bytes) in status."""
+    tb = bed
+    box = {}
+    t = threading.Thread(target=lambda: box.update(duplex(tb, tb.server_v6, P_DUPLEX, 6, 1.5)),
+                         daemon=True)
+    t.start()
+
+    def rx_class():
+        fl = [f for f in receive_flows(daemon) if f["rule"] == "duplex"]
+        return fl[0] if fl and fl[0]["bytes"] > 0 else None
+    wait_for(rx_class, 10, 0.1, "the duplex flow's receive class")
+    time.sleep(1.5)                       # past slow start and the queue filling up
+    f0, t0 = rx_class(), time.monotonic()
+    time.sleep(3)
+    f1, t1 = rx_class(), time.monotonic()
+    t.join(20)
+    assert not t.is_alive() and "down_bps" in box, "the duplex client did not finish"
+    up_bit = (f1["bytes"] - f0["bytes"]) * 8 / (t1 - t0)
+    down_bit = box["down_bps"] * 8
+    print(f"duplex flow: download {down_bit / 1e6:.2f} Mbit/s payload, upload "
+          f"{up_bit / 1e6:.2f} Mbit/s wire")
+    assert (f0["local"], f0["remote"]) == (f1["local"], f1["remote"])
+    send = [f for f in daemon.flows() if f["side"] == "send" and f["rule"] == "duplex"]
+    assert [(f["local"], f["remote"]) for f in send] == [(f0["local"], f0["remote"])]
+    assert up_bit == pytest.approx(RECV_BIT, rel=0.05)
+    assert down_bit == pytest.approx(SEND_BIT * traffic.wire(True), rel=0.05)
+    after_case(tb, daemon, "the duplex flow")
+
+
+def test_crash_with_receive_classes_then_restart_and_clean_stop(bed, tmp_path):
+    """SIGKILL while uploads run: the ifb, the redirect and the receive classes stay (and keep
+    shaping); a new daemon adopts them (no second class, none left) and names their rule; a
+    clean stop then removes the ifb, the clsact and its filter."""
+    tb = bed
+    d = Daemon(tb, tmp_path, RULES).start()
+    started = uploads(tb, seconds=8)
+    wait_for(lambda: len(receive_flows(d)) >= 6, 10, 0.1, "the uploads' receive classes")
+    n = len(receive_flows(d))
+    d.kill()
+    assert rx_objects(tb) == (n, n), "the receive classes went with the daemon"
+    d2 = Daemon(tb, tmp_path, None, log_mode="a").start()
+    try:
+        wait_for(lambda: {f["rule"] for f in receive_flows(d2)} == {"ingest"}, 10, 0.1,
+                 "adopted receive classes named by their rule")
+        assert len(receive_flows(d2)) == n and rx_objects(tb) == (n, n)
+        assert "adopted flowpacer qdisc with %d flow classes" % n in d2.log_text()
+        check_uploads(started, "uploads across a crash")
+        after_case(tb, d2, "a crash and restart")
+    finally:
+        rc = d2.stop()
+    assert rc == 0, f"the daemon exited {rc} on SIGTERM:\n{d2.log_text()[-3000:]}"
+    links = tb.run(tb.server_ns, ["ip", "-o", "link", "show"]).stdout
+    assert ifb(tb) not in links, links
+    qd = tc_show(tb, "qdisc")
+    assert "clsact" not in qd and "htb" not in qd, qd
+    assert not tc_show(tb, "filter").strip()
+    assert not tb.run(tb.server_ns, ["tc", "filter", "show", "dev", tb.server_if,
+                                     "ingress"], check=False).stdout.strip()
+    assert not list(tracebacks(d2.log_text()))
