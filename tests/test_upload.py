@@ -261,3 +261,27 @@ def test_crash_with_receive_classes_then_restart_and_clean_stop(bed, tmp_path):
     assert not tb.run(tb.server_ns, ["tc", "filter", "show", "dev", tb.server_if,
                                      "ingress"], check=False).stdout.strip()
     assert not list(tracebacks(d2.log_text()))
+
+
+def test_ifb_deleted_behind_the_daemon_is_rebuilt(bed, daemon):
+    """Someone deletes the ifb (its redirect would then drop everything the interface gets):
+    the next health check makes it again, points the redirect at it and re-adds the flows'
+    receive classes; a new upload is shaped."""
+    tb = bed
+    first = traffic.iperf3(tb, tb.server_v4, P_V4, seconds=6, reverse=False)
+    wait_for(lambda: len(receive_flows(daemon)) >= 2, 10, 0.1, "the upload's receive classes")
+    old = tb.run(tb.server_ns, ["cat", f"/sys/class/net/{ifb(tb)}/ifindex"]).stdout.strip()
+    tb.run(tb.server_ns, ["ip", "link", "del", ifb(tb)])
+
+    def rebuilt():
+        r = tb.run(tb.server_ns, ["cat", f"/sys/class/net/{ifb(tb)}/ifindex"], check=False)
+        return r.returncode == 0 and r.stdout.strip() != old and rx_objects(tb)[0] >= 2
+    wait_for(rebuilt, 5, 0.1, "the ifb and the receive classes back")
+    ingress = tb.run(tb.server_ns, ["tc", "filter", "show", "dev", tb.server_if, "ingress"]).stdout
+    # one redirect, to the new ifb (one left to the deleted ifb would drop every packet)
+    assert ingress.count("mirred") == 1 and f"Redirect to device {ifb(tb)}" in ingress, ingress
+    traffic.iperf3_result(first)           # the upload survived (only its queue was lost)
+    assert "receive side (%s) was lost: rebuilt" % ifb(tb) in daemon.log_text()
+    check_uploads([("ipv4", traffic.iperf3(tb, tb.server_v4, P_V4, seconds=4, reverse=False,
+                                           extra=("-O", "1")))], "an upload after the rebuild")
+    after_case(tb, daemon, "the ifb's rebuild")

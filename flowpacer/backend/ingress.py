@@ -28,11 +28,11 @@ import errno
 import logging
 import socket
 import zlib
-from typing import Optional
+from typing import List, Optional
 
 from ..errors import BackendError, NetlinkError
 from ..model import BackendHealth, Side
-from ..tc import link, mirred, nl
+from ..tc import link, mirred, nl, u32
 from ..tc.nl import (NLM_F_CREATE, NLM_F_EXCL, RTM_DELQDISC, RTM_DELTFILTER, RTM_GETQDISC,
                      RTM_GETTFILTER, RTM_NEWQDISC, RTM_NEWTFILTER, Request, RtnlSocket)
 from ..tc.u32 import filter_info
@@ -90,14 +90,21 @@ def _hook_filters(rtnl: RtnlSocket, ifindex: int, parent: int):
             raise
 
 
-def redirect_target(rtnl: RtnlSocket, ifindex: int) -> Optional[int]:
-    """The ifindex our redirect filter on ``ifindex``'s ingress sends to; None without one."""
+def redirect_targets(rtnl: RtnlSocket, ifindex: int) -> List[int]:
+    """Where the rules at our pref on ``ifindex``'s ingress send packets: the ifindex of each
+    one's mirred redirect, 0 for one that redirects nowhere (its ifb was deleted: mirred then
+    drops every packet) or is not a redirect. Ours is in order when this is [the ifb's]."""
+    out = []
     for obj in _hook_filters(rtnl, ifindex, mirred.INGRESS_PARENT):
-        if obj.kind == "u32" and obj.info >> 16 == REDIRECT_PREF:
-            target = mirred.redirect_target(obj.options, nl.parse_attrs)
-            if target:
-                return target
-    return None
+        if obj.info >> 16 != REDIRECT_PREF:
+            continue
+        if obj.kind == "u32" and u32.TCA_U32_DIVISOR in obj.options:
+            continue            # the u32 instance's own root table, not a rule
+        if obj.handle == 0 and obj.kind == "u32" and not obj.options:
+            continue            # the instance itself (some kernels dump it)
+        out.append(mirred.redirect_target(obj.options, nl.parse_attrs) if obj.kind == "u32"
+                   else 0)
+    return out
 
 
 def _redirect_del(ifindex: int, interface: str) -> Request:
@@ -210,10 +217,11 @@ class IngressBackend(TcBackend):
                 ifb.alias += CLSACT_OURS
                 rt.request(Request(link.RTM_NEWLINK, 0, link.set_alias(ifb.index, ifb.alias),
                                    f"note on {self.interface} that the clsact is ours"))
-        target = redirect_target(rt, idx)
-        if target == ifb.index:
+        targets = redirect_targets(rt, idx)
+        if targets == [ifb.index]:
             return
-        if target is not None:          # an old ifb's (it was re-made): replace it
+        if targets:      # a redirect to an ifb deleted or made again (it drops everything), or
+            # a second rule at our pref: all of them go, ours is made anew
             err = rt.transact([_redirect_del(idx, name)])[0]
             if err is not None and err.errno != errno.ENOENT:
                 raise BackendError(str(err))
@@ -240,7 +248,7 @@ class IngressBackend(TcBackend):
         except OSError:
             return BackendHealth.LOST
         try:
-            if redirect_target(self._rtnl, idx) != ifb_idx:
+            if redirect_targets(self._rtnl, idx) != [ifb_idx]:
                 return BackendHealth.LOST
         except NetlinkError:
             return BackendHealth.GONE
