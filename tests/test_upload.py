@@ -2,8 +2,9 @@
 
 One testbed for the module: in its server namespace four iperf3 servers (one bound to the IPv4
 address: pure IPv4 flows; two dual-stack listeners: IPv6 flows and IPv4-mapped flows; one that no
-rule matches) and flowpacer's own delivery server for a flow that goes both ways. Each test runs
-its own daemon (htb); the rule ``ingest`` gives the iperf3 servers' flows ``receive_rate: 10mbit``.
+rule matches) and flowpacer's own delivery server for a flow that goes both ways. One daemon
+(htb) serves the cases; the crash case has a testbed and two daemons of its own. The rule ``ingest`` gives the iperf3
+servers' flows ``receive_rate: 10mbit``.
 Clients send from the client namespace (``iperf3`` without ``-R``: the client uploads); goodput
 is what the server received, against 10 Mbit/s x 1448/1514 (1428/1514 over IPv6).
 
@@ -57,11 +58,13 @@ def bed(module_testbed):
     return tb
 
 
-@pytest.fixture
-def daemon(bed, tmp_path):
-    d = Daemon(bed, tmp_path, RULES).start()
+@pytest.fixture(scope="module")
+def daemon(bed, tmp_path_factory):
+    """One full daemon (tracer, first-byte) for the cases that do not stop it."""
+    d = Daemon(bed, tmp_path_factory.mktemp("upload"), RULES).start()
     yield d
-    d.stop()
+    rc = d.stop()
+    assert rc == 0, f"the daemon exited {rc} on SIGTERM:\n{d.log_text()[-3000:]}"
 
 
 def ifb(tb) -> str:
@@ -226,11 +229,14 @@ def test_one_flow_download_and_upload_shaped_independently(bed, daemon):
     after_case(tb, daemon, "the flow both ways")
 
 
-def test_crash_with_receive_classes_then_restart_and_clean_stop(bed, tmp_path):
+def test_crash_with_receive_classes_then_restart_and_clean_stop(testbed, tmp_path):
     """SIGKILL while uploads run: the ifb, the redirect and the receive classes stay (and keep
     shaping); a new daemon adopts them (no second class, none left) and names their rule; a
     clean stop then removes the ifb, the clsact and its filter."""
-    tb = bed
+    tb = testbed          # its own (the module's daemon must not share the interface)
+    iperf3_server(tb, P_V4, bind=str(tb.server_v4))
+    iperf3_server(tb, P_V6)
+    iperf3_server(tb, P_MAPPED)
     # both daemons find flows by sock_diag only: they start in a second (the tracer's and
     # first-byte's compiles take ~40 s here, which the uploads would have to outlast);
     # adoption does not involve the tracer
