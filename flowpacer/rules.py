@@ -536,12 +536,8 @@ def _p_rules(node: Node, env: _Env, name: str) -> Tuple[Rule, ...]:
                 seen[rname] = name_node.start_mark.line + 1
         rate, ceil = values.get("rate"), values.get("ceil")
         link = env.link_bps
-        for key, val in (("rate", rate), ("ceil", ceil)):
-            if val is not None and link is not None and val > link:
-                renv.report(_lookup(item, key), key,
-                            f"{units.format_bits(val)} is above link_rate "
-                            f"{units.format_bits(link)}: a flow can never get it")
-                ok = False
+        if not _within_link(item, values, renv, link, ("rate", "ceil"), "a flow"):
+            ok = False
         if rate is not None and ceil is not None and ceil < rate:
             renv.report(_lookup(item, "ceil"), "ceil",
                         f"{units.format_bits(ceil)} is below rate {units.format_bits(rate)} "
@@ -569,19 +565,30 @@ def _p_rules(node: Node, env: _Env, name: str) -> Tuple[Rule, ...]:
     return tuple(rules)
 
 
+def _within_link(item, values: dict, renv, link: Optional[int], keys, who: str) -> bool:
+    """Each of ``keys`` given is at most link_rate (else reported: ``who`` can never get it)."""
+    ok = True
+    for key in keys:
+        val = values.get(key)
+        if val is not None and link is not None and val > link:
+            renv.report(_lookup(item, key), key,
+                        f"{units.format_bits(val)} is above link_rate "
+                        f"{units.format_bits(link)}: {who} can never get it")
+            ok = False
+    return ok
+
+
+def _given(item: MappingNode, key: str) -> bool:
+    """Whether the rule mapping names ``key`` (even with a value that was refused)."""
+    return key in {k.value for k, _ in item.value if isinstance(k, ScalarNode)}
+
+
 def _check_receive(item, values: dict, renv, link: Optional[int]) -> bool:
     """receive_rate <= receive_ceil, both within the link; receive_ceil only with receive_rate.
     Reports every problem; True when there was none."""
     rrate, rceil = values.get("receive_rate"), values.get("receive_ceil")
-    ok = True
-    for key, val in (("receive_rate", rrate), ("receive_ceil", rceil)):
-        if val is not None and link is not None and val > link:
-            renv.report(_lookup(item, key), key,
-                        f"{units.format_bits(val)} is above link_rate "
-                        f"{units.format_bits(link)}: a flow can never get it")
-            ok = False
-    if rceil is not None and rrate is None and "receive_rate" not in {
-            k.value for k, _ in item.value if isinstance(k, ScalarNode)}:
+    ok = _within_link(item, values, renv, link, ("receive_rate", "receive_ceil"), "a flow")
+    if rceil is not None and rrate is None and not _given(item, "receive_rate"):
         renv.report(_lookup(item, "receive_ceil"), "receive_ceil",
                     "needs receive_rate (the rate a flow's uploads are guaranteed)")
         ok = False
@@ -599,13 +606,8 @@ def _check_aggregates(item: MappingNode, values: Dict[str, Any], renv: _Env,
     only with client_rate. Reports every problem; True when there was none."""
     rate, ceil = values.get("rate"), values.get("ceil")
     client, total = values.get("client_rate"), values.get("total_rate")
-    ok = True
-    for key, val in (("client_rate", client), ("total_rate", total)):
-        if val is not None and link is not None and val > link:
-            renv.report(_lookup(item, key), key,
-                        f"{units.format_bits(val)} is above link_rate "
-                        f"{units.format_bits(link)}: the flows together can never get it")
-            ok = False
+    ok = _within_link(item, values, renv, link, ("client_rate", "total_rate"),
+                      "the flows together")
     b = units.format_bits
     if client is not None and rate is not None and client < rate:
         renv.report(_lookup(item, "client_rate"), "client_rate",
@@ -630,8 +632,7 @@ def _check_aggregates(item: MappingNode, values: Dict[str, Any], renv: _Env,
                 ok = False
                 break
     cp = _lookup(item, "client_prefix")
-    if cp is not None and client is None and "client_rate" not in {
-            k.value for k, _ in item.value if isinstance(k, ScalarNode)}:
+    if cp is not None and client is None and not _given(item, "client_rate"):
         renv.report(cp, "client_prefix", "has no effect without client_rate "
                                          "(it says what one client is for client_rate)")
         ok = False

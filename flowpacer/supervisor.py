@@ -69,7 +69,11 @@ class TcBackendFactory:
     def _set_up(self, codec, interface, link_rate_bps):
         """A TcBackend with its root qdisc in place; its netlink socket closed on failure."""
         from .backend.tc import TcBackend
-        b = TcBackend(codec, interface, link_rate_bps, self.take_over)
+        return self._ready(TcBackend(codec, interface, link_rate_bps, self.take_over))
+
+    @staticmethod
+    def _ready(b):
+        """``b`` set up, or its netlink socket closed and the error raised."""
         try:
             b.setup()
         except BaseException:
@@ -83,13 +87,7 @@ class TcBackendFactory:
 
     def make_receive(self, send_backend, interface, link_rate_bps):
         from .backend.ingress import IngressBackend
-        b = IngressBackend(send_backend.codec, interface, link_rate_bps)
-        try:
-            b.setup()
-        except BaseException:
-            b.close()
-            raise
-        return b
+        return self._ready(IngressBackend(send_backend.codec, interface, link_rate_bps))
 
     def cleanup_receive(self, interface):
         from .backend.ingress import cleanup

@@ -164,13 +164,7 @@ def duplex(tb, host, port: int, up_seconds: float, warmup: float, box: dict) -> 
     s = traffic.client_socket(tb, host, port)
     try:
         s.sendall(b"GET /upload/%d HTTP/1.0\r\n\r\n" % DOWN_BYTES)
-        head = b""
-        while b"\r\n\r\n" not in head:
-            d = s.recv(4096)
-            if not d:
-                raise ConnectionError("closed before the response header")
-            head += d
-        n = len(head.partition(b"\r\n\r\n")[2])
+        n = len(traffic.read_head(s)[1])
         buf = bytearray(1 << 16)
         t0 = time.monotonic()
         n0 = t1 = None
