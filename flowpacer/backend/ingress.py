@@ -48,7 +48,6 @@ IFB_TXQLEN = 100              # packets per leaf queue (htb: pfifo of txqueuelen
 #                               10 Mbit/s ~120 ms of full frames, so that the ACKs of a
 #                               download that ride an upload of the same flow are not held
 #                               for seconds (1000, a veth's, held them 1.2 s: 12 of 40 Mbit/s)
-CLSACT_EGRESS_PARENT = 0xFFFFFFF3
 
 
 def ifb_name(interface: str) -> str:
@@ -131,7 +130,7 @@ def remove(rtnl: RtnlSocket, interface: str) -> bool:
             log.warning("%s", errs[0])
         if ifb.alias.endswith(CLSACT_OURS):
             q = ingress_qdisc(rtnl, idx)
-            busy = any(True for p in (mirred.INGRESS_PARENT, CLSACT_EGRESS_PARENT)
+            busy = any(True for p in (mirred.INGRESS_PARENT, mirred.EGRESS_PARENT)
                        for _ in _hook_filters(rtnl, idx, p))
             if q is not None and q.kind == "clsact" and not busy:
                 err = rtnl.transact([Request(RTM_DELQDISC, 0,

@@ -26,6 +26,7 @@ from .nl import TCA_KIND, TCA_OPTIONS, nla, nla_nested, nla_str
 TC_H_CLSACT = 0xFFFFFFF1          # parent of the clsact qdisc (== TC_H_INGRESS)
 CLSACT_HANDLE = 0xFFFF0000
 INGRESS_PARENT = 0xFFFFFFF2       # TC_H_MAKE(TC_H_CLSACT, TC_H_MIN_INGRESS)
+EGRESS_PARENT = 0xFFFFFFF3        # TC_H_MAKE(TC_H_CLSACT, TC_H_MIN_EGRESS)
 ETH_P_ALL = 0x0003
 
 # enum TCA_ACT_* (linux/pkt_cls.h)
