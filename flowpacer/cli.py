@@ -122,6 +122,10 @@ def status(socket_path, as_json):
         click.echo(f"state:     {safe(st['backend_state'])}"
                    + (f" (cannot rebuild, {fails} attempts failed: {safe(problem)})"
                       if problem else ""))
+    rx = st.get("receive")
+    if rx:                      # issue 17: the receive side (an ifb fed from the ingress)
+        click.echo(f"receive:   {safe(rx.get('interface') or '-')} {safe(rx.get('state', ''))}"
+                   + (f" ({safe(rx['problem'])})" if rx.get("problem") else ""))
     click.echo(f"flows:     {st['shaped_flows']} shaped of {st['live_flows']} live; "
                f"source: {safe(st['flow_source'])}")
     stages = st.get("stages", [])
@@ -134,7 +138,8 @@ def status(socket_path, as_json):
         return
     rows = [("RULE", "PID", "PROCESS", "LOCAL", "REMOTE", "CLASS", "RATE", "SENT", "SOURCE")]
     for f in st["flows"]:
-        rows.append((safe(f["rule"]), str(f["pid"]), safe(f["process"]), f["local"], f["remote"],
+        rule = f["rule"] + (" (receive)" if f.get("side") == "receive" else "")
+        rows.append((safe(rule), str(f["pid"]), safe(f["process"]), f["local"], f["remote"],
                      f["classid"], _bits(f["rate_bit"]), _bytes(f["bytes"]), f["source"]))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
