@@ -50,7 +50,9 @@ def test_uploads_paced_by_psp_on_the_ifb(tb, tmp_path, big_rmem):
     tb.popen(tb.server_ns, ["iperf3", "-s", "-p", str(P_V6)])
     tb.wait_listening(P_V4)
     tb.wait_listening(P_V6)
-    d = Daemon(tb, tmp_path, RULES, "--no-tracer", "--no-metrics", "--rescan", "0.5").start()
+    # bounded by a condition, long: TCG on a shared 2-core host starts Python slowly
+    d = Daemon(tb, tmp_path, RULES, "--no-tracer", "--no-metrics", "--rescan", "0.5").start(
+        timeout=300)
     try:
         st = d.status_cli()
         assert st["backend"] == "psp" and st["receive"]["state"] == "ok", st
