@@ -33,7 +33,7 @@ from .control import DEFAULT_SOCKET, ControlServer
 from .errors import FlowpacerError, TracerUnavailable
 from .memory import release_compiler_memory, trim_heap
 from .metrics import DEFAULT_LISTEN, DEFAULT_MAX_FLOW_SERIES, FlowpacerCollector, MetricsServer
-from .model import BackendKind, DaemonView, RuleSet
+from .model import BackendKind, DaemonView, RuleSet, Side
 from .reconciler import Reconciler
 from .stages import GiveUp, Stage, StageContext, watchdog_ok
 from .supervisor import BackendSupervisor, TcBackendFactory
@@ -433,25 +433,36 @@ class Daemon:
         second) never holds up the tracer's events."""
         v = self.view()
         stats = {}
-        b = self.supervisor.backend
-        if b is not None and self.supervisor.usable:
+        if self.supervisor.backend is not None and self.supervisor.usable:
             from .tc.nl import RtnlSocket
             try:
                 with RtnlSocket() as rt:      # this thread's own socket: the loop uses b's
-                    stats = b.stats_by_class(rt)
+                    stats = self._all_class_stats(rt)
             except (OSError, FlowpacerError) as e:
                 log.debug("status: class statistics: %s", e)
         return views.to_json(v, stats)
 
     def _class_stats(self) -> dict:
         """Read by the metrics stage over its own netlink socket, without the loop's lock."""
-        b = self.supervisor.backend
-        if b is None:
+        if self.supervisor.backend is None:
             return {}
         if self._metrics_rtnl is None:
             from .tc.nl import RtnlSocket
             self._metrics_rtnl = RtnlSocket()
-        return b.stats_by_class(self._metrics_rtnl)
+        return self._all_class_stats(self._metrics_rtnl)
+
+    def _all_class_stats(self, rtnl) -> dict:
+        """{classid: ClassStats} of the send side's classes and {(Side.RECEIVE, classid):
+        ClassStats} of the receive side's (the same ids, on the ifb: ``FlowView.stats_key``)."""
+        sup = self.supervisor
+        out = dict(sup.backend.stats_by_class(rtnl))
+        rx = sup.rx
+        if rx is not None and sup.rx_usable:
+            try:
+                out.update(((Side.RECEIVE, c), st) for c, st in rx.stats_by_class(rtnl).items())
+            except (OSError, FlowpacerError) as e:
+                log.debug("receive side class statistics: %s", e)
+        return out
 
     def _handle(self, req: dict) -> dict:
         cmd = req.get("cmd")

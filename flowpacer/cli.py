@@ -122,6 +122,10 @@ def status(socket_path, as_json):
         click.echo(f"state:     {safe(st['backend_state'])}"
                    + (f" (cannot rebuild, {fails} attempts failed: {safe(problem)})"
                       if problem else ""))
+    rx = st.get("receive")
+    if rx:                      # issue 17: the receive side (an ifb fed from the ingress)
+        click.echo(f"receive:   {safe(rx.get('interface') or '-')} {safe(rx.get('state', ''))}"
+                   + (f" ({safe(rx['problem'])})" if rx.get("problem") else ""))
     click.echo(f"flows:     {st['shaped_flows']} shaped of {st['live_flows']} live; "
                f"source: {safe(st['flow_source'])}")
     stages = st.get("stages", [])
@@ -135,7 +139,8 @@ def status(socket_path, as_json):
     rows = [("RULE", "PID", "PROCESS", "PROTO", "LOCAL", "REMOTE", "CLASS", "RATE", "SENT",
              "SOURCE")]
     for f in st["flows"]:
-        rows.append((safe(f["rule"]), str(f["pid"]), safe(f["process"]),
+        rule = f["rule"] + (" (receive)" if f.get("side") == "receive" else "")
+        rows.append((safe(rule), str(f["pid"]), safe(f["process"]),
                      safe(f.get("protocol", "tcp")), f["local"], f["remote"],
                      f["classid"], _bits(f["rate_bit"]), _bytes(f["bytes"]), f["source"]))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -201,12 +206,15 @@ def top(socket_path, interval):
 @click.option("--interface", required=True)
 def cleanup(interface):
     """Remove everything flowpacer made on INTERFACE (no daemon needed)."""
+    from .backend.ingress import cleanup as receive_cleanup
     from .backend.tc import cleanup as do_cleanup
     try:
         removed = do_cleanup(interface)
+        rx = receive_cleanup(interface)       # the receive side's ifb and redirect (issue 17)
     except FlowpacerError as e:
         _fail(str(e))
-    click.echo(f"{interface}: {'flowpacer qdisc removed' if removed else 'nothing of flowpacer found'}")
+    what = [w for w, done in (("flowpacer qdisc", removed), ("receive side (ifb)", rx)) if done]
+    click.echo(f"{interface}: {' and '.join(what) + ' removed' if what else 'nothing of flowpacer found'}")
 
 
 def _bits(bit_per_s: int) -> str:

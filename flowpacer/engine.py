@@ -80,6 +80,26 @@ def desired(flows: Mapping[FlowKey, Flow], ruleset: RuleSet) -> Dict[FlowKey, Sh
     return out
 
 
+def receive_shape_of(rule: Rule) -> Optional[Shape]:
+    """What a flow of ``rule`` should get on the receive side (issue 17), None when the rule
+    does not shape receiving. Aggregates cover the send side only."""
+    if rule.receive_rate_bps is None:
+        return None
+    rate = rule.receive_rate_bps
+    return Shape(rule.name, rate, max(rule.receive_ceil_bps or rate, rate))
+
+
+def desired_receive(flows: Mapping[FlowKey, Flow], ruleset: RuleSet) -> Dict[FlowKey, Shape]:
+    """Each live flow whose first matching rule has a receive_rate, with its receive shape
+    (keyed by the flow's own key: the receive backend reverses it for its filters)."""
+    out = {}
+    for key, flow in flows.items():
+        r = first_match(ruleset.rules, flow)
+        if r is not None and r.receive_rate_bps is not None:
+            out[key] = receive_shape_of(r)
+    return out
+
+
 def plan(want: Mapping[FlowKey, Shape], have: Mapping[FlowKey, Shape]) -> List[Op]:
     """Operations that turn ``have`` into ``want``: removals first (they free room), then rate
     changes (in place, the class and its queue stay), then additions; each group in key order

@@ -26,7 +26,7 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 from .memory import trim_heap
-from .model import BackendHealth, StageState
+from .model import BackendHealth, Side, StageState
 
 # prometheus_client is imported where it is used: the daemon's start (and so its recovery after
 # a crash) does not pay for it before the flows are shaped, nor at all with --no-metrics
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 DEFAULT_LISTEN = "127.0.0.1:9717"
 DEFAULT_MAX_FLOW_SERIES = 10_000
 FLOW_LABELS = ["rule", "process", "direction", "local_address", "local_port", "remote_address",
-               "remote_port", "protocol"]
+               "remote_port", "protocol", "side"]
 
 # apply latency buckets, seconds
 APPLY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -167,14 +167,16 @@ def address_label(addr, mode: AddressLabels) -> str:
     return str(ipaddress.ip_network(f"{a}/{bits}", strict=False))
 
 
-def flow_labels(rule: str, process: str, direction: str, key, mode: AddressLabels) -> tuple:
-    """The per-flow series' label values, in ``FLOW_LABELS`` order."""
+def flow_labels(rule: str, process: str, direction: str, key, mode: AddressLabels,
+                side: str = "send") -> tuple:
+    """The per-flow series' label values, in ``FLOW_LABELS`` order (``side``: send, or receive
+    for a class on the receive side, issue 17)."""
     if mode is AddressLabels.NONE:
         ports = ("", "")
     else:
         ports = (str(key.local_port), str(key.remote_port))
     return (rule, process, direction, address_label(key.local_addr, mode), ports[0],
-            address_label(key.remote_addr, mode), ports[1], key.protocol.value)
+            address_label(key.remote_addr, mode), ports[1], key.protocol.value, side)
 
 
 class FlowSeries:
@@ -262,9 +264,9 @@ class FlowpacerCollector:
         seen = set()
         rows = []
         for f in v.flows:
-            st = stats.get(f.classid)
+            st = stats.get(f.stats_key)
             b, p, d = (st.bytes, st.packets, st.drops) if st else (0, 0, 0)
-            key = f.key
+            key = f.key if f.side is Side.SEND else (Side.RECEIVE, f.key)   # one flow, two classes
             seen.add(key)
             last = self._last.get(key)
             base = (0, 0, 0)
@@ -280,8 +282,8 @@ class FlowpacerCollector:
             r[2] += p - base[1]
             r[3] += d - base[2]
             rows.append((key, flow_labels(f.rule, f.process,
-                                          f.direction.value if f.direction else "", key,
-                                          self.addresses), b, p, d, f.rate_bps))
+                                          f.direction.value if f.direction else "", f.key,
+                                          self.addresses, f.side.value), b, p, d, f.rate_bps))
         # the busiest flows (most bytes sent) get series; the rest are counted as overflow
         rows.sort(key=lambda r: -r[2])
         overflow = max(0, len(rows) - self.max_flow_series)

@@ -35,6 +35,13 @@ class Protocol(str, enum.Enum):
         return {"tcp": 6, "udp": 17}.get(self.value, 0)
 
 
+class Side(str, enum.Enum):
+    """Which way a flow class shapes: what the server sends (the interface's egress) or what it
+    receives (the interface's ingress, redirected to flowpacer's ifb device; issue 17)."""
+    SEND = "send"
+    RECEIVE = "receive"
+
+
 class FlowSource(str, enum.Enum):
     TRACER = "tracer"      # eBPF tracepoints, as it happens
     RECONCILE = "reconcile"  # sock_diag snapshot / periodic re-scan
@@ -197,6 +204,9 @@ class Rule:
     client_prefix: Tuple[int, int] = (32, 64)  # (IPv4, IPv6) prefix lengths that make a client
     # issue 17: a UDP flow without a datagram for this long is over (TCP flows end at close)
     idle_timeout_ns: int = DEFAULT_IDLE_TIMEOUT_NS
+    # uploads (issue 17): what the server accepts from each flow, shaped on the ingress ifb
+    receive_rate_bps: Optional[int] = None   # bytes/s per flow; None: receiving is not shaped
+    receive_ceil_bps: Optional[int] = None   # bytes/s, >= receive_rate_bps
 
     @property
     def has_groups(self) -> bool:
@@ -219,6 +229,11 @@ class RuleSet:
     # problems that do not stop the file from loading (e.g. total rates oversubscribing the link),
     # as errors.RuleProblem: FILE:LINE:COL lines like the errors
     warnings: tuple = field(default=(), compare=False)
+
+    @property
+    def receives(self) -> bool:
+        """Whether a rule shapes what the server receives (the receive side is needed)."""
+        return any(r.receive_rate_bps is not None for r in self.rules)
 
     def rule(self, name: str) -> Optional[Rule]:
         for r in self.rules:
@@ -361,6 +376,13 @@ class FlowView:
     direction: Optional[Direction] = None
     source: Optional[FlowSource] = None
     groups: Tuple[Group, ...] = ()       # its rule and client groups (issue 15), outermost first
+    side: Side = Side.SEND               # which way its class shapes (issue 17)
+
+    @property
+    def stats_key(self):
+        """Its class's key in a class-statistics map: the classid on the send side,
+        (Side.RECEIVE, classid) on the receive side (its classes have the same ids, on the ifb)."""
+        return self.classid if self.side is Side.SEND else (Side.RECEIVE, self.classid)
 
 
 @dataclass(frozen=True, slots=True)
@@ -392,3 +414,7 @@ class DaemonView:
     counters: dict
     events: dict
     groups: Tuple[GroupView, ...] = ()   # group classes (issue 15)
+    # the receive side (issue 17): its ifb (None: no rule receives), health and problem
+    receive_interface: Optional[str] = None
+    receive_health: BackendHealth = BackendHealth.OK
+    receive_problem: str = ""

@@ -58,8 +58,7 @@ class Reconciler:
         """After start: what the backend found in the kernel is planned again (kept only where
         the flow is still live)."""
         with self.lock:
-            b = self.supervisor.backend
-            if b is not None:
+            for b in self.supervisor.backends():
                 self.table.dirty.update(b.installed())
 
     def on_events(self, events) -> None:
@@ -106,13 +105,31 @@ class Reconciler:
             raise
 
     def _apply(self, keys):
+        """The send side's plan, then the receive side's (issue 17), each on its backend."""
         sup = self.supervisor
         b = sup.backend
         if b is None or not sup.usable:
             self.table.dirty.update(keys)
             return None
         flows = self.table.flows
-        want = engine.desired({k: flows[k] for k in keys if k in flows}, self.rules)
+        live = {k: flows[k] for k in keys if k in flows}
+        res = self._apply_side(b, engine.desired(live, self.rules), keys, flows)
+        rx = sup.rx
+        if rx is not None and sup.rx_usable:
+            rres = self._apply_side(rx, engine.desired_receive(live, self.rules), keys, flows,
+                                    latency=False)
+            if rres is not None:
+                if res is None:
+                    res = rres
+                else:
+                    res.added += rres.added
+                    res.changed += rres.changed
+                    res.removed += rres.removed
+                    res.errors.extend(rres.errors)
+        return res
+
+    def _apply_side(self, b, want, keys, flows, latency: bool = True):
+        """``latency``: count the time from a flow's event to its class (the send side's)."""
         have = {}
         for k in keys:
             s = b.shape_of(k)
@@ -128,7 +145,7 @@ class Reconciler:
             # the transport failed (e.g. ENOBUFS): what went in is uncertain, so rebuild the
             # bookkeeping from the kernel and re-plan every flow at the next pass
             self.counters.op_errors += 1
-            log.error("apply failed: %s; resynchronising with the kernel", e)
+            log.error("apply failed on %s: %s; resynchronising with the kernel", b.interface, e)
             try:
                 b.resync()
             except (OSError, FlowpacerError) as e2:
@@ -140,7 +157,7 @@ class Reconciler:
         self.counters.applies += 1
         self.counters.apply_latency_ns.append(t1 - t0)
         self.counters.apply_hist.observe((t1 - t0) / 1e9)
-        for op in ops:
+        for op in ops if latency else ():
             f = flows.get(op.key)
             if op.kind is OpKind.ADD and f is not None and f.source is FlowSource.TRACER:
                 self.counters.shape_latency_ns.append(t1 - f.seen_ns)
@@ -149,7 +166,8 @@ class Reconciler:
             self._retry.add(err.op.key)     # planned again at the next reconcile pass
             log.warning("%s", err.reason)
         if res.added or res.removed or res.changed:
-            log.debug("applied: +%d ~%d -%d", res.added, res.changed, res.removed)
+            log.debug("applied on %s: +%d ~%d -%d", b.interface, res.added, res.changed,
+                      res.removed)
         return res
 
     # -------------------------------------------------------------- reload
@@ -185,7 +203,8 @@ class Reconciler:
                 sup.adopt_rules(new)
             self.rules = new
             on_rules(new)
-            self.table.mark_all(sup.backend.installed().keys())
+            for b in sup.backends():
+                self.table.mark_all(b.installed().keys())
             res = self.apply_dirty()
             self.counters.reloads_ok += 1
             return {"ok": True, "rules_changed": new != old, "switched_backend": switch,

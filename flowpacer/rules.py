@@ -514,6 +514,13 @@ RULE_FIELDS: Tuple[Field, ...] = (
     Field("ceil", _p_rate, None, False,
           "optional: a flow may borrow idle capacity up to this rate (>= rate)", "600mbit",
           "none (no borrowing)"),
+    Field("receive_rate", _p_rate, None, False,
+          "optional: what the server accepts from EACH matching flow per second (uploads), "
+          "shaped on an ifb device fed from the interface's ingress", "10mbit",
+          "none (what the flow sends us is not shaped)"),
+    Field("receive_ceil", _p_rate, None, False,
+          "optional: a flow's uploads may borrow idle capacity up to this rate "
+          "(>= receive_rate; needs receive_rate)", "100mbit", "none (no borrowing)"),
     Field("client_rate", _p_rate, None, False,
           "optional: all flows of this rule from one client together get at most this, shared in "
           "proportion to their rates (rate <= client_rate <= total_rate)", "20mbit",
@@ -562,16 +569,14 @@ def _p_rules(node: Node, env: _Env, name: str) -> Tuple[Rule, ...]:
                 seen[rname] = name_node.start_mark.line + 1
         rate, ceil = values.get("rate"), values.get("ceil")
         link = env.link_bps
-        for key, val in (("rate", rate), ("ceil", ceil)):
-            if val is not None and link is not None and val > link:
-                renv.report(_lookup(item, key), key,
-                            f"{units.format_bits(val)} is above link_rate "
-                            f"{units.format_bits(link)}: a flow can never get it")
-                ok = False
+        if not _within_link(item, values, renv, link, ("rate", "ceil"), "a flow"):
+            ok = False
         if rate is not None and ceil is not None and ceil < rate:
             renv.report(_lookup(item, "ceil"), "ceil",
                         f"{units.format_bits(ceil)} is below rate {units.format_bits(rate)} "
                         "(ceil must be >= rate)")
+            ok = False
+        if not _check_receive(item, values, renv, link):
             ok = False
         if not _check_aggregates(item, values, renv, link):
             ok = False
@@ -582,6 +587,8 @@ def _p_rules(node: Node, env: _Env, name: str) -> Tuple[Rule, ...]:
             totals.append((values["total_rate"], _lookup(item, "total_rate"), renv))
         rules.append(Rule(name=rname, match=values["match"], rate_bps=rate, ceil_bps=ceil,
                           line=item.start_mark.line + 1,
+                          receive_rate_bps=values.get("receive_rate"),
+                          receive_ceil_bps=values.get("receive_ceil"),
                           client_rate_bps=values.get("client_rate"),
                           total_rate_bps=values.get("total_rate"),
                           client_prefix=values.get("client_prefix", DEFAULT_CLIENT_PREFIX),
@@ -592,19 +599,49 @@ def _p_rules(node: Node, env: _Env, name: str) -> Tuple[Rule, ...]:
     return tuple(rules)
 
 
+def _within_link(item, values: dict, renv, link: Optional[int], keys, who: str) -> bool:
+    """Each of ``keys`` given is at most link_rate (else reported: ``who`` can never get it)."""
+    ok = True
+    for key in keys:
+        val = values.get(key)
+        if val is not None and link is not None and val > link:
+            renv.report(_lookup(item, key), key,
+                        f"{units.format_bits(val)} is above link_rate "
+                        f"{units.format_bits(link)}: {who} can never get it")
+            ok = False
+    return ok
+
+
+def _given(item: MappingNode, key: str) -> bool:
+    """Whether the rule mapping names ``key`` (even with a value that was refused)."""
+    return key in {k.value for k, _ in item.value if isinstance(k, ScalarNode)}
+
+
+def _check_receive(item, values: dict, renv, link: Optional[int]) -> bool:
+    """receive_rate <= receive_ceil, both within the link; receive_ceil only with receive_rate.
+    Reports every problem; True when there was none."""
+    rrate, rceil = values.get("receive_rate"), values.get("receive_ceil")
+    ok = _within_link(item, values, renv, link, ("receive_rate", "receive_ceil"), "a flow")
+    if rceil is not None and rrate is None and not _given(item, "receive_rate"):
+        renv.report(_lookup(item, "receive_ceil"), "receive_ceil",
+                    "needs receive_rate (the rate a flow's uploads are guaranteed)")
+        ok = False
+    if rrate is not None and rceil is not None and rceil < rrate:
+        renv.report(_lookup(item, "receive_ceil"), "receive_ceil",
+                    f"{units.format_bits(rceil)} is below receive_rate "
+                    f"{units.format_bits(rrate)} (receive_ceil must be >= receive_rate)")
+        ok = False
+    return ok
+
+
 def _check_aggregates(item: MappingNode, values: Dict[str, Any], renv: _Env,
                       link: Optional[int]) -> bool:
     """rate <= client_rate <= total_rate, ceil within them, each within the link; client_prefix
     only with client_rate. Reports every problem; True when there was none."""
     rate, ceil = values.get("rate"), values.get("ceil")
     client, total = values.get("client_rate"), values.get("total_rate")
-    ok = True
-    for key, val in (("client_rate", client), ("total_rate", total)):
-        if val is not None and link is not None and val > link:
-            renv.report(_lookup(item, key), key,
-                        f"{units.format_bits(val)} is above link_rate "
-                        f"{units.format_bits(link)}: the flows together can never get it")
-            ok = False
+    ok = _within_link(item, values, renv, link, ("client_rate", "total_rate"),
+                      "the flows together")
     b = units.format_bits
     if client is not None and rate is not None and client < rate:
         renv.report(_lookup(item, "client_rate"), "client_rate",
@@ -629,8 +666,7 @@ def _check_aggregates(item: MappingNode, values: Dict[str, Any], renv: _Env,
                 ok = False
                 break
     cp = _lookup(item, "client_prefix")
-    if cp is not None and client is None and "client_rate" not in {
-            k.value for k, _ in item.value if isinstance(k, ScalarNode)}:
+    if cp is not None and client is None and not _given(item, "client_rate"):
         renv.report(cp, "client_prefix", "has no effect without client_rate "
                                          "(it says what one client is for client_rate)")
         ok = False
@@ -956,6 +992,10 @@ def dump(rs: RuleSet) -> str:
                              "rate": units.format_rate(r.rate_bps)}
         if r.ceil_bps is not None:
             d["ceil"] = units.format_rate(r.ceil_bps)
+        if r.receive_rate_bps is not None:
+            d["receive_rate"] = units.format_rate(r.receive_rate_bps)
+        if r.receive_ceil_bps is not None:
+            d["receive_ceil"] = units.format_rate(r.receive_ceil_bps)
         if r.client_rate_bps is not None:
             d["client_rate"] = units.format_rate(r.client_rate_bps)
         if r.total_rate_bps is not None:
@@ -1035,6 +1075,9 @@ def describe(rs: RuleSet) -> List[str]:
 
 def _aggregates_summary(r: Rule) -> str:
     out = ""
+    if r.receive_rate_bps is not None:
+        rc = units.format_bits(r.receive_ceil_bps) if r.receive_ceil_bps is not None else "none"
+        out += f", receive_rate {units.format_bits(r.receive_rate_bps)} per flow (ceil {rc})"
     if r.client_rate_bps is not None:
         v4, v6 = r.client_prefix
         out += (f", client_rate {units.format_bits(r.client_rate_bps)} per client "

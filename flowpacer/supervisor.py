@@ -38,6 +38,14 @@ class BackendFactory(Protocol):
     def psp_available(self) -> bool:
         """May a reload go back to psp after a fall-back?"""
 
+    # optional (issue 17): a factory without them cannot shape the receive side
+    def make_receive(self, send_backend, interface: str, link_rate_bps: Optional[int]):
+        """The receive side's backend (same kind as ``send_backend``) set up on
+        ``interface``'s ingress; raises FlowpacerError."""
+
+    def cleanup_receive(self, interface: str) -> None:
+        """Remove a receive side that a previous run left (no rule receives now)."""
+
 
 class TcBackendFactory:
     """The real thing: tc backends over rtnetlink."""
@@ -61,7 +69,11 @@ class TcBackendFactory:
     def _set_up(self, codec, interface, link_rate_bps):
         """A TcBackend with its root qdisc in place; its netlink socket closed on failure."""
         from .backend.tc import TcBackend
-        b = TcBackend(codec, interface, link_rate_bps, self.take_over)
+        return self._ready(TcBackend(codec, interface, link_rate_bps, self.take_over))
+
+    @staticmethod
+    def _ready(b):
+        """``b`` set up, or its netlink socket closed and the error raised."""
         try:
             b.setup()
         except BaseException:
@@ -73,6 +85,14 @@ class TcBackendFactory:
         from .backend import psp_available
         return psp_available()[0]
 
+    def make_receive(self, send_backend, interface, link_rate_bps):
+        from .backend.ingress import IngressBackend
+        return self._ready(IngressBackend(send_backend.codec, interface, link_rate_bps))
+
+    def cleanup_receive(self, interface):
+        from .backend.ingress import cleanup
+        cleanup(interface)
+
 
 @dataclass
 class Recheck:
@@ -80,6 +100,7 @@ class Recheck:
     mark_all: bool = False                       # re-plan every live flow (rebuilt, fell back)
     installed: List[FlowKey] = field(default_factory=list)   # and these (adopted) keys
     gone: List[FlowKey] = field(default_factory=list)        # classes someone else removed
+    audited: bool = False                        # this pass audited the classes (every AUDIT_S)
 
 
 class BackendSupervisor:
@@ -99,6 +120,11 @@ class BackendSupervisor:
         self._problem_logged_at = 0.0
         self._next_audit = 0.0
         self._rules: Optional[RuleSet] = None
+        # the receive side (issue 17): an ingress backend while some rule has a receive_rate
+        self.rx = None
+        self.rx_health = BackendHealth.OK
+        self.rx_problem = ""            # why the receive side cannot be set up or rebuilt
+        self._rx_problem_logged_at = 0.0
 
     # ------------------------------------------------------------- set-up
     def interface_of(self, rs: RuleSet) -> str:
@@ -120,15 +146,128 @@ class BackendSupervisor:
         self.problem = ""
         self._episode_failures = 0
         log.info("backend %s on %s (%s)", self.backend.name, self.backend.interface, self.reason)
+        self._sync_receive(rs, at_start=True)
 
     @property
     def usable(self) -> bool:
         return self.backend is not None and self.health is BackendHealth.OK
 
+    @property
+    def rx_usable(self) -> bool:
+        return self.rx is not None and self.rx_health is BackendHealth.OK
+
+    def backends(self) -> list:
+        """The backends in use: the send side's, then the receive side's if there is one."""
+        return [b for b in (self.backend, self.rx) if b is not None]
+
+    # ------------------------------------------------------- receive side
+    def _sync_receive(self, rs: RuleSet, at_start: bool = False) -> bool:
+        """Have a receive side exactly while some rule of ``rs`` receives. True when one was
+        made now (the caller re-plans every flow)."""
+        if not rs.receives:
+            if self.rx is not None:
+                self._drop_receive()
+            elif at_start and hasattr(self.factory, "cleanup_receive"):
+                try:
+                    self.factory.cleanup_receive(self.backend.interface)
+                except (OSError, FlowpacerError) as e:
+                    log.warning("%s: cannot remove a receive side left by an earlier run: %s",
+                                self.backend.interface, e)
+            self.rx_problem = ""
+            return False
+        if self.rx is not None:
+            return False
+        make = getattr(self.factory, "make_receive", None)
+        if make is None:
+            self.rx_problem = "this backend factory cannot shape the receive side"
+            return False
+        try:
+            self.rx = make(self.backend, self.backend.interface, rs.link_rate_bps)
+        except (OSError, FlowpacerError) as e:
+            self._rx_failed(f"cannot set up the receive side: {e}")
+            return False
+        self.rx_health = BackendHealth.OK
+        if self.rx_problem:
+            log.warning("%s: receive side set up after all", self.backend.interface)
+        self.rx_problem = ""
+        log.info("receive side of %s on %s (%s)", self.backend.interface, self.rx.interface,
+                 self.rx.name)
+        return True
+
+    def _rx_failed(self, reason: str) -> None:
+        """Logged once per reason and then every REBUILD_LOG_S; retried at every pass. The
+        send side is not affected; received traffic is unshaped meanwhile."""
+        now = self.clock()
+        if reason != self.rx_problem or now - self._rx_problem_logged_at >= REBUILD_LOG_S:
+            log.warning("%s: %s; uploads are not shaped, retrying at every pass",
+                        self.backend.interface if self.backend else "?", reason)
+            self._rx_problem_logged_at = now
+        self.rx_problem = reason
+
+    def _drop_receive(self) -> None:
+        rx, self.rx = self.rx, None
+        try:
+            rx.teardown()
+        finally:
+            rx.close()
+        self.rx_health = BackendHealth.OK
+
+    def _check_receive(self, out: "Recheck") -> None:
+        """The receive side's health, as ``check`` does for the send side: audit while OK,
+        rebuild when LOST/SPEED, wait while GONE/FOREIGN, (re)make when missing."""
+        if self._rules is None or not self._rules.receives or self.health is not BackendHealth.OK:
+            return
+        rx = self.rx
+        if rx is None:
+            if self._sync_receive(self._rules):
+                out.mark_all = True
+                out.installed.extend(self.rx.installed().keys())
+            return
+        try:
+            state = BackendHealth(rx.check())
+        except (OSError, FlowpacerError) as e:
+            log.warning("receive side check failed: %s", e)
+            return
+        prev, self.rx_health = self.rx_health, state
+        if state is BackendHealth.OK:
+            if out.audited:
+                gone = list(rx.audit())
+                if gone:
+                    log.warning("%s: %d receive classes were removed by someone else; adding "
+                                "them again", rx.interface, len(gone))
+                    out.gone.extend(gone)
+            return
+        if state in (BackendHealth.GONE, BackendHealth.FOREIGN):
+            if prev is not state:
+                log.warning("%s: receive side %s; uploads are not shaped until it returns",
+                            rx.interface, state.value)
+                rx.forget()
+            return
+        try:
+            rx.forget()
+            rx.setup()
+        except (OSError, FlowpacerError) as e:
+            self._rx_failed(f"receive side lost, cannot rebuild: {e}")
+            return
+        self.rx_health = BackendHealth.OK
+        self.rx_problem = ""
+        log.warning("%s: receive side (%s) was lost: rebuilt, re-applying every flow",
+                    self.parent_name(), rx.interface)
+        out.mark_all = True
+        out.installed.extend(rx.installed().keys())
+
+    def parent_name(self) -> str:
+        return self.backend.interface if self.backend is not None else "?"
+
     # -------------------------------------------------------------- health
     def check(self) -> Recheck:
         """Notice an interface that went away or came back, a root qdisc someone deleted or
         replaced, a changed link speed; rebuild where that is ours to do."""
+        out = self._check_send()
+        self._check_receive(out)
+        return out
+
+    def _check_send(self) -> "Recheck":
         out = Recheck()
         b = self.backend
         if b is None:
@@ -145,6 +284,7 @@ class BackendSupervisor:
             now = self.clock()
             if now >= self._next_audit:
                 self._next_audit = now + AUDIT_S
+                out.audited = True
                 out.gone = list(b.audit())
                 if out.gone:
                     log.warning("%s: %d flow classes were removed by someone else; adding them "
@@ -218,6 +358,9 @@ class BackendSupervisor:
         nb, alt_reason = alt
         b.close()
         self.backend = nb
+        if self.rx is not None:        # the receive side follows the send side's kind
+            self._drop_receive()
+            self._sync_receive(rs)
         self.health = BackendHealth.OK
         self.problem = ""
         self._episode_failures = 0
@@ -242,6 +385,8 @@ class BackendSupervisor:
         re-applies every flow either way."""
         old_rules = self._rules
         old = self.backend
+        if self.rx is not None:
+            self._drop_receive()
         old.teardown()
         old.close()
         self.backend = None
@@ -252,9 +397,13 @@ class BackendSupervisor:
             raise
 
     def adopt_rules(self, rs: RuleSet) -> None:
+        """A reload that keeps the backend: the receive side comes or goes with the rules."""
         self._rules = rs
+        self._sync_receive(rs)
 
     def shutdown(self) -> None:
+        if self.rx is not None:
+            self._drop_receive()
         if self.backend is not None:
             self.backend.teardown()
             self.backend.close()

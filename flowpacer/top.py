@@ -110,7 +110,7 @@ class Tracker:
     def __init__(self, socket_path: str, interval: float):
         self.socket_path = socket_path
         self.interval = interval
-        self._hist: Dict[Tuple[str, str, str], Deque[Tuple[float, int]]] = {}
+        self._hist: Dict[Tuple[str, str, str, str], Deque[Tuple[float, int]]] = {}
 
     def _title(self) -> str:
         return f"flowpacer top - every {self.interval:g} s - q quits"
@@ -133,9 +133,10 @@ class Tracker:
     def _update(self, st: dict, now: float) -> View:
         rows: List[Row] = []
         totals_cap: Dict[str, int] = {}
-        hist: Dict[Tuple[str, str, str], Deque[Tuple[float, int]]] = {}
+        hist: Dict[Tuple[str, str, str, str], Deque[Tuple[float, int]]] = {}
         for f in st.get("flows") or []:
-            key = (str(f["local"]), str(f["remote"]), str(f.get("classid", "")))
+            side = str(f.get("side") or "send")      # a flow may have a class on each side
+            key = (str(f["local"]), str(f["remote"]), str(f.get("classid", "")), side)
             nbytes = int(f.get("bytes", 0))
             h = self._hist.get(key)
             if h is None or nbytes < h[-1][1] or now <= h[-1][0]:
@@ -148,7 +149,9 @@ class Tracker:
             if len(h) >= 2:
                 actual = (h[-1][1] - h[-2][1]) * 8 / (h[-1][0] - h[-2][0])
                 avg = (h[-1][1] - h[0][1]) * 8 / (h[-1][0] - h[0][0])
-            rows.append(Row(rule=term_safe(f.get("rule", "")), pid=int(f.get("pid", 0)),
+            # receive classes (issue 17) count apart: "RULE (receive)" rows and totals
+            rule = f.get("rule", "") + (" (receive)" if side == "receive" else "")
+            rows.append(Row(rule=term_safe(rule), pid=int(f.get("pid", 0)),
                             process=term_safe(f.get("process", "")),
                             local=term_safe(f["local"]),
                             remote=term_safe(f["remote"]) + ("/udp" if f.get("protocol") == "udp"

@@ -9,24 +9,27 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, Optional
 
-from .model import ClassStats, DaemonView, FlowView, GroupKind, GroupView, endpoint
+from .model import (BackendHealth, ClassStats, DaemonView, FlowView, GroupKind, GroupView, Side,
+                    endpoint)
 
 
 def build(rec, sup, stages: Iterable, *, rules_path: str, flow_source: str,
           tracer_stats: Optional[dict]) -> DaemonView:
     """Called with ``rec.lock`` held."""
     b = sup.backend
+    rx = getattr(sup, "rx", None)
     flows = []
     table = rec.table.flows
-    for key, classid, shape in (b.flows_snapshot() if b else ()):
-        f = table.get(key)
-        if f is None:
-            flows.append(FlowView(key, classid, shape.rule, shape.rate_bps, shape.ceil_bps,
-                                  groups=shape.groups))
-        else:
-            flows.append(FlowView(key, classid, shape.rule, shape.rate_bps, shape.ceil_bps,
-                                  f.proc.pid, f.proc.comm, f.proc.uid, f.direction, f.source,
-                                  shape.groups))
+    for side, be in ((Side.SEND, b), (Side.RECEIVE, rx)):
+        for key, classid, shape in (be.flows_snapshot() if be else ()):
+            f = table.get(key)
+            if f is None:
+                flows.append(FlowView(key, classid, shape.rule, shape.rate_bps, shape.ceil_bps,
+                                      groups=shape.groups, side=side))
+            else:
+                flows.append(FlowView(key, classid, shape.rule, shape.rate_bps, shape.ceil_bps,
+                                      f.proc.pid, f.proc.comm, f.proc.uid, f.direction, f.source,
+                                      shape.groups, side))
     c = rec.counters
     return DaemonView(
         backend=b.name if b else None,
@@ -52,6 +55,9 @@ def build(rec, sup, stages: Iterable, *, rules_path: str, flow_source: str,
                   "apply_hist": c.apply_hist.cumulative()},
         events=dict(rec.table.events),
         groups=_groups(b),
+        receive_interface=rx.interface if rx is not None else None,
+        receive_health=getattr(sup, "rx_health", BackendHealth.OK),
+        receive_problem=getattr(sup, "rx_problem", ""),
     )
 
 
@@ -92,12 +98,14 @@ def _groups_json(v: DaemonView, stats: Dict[int, ClassStats]) -> list:
 
 
 def to_json(v: DaemonView, stats: Dict[int, ClassStats]) -> dict:
-    """The status answer: every flow with its class's counters (``stats``: by classid)."""
+    """The status answer: every flow with its class's counters (``stats``: by classid, and by
+    ``FlowView.stats_key`` for the receive side's classes)."""
     flows = []
     for f in v.flows:
-        st = stats.get(f.classid)
+        st = stats.get(f.stats_key)
         flows.append({
-            "rule": f.rule, "pid": f.pid, "process": f.process, "uid": f.uid,
+            "rule": f.rule, "side": f.side.value, "pid": f.pid, "process": f.process,
+            "uid": f.uid,
             "direction": f.direction.value if f.direction else "",
             "source": f.source.value if f.source else "",
             "local": endpoint(f.key.local_addr, f.key.local_port),
@@ -110,7 +118,7 @@ def to_json(v: DaemonView, stats: Dict[int, ClassStats]) -> dict:
             "drops": st.drops if st else 0,
             **_flow_groups(f),
         })
-    flows.sort(key=lambda x: (x["rule"], x["family"], x["local"], x["remote"]))
+    flows.sort(key=lambda x: (x["rule"], x["family"], x["local"], x["remote"], x["side"]))
     counters = {k: val for k, val in v.counters.items() if k != "apply_hist"}
     counters["events"] = {f"{s}_{k}": n for (s, k), n in v.events.items()}
     return {
@@ -131,6 +139,9 @@ def to_json(v: DaemonView, stats: Dict[int, ClassStats]) -> dict:
         "counters": counters,
         "flows": flows,
         "groups": _groups_json(v, stats),
+        "receive": None if v.receive_interface is None and not v.receive_problem else {
+            "interface": v.receive_interface, "state": v.receive_health.value,
+            "problem": v.receive_problem},
     }
 
 

@@ -18,20 +18,22 @@ from flowpacer.testbed import in_netns
 BASE_CLASSES = ("f1f0:1", "f1f0:2")   # flowpacer's link class and default class
 
 
-def tc_show(tb, what: str, stats: bool = False) -> str:
-    """``tc [-s] {qdisc|class|filter} show dev <server_if>`` in the server namespace."""
+def tc_show(tb, what: str, stats: bool = False, dev: str = "") -> str:
+    """``tc [-s] {qdisc|class|filter} show dev <server_if>`` in the server namespace (``dev``:
+    another device there, e.g. flowpacer's receive-side ifb)."""
     return tb.run(tb.server_ns, ["tc", *(["-s"] if stats else []), what, "show", "dev",
-                                 tb.server_if]).stdout
+                                 dev or tb.server_if]).stdout
 
 
 POOL_FIRST_MINOR = 0xC000   # first-byte pool classes (flowpacer/backend/pool.py)
 
 
-def kernel_objects(tb) -> Tuple[int, int]:
-    """(flow classes, flow filters) of flowpacer's qdisc on the server interface. A ready class
-    of a first-byte pool (its id in the pool range, no filter pointing at it) is no flow's."""
-    cls = tc_show(tb, "class").splitlines()
-    flt = tc_show(tb, "filter").splitlines()
+def kernel_objects(tb, dev: str = "") -> Tuple[int, int]:
+    """(flow classes, flow filters) of flowpacer's qdisc on the server interface (``dev``: on
+    another device, e.g. the receive side's ifb). A ready class of a first-byte pool (its id in
+    the pool range, no filter pointing at it) is no flow's."""
+    cls = tc_show(tb, "class", dev=dev).splitlines()
+    flt = tc_show(tb, "filter", dev=dev).splitlines()
     targets = {ln.split("flowid", 1)[1].split()[0] for ln in flt if "flowid" in ln}
 
     def flow_class(handle: str) -> bool:

@@ -110,6 +110,10 @@ class FakeFactory:
         self.psp = psp
         self.made: List[FakeBackend] = []
         self._installed = installed
+        # the receive side (issue 17): backends made, why making one fails, clean-ups asked
+        self.made_rx: List[FakeBackend] = []
+        self.rx_error: Optional[Exception] = None
+        self.rx_cleanups: List[str] = []
 
     def _new(self, name, interface, link_rate_bps):
         b = FakeBackend(name, interface, link_rate_bps or 125_000_000,
@@ -133,6 +137,17 @@ class FakeFactory:
 
     def psp_available(self) -> bool:
         return self.psp
+
+    def make_receive(self, send_backend, interface, link_rate_bps):
+        if self.rx_error is not None:
+            raise self.rx_error
+        b = FakeBackend(send_backend.name, "fpi-" + interface, link_rate_bps or 125_000_000)
+        self.made_rx.append(b)
+        b.setup()
+        return b
+
+    def cleanup_receive(self, interface) -> None:
+        self.rx_cleanups.append(interface)
 
 
 class FakeSockDiag:

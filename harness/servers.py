@@ -104,9 +104,10 @@ class Nginx:
             return ""
 
 
-def iperf3_server(tb, port: int = 5201) -> subprocess.Popen:
-    """``iperf3 -s`` (serves one test after another) in the server namespace."""
-    p = tb.popen(tb.server_ns, ["iperf3", "-s", "-p", str(port)])
+def iperf3_server(tb, port: int = 5201, bind: str = "") -> subprocess.Popen:
+    """``iperf3 -s`` (serves one test after another) in the server namespace; a dual-stack
+    listener (IPv4 clients are IPv4-mapped flows) unless ``bind`` names an address."""
+    p = tb.popen(tb.server_ns, ["iperf3", "-s", "-p", str(port), *(["-B", bind] if bind else [])])
     tb.wait_listening(port)
     return p
 

@@ -144,8 +144,8 @@ def client_socket(tb, host, port: int, timeout: float = 10) -> socket.socket:
     return s
 
 
-def _read_response(s: socket.socket, buf: bytearray) -> int:
-    """Read one HTTP/1.1 response with a Content-Length; its body length."""
+def read_head(s: socket.socket) -> tuple:
+    """Read an HTTP response's header: (header, the body bytes read with it)."""
     head = b""
     while b"\r\n\r\n" not in head:
         d = s.recv(4096)
@@ -153,6 +153,12 @@ def _read_response(s: socket.socket, buf: bytearray) -> int:
             raise ConnectionError("closed before the response header")
         head += d
     hdr, _, rest = head.partition(b"\r\n\r\n")
+    return hdr, rest
+
+
+def _read_response(s: socket.socket, buf: bytearray) -> int:
+    """Read one HTTP/1.1 response with a Content-Length; its body length."""
+    hdr, rest = read_head(s)
     m = re.search(rb"(?im)^content-length:\s*(\d+)", hdr)
     if not m:
         raise ConnectionError(f"no content-length in {hdr[:200]!r}")

@@ -211,3 +211,19 @@ def test_flow_table_idle_reopen_and_snapshot_keeps_peers_of_open_sockets():
     ft.on_event(FlowEvent(EventKind.OPEN, u))
     ft.expire([u.key])
     assert u.key not in ft.flows and u.key in ft.dirty and ft.events[("idle", "close")] == 1
+def test_receive_side_is_its_own_map_first_match_wins():
+    """Issue 17: the receive map holds the flows whose FIRST matching rule has a receive_rate;
+    a flow matched first by a send-only rule is not shaped on receive, even if a later rule has a
+    receive_rate."""
+    import dataclasses
+    up = dataclasses.replace(rule("up", process=("musicd",), local_port=PortSet(((8443, 8443),))),
+                             receive_rate_bps=1_250_000)
+    upc = dataclasses.replace(rule("upc", process=("nginx",)), receive_rate_bps=1_000,
+                              receive_ceil_bps=500)            # ceil below rate: rate wins
+    rs = RuleSet("eth0", rules=(up, rule("send", process=("musicd",)), upc))
+    f1, f2, f3 = flow(), flow(lport=9000), flow(comm="nginx", rport=40001)
+    flows = {f.key: f for f in (f1, f2, f3)}
+    assert engine.desired_receive(flows, rs) == {f1.key: Shape("up", 1_250_000, 1_250_000),
+                                                 f3.key: Shape("upc", 1_000, 1_000)}
+    assert set(engine.desired(flows, rs)) == {f1.key, f2.key, f3.key}
+    assert rs.receives and not RuleSet("eth0", rules=(rule("x"),)).receives

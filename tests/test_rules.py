@@ -655,7 +655,7 @@ def test_field_table_is_documented():
     assert {"interface", "backend", "link_rate", "rules", "name", "match", "rate", "ceil",
             "process", "exe", "user", "direction", "local_port", "remote_port",
             "remote", "client_rate", "total_rate", "client_prefix", "ipv4", "ipv6", "protocol",
-            "idle_timeout"} == seen
+            "idle_timeout", "receive_rate", "receive_ceil"} == seen
     for unit in ("kbit", "mibit", "bps", "kibps", "tbps"):
         assert f"`{unit}`" in doc, unit
 
@@ -814,3 +814,30 @@ def test_aggregates_dump_round_trip():
     assert rules.without_provenance(rules.loads(text)) == rules.without_provenance(rs)
     plain = ok(agg("client_rate: 20mbit\n"))
     assert "client_prefix" not in rules.dump(plain)
+
+
+# ----------------------------------------------------------- uploads (issue 17)
+
+def test_receive_rate_loads_and_round_trips():
+    (r,) = ok(agg("receive_rate: 10mbit\nreceive_ceil: 50%\n")).rules
+    assert (r.rate_bps, r.receive_rate_bps, r.receive_ceil_bps) == (
+        1_000_000, 1_250_000, 62_500_000)
+    assert rules.without_provenance(rules.loads(rules.dump(ok(agg("receive_rate: 10mbit\n"))))) \
+        == rules.without_provenance(ok(agg("receive_rate: 10mbit\n")))
+    (plain,) = ok(rule("{process: nginx}")).rules
+    assert (plain.receive_rate_bps, plain.receive_ceil_bps) == (None, None)
+    assert "receive_rate 10 Mbit/s per flow (ceil none)" in rules.describe(
+        ok(agg("receive_rate: 10mbit\n")))[-1]
+
+
+def test_receive_rate_errors_have_their_place():
+    assert errs(agg("receive_rate: 20mbit\nreceive_ceil: 10mbit\n")) == [
+        "r.yaml:7:19: rule 'r': receive_ceil: 10 Mbit/s is below receive_rate 20 Mbit/s "
+        "(receive_ceil must be >= receive_rate)"]
+    assert err(agg("receive_ceil: 10mbit\n")) == (
+        "r.yaml:6:19: rule 'r': receive_ceil: needs receive_rate (the rate a flow's uploads are "
+        "guaranteed)")
+    assert err(agg("receive_rate: 2gbit\n")) == (
+        "r.yaml:6:19: rule 'r': receive_rate: 2 Gbit/s is above link_rate 1 Gbit/s: a flow can "
+        "never get it")
+    assert err(agg("receive_rate: fast\n")).startswith("r.yaml:6:19: rule 'r': receive_rate: ")

@@ -7,6 +7,7 @@ import logging
 import time
 
 from flowpacer.control import call
+from flowpacer.errors import BackendError
 from flowpacer.metrics import FlowpacerCollector
 from flowpacer.model import (BackendHealth, BackendKind, Direction, EventKind, Flow, FlowEvent,
                              FlowKey, FlowSource, Match, ProcessInfo, Rule, RuleSet, Shape,
@@ -277,3 +278,85 @@ def _samples(d):
     for fam in text_string_to_metric_families(generate_latest(reg).decode()):
         for s in fam.samples:
             yield s.name, s.labels, s.value
+
+
+# ------------------------------------------------- the receive side (issue 17)
+
+RECV = 1_250_000           # bytes/s
+RX_RULES = RuleSet("fake0", BackendKind.HTB, 125_000_000,
+                   (Rule("web", Match(process=("nginx",)), RATE, receive_rate_bps=RECV),
+                    Rule("plain", Match(process=("other",)), RATE)))
+
+
+def rx_shaped(d):
+    rx = d.supervisor.rx
+    return set(rx.installed()) if rx is not None else set()
+
+
+def test_receive_side_follows_the_rules_and_its_health(tmp_path):
+    """A receive backend exists while a rule receives: flows of such a rule get a class on each
+    side (status says which), others only a send class; a lost receive side is rebuilt and its
+    flows re-applied; a reload without receive_rate tears it down, one with it makes it again."""
+    fac, sd = FakeFactory(), FakeSockDiag()
+    up, other = flow(key(1, 4)), flow(key(2, 6), comm="other")
+    mapped = flow(key(3, "mapped"))
+    sd.flows = {f.key: f for f in (up, other, mapped)}
+    current = [RX_RULES]
+    with inprocess_daemon(tmp_path, lambda: current[0], factory=fac, sockdiag=sd,
+                          tracer_enabled=False) as d:
+        wait_for(lambda: rx_shaped(d) == {up.key, mapped.key} and len(shaped(d)) == 3, 5,
+                 what="send and receive classes")
+        assert not fac.rx_cleanups
+        rx = d.supervisor.rx
+        assert rx.shape_of(up.key) == Shape("web", RECV, RECV)
+        st = d.status()
+        assert st["receive"] == {"interface": "fpi-fake0", "state": "ok", "problem": ""}
+        assert sorted((f["side"], f["rule"]) for f in st["flows"]) == [
+            ("receive", "web"), ("receive", "web"), ("send", "plain"), ("send", "web"),
+            ("send", "web")]
+        m = {(n, tuple(sorted(lab.items()))): v for n, lab, v in _samples(d)}
+        sides = {dict(lab)["side"] for (n, lab) in m if n == "flowpacer_flow_sent_bytes_total"}
+        assert sides == {"send", "receive"}
+        # lost (ifb deleted): rebuilt, its flows applied again
+        rebuilt = []
+
+        def setup(orig=rx.setup):
+            orig()
+            rebuilt.append(1)
+            rx.health = BackendHealth.OK          # made again: the fake is in order
+        rx.setup = setup
+        rx.health = BackendHealth.LOST
+        wait_for(lambda: rebuilt and rx_shaped(d) == {up.key, mapped.key}
+                 and d.supervisor.rx_health is BackendHealth.OK, 5, what="rebuilt")
+        # a reload without receive_rate: the receive side goes
+        current[0] = RULES
+        assert call(d.opts.socket_path, {"cmd": "reload"}, timeout=5)["ok"]
+        assert d.supervisor.rx is None and rx.torn_down and rx.closed
+        assert d.status()["receive"] is None
+        # and with it again: made, flows applied
+        current[0] = RX_RULES
+        assert call(d.opts.socket_path, {"cmd": "reload"}, timeout=5)["ok"]
+        wait_for(lambda: rx_shaped(d) == {up.key, mapped.key}, 5, what="receive side again")
+        assert len(fac.made_rx) == 2 and len(fac.made) == 1
+
+
+def test_receive_side_that_cannot_be_made_is_retried_and_visible(tmp_path):
+    fac, sd = FakeFactory(), FakeSockDiag()
+    fac.rx_error = BackendError("create ifb fpi-fake0: Operation not supported")
+    up = flow(key(1, 4))
+    sd.flows = {up.key: up}
+    with inprocess_daemon(tmp_path, RX_RULES, factory=fac, sockdiag=sd,
+                          tracer_enabled=False) as d:
+        wait_for(lambda: shaped(d) == {up.key}, 5, what="the send side works regardless")
+        st = d.status()
+        assert st["receive"]["interface"] is None
+        assert "Operation not supported" in st["receive"]["problem"]
+        fac.rx_error = None
+        wait_for(lambda: rx_shaped(d) == {up.key}, 5, what="made at a later pass, flow applied")
+        assert d.status()["receive"]["problem"] == ""
+
+
+def test_no_rule_receives_so_a_left_receive_side_is_removed_at_start(tmp_path):
+    fac = FakeFactory()
+    with inprocess_daemon(tmp_path, RULES, factory=fac, tracer_enabled=False) as d:
+        assert d.supervisor.rx is None and fac.rx_cleanups == ["fake0"] and not fac.made_rx

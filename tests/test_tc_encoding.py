@@ -146,3 +146,66 @@ def test_u32_plugin_decodes_dumped_keys():
     m = u32.options.u32_sel(bytearray(payload))
     m.decode()
     assert (m["hoff"], m["hmask"], m["keys"]) == (20, 0xFF, keys)
+
+
+# ------------------------------------------- the receive side's structures (issue 17)
+
+C_PROBE_RX = r"""
+#include <stdio.h>
+#include <stddef.h>
+#include <linux/pkt_sched.h>
+#include <linux/pkt_cls.h>
+#include <linux/rtnetlink.h>
+#include <linux/if_link.h>
+#include <linux/if.h>
+#include <linux/if_ether.h>
+#include <linux/tc_act/tc_mirred.h>
+#define P(x) printf(#x " %ld\n", (long)(x))
+int main(void) {
+  P(sizeof(struct tc_mirred)); P(offsetof(struct tc_mirred, eaction));
+  P(offsetof(struct tc_mirred, ifindex)); P(offsetof(struct tc_mirred, action));
+  P(sizeof(struct ifinfomsg)); P(offsetof(struct ifinfomsg, ifi_index));
+  P(offsetof(struct ifinfomsg, ifi_flags)); P(offsetof(struct ifinfomsg, ifi_change));
+  P(TCA_MIRRED_PARMS); P(TCA_EGRESS_REDIR); P(TC_ACT_STOLEN); P(TCA_ACT_KIND);
+  P(TCA_ACT_OPTIONS); P(TCA_U32_ACT); P(ETH_P_ALL);
+  P((long)(unsigned)TC_H_CLSACT); P((long)(unsigned)TC_H_MAKE(TC_H_CLSACT, TC_H_MIN_INGRESS));
+  P((long)(unsigned)TC_H_MAKE(TC_H_CLSACT, TC_H_MIN_EGRESS));
+  P(RTM_NEWLINK); P(RTM_DELLINK); P(RTM_GETLINK); P(IFLA_IFNAME); P(IFLA_TXQLEN);
+  P(IFLA_LINKINFO); P(IFLA_IFALIAS); P(IFLA_INFO_KIND); P(IFF_UP);
+  return 0;
+}
+"""
+
+
+def test_receive_side_structures_match_uapi(tmp_path):
+    from flowpacer.tc import link, mirred
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc, "a C compiler is needed (build-essential)"
+    (tmp_path / "rx.c").write_text(C_PROBE_RX)
+    subprocess.run([cc, "-Wall", "-o", str(tmp_path / "rx"), str(tmp_path / "rx.c")], check=True)
+    out = subprocess.run([str(tmp_path / "rx")], capture_output=True, text=True, check=True).stdout
+    got = {ln.rsplit(" ", 1)[0]: int(ln.rsplit(" ", 1)[1]) for ln in out.splitlines()}
+    assert got["sizeof(struct tc_mirred)"] == mirred.TC_MIRRED.size
+    assert got["offsetof(struct tc_mirred, action)"] == 8           # tc_gen: index, capab, action
+    assert got["offsetof(struct tc_mirred, eaction)"] == 20
+    assert got["offsetof(struct tc_mirred, ifindex)"] == 24
+    assert got["sizeof(struct ifinfomsg)"] == link.IFINFOMSG.size
+    assert (got["offsetof(struct ifinfomsg, ifi_index)"], got["offsetof(struct ifinfomsg, ifi_flags)"],
+            got["offsetof(struct ifinfomsg, ifi_change)"]) == (4, 8, 12)
+    pairs = {"TCA_MIRRED_PARMS": mirred.TCA_MIRRED_PARMS, "TCA_EGRESS_REDIR": mirred.TCA_EGRESS_REDIR,
+             "TC_ACT_STOLEN": mirred.TC_ACT_STOLEN, "TCA_ACT_KIND": mirred.TCA_ACT_KIND,
+             "TCA_ACT_OPTIONS": mirred.TCA_ACT_OPTIONS, "TCA_U32_ACT": mirred.TCA_U32_ACT,
+             "ETH_P_ALL": mirred.ETH_P_ALL,
+             "(long)(unsigned)TC_H_CLSACT": mirred.TC_H_CLSACT,
+             "(long)(unsigned)TC_H_MAKE(TC_H_CLSACT, TC_H_MIN_INGRESS)": mirred.INGRESS_PARENT,
+             "(long)(unsigned)TC_H_MAKE(TC_H_CLSACT, TC_H_MIN_EGRESS)": mirred.EGRESS_PARENT,
+             "RTM_NEWLINK": link.RTM_NEWLINK, "RTM_DELLINK": link.RTM_DELLINK,
+             "RTM_GETLINK": link.RTM_GETLINK, "IFLA_IFNAME": link.IFLA_IFNAME,
+             "IFLA_TXQLEN": link.IFLA_TXQLEN, "IFLA_LINKINFO": link.IFLA_LINKINFO,
+             "IFLA_IFALIAS": link.IFLA_IFALIAS, "IFLA_INFO_KIND": link.IFLA_INFO_KIND,
+             "IFF_UP": link.IFF_UP}
+    for name, ours in pairs.items():
+        assert got[name] == ours, name
+    # what we pack reads back as the same redirect
+    opts = nl.parse_attrs(mirred.redirect_all_options(7))
+    assert mirred.redirect_target(nl.parse_attrs(opts[nl.TCA_OPTIONS]), nl.parse_attrs) == 7

@@ -51,6 +51,20 @@ def test_actual_rate_is_byte_growth_over_time_and_rows_sort_by_it():
     assert [r.actual_bit for r in v.rows] == [None]
 
 
+def test_a_flow_with_a_receive_class_counts_each_side_apart():
+    """Issue 17: one flow, a send and a receive class with the same class id (on two devices):
+    two rows with their own rates, the receive one under "RULE (receive)", totals apart."""
+    t = Tracker("/x.sock", 1.0)
+
+    def both(sent, received):
+        return status([flow("1.1.1.1:1", sent), dict(flow("1.1.1.1:1", received), side="receive")])
+    t.update(both(0, 0), 10.0)
+    v = t.update(both(500_000, 125_000), 11.0)
+    assert sorted((r.rule, r.actual_bit) for r in v.rows) == [("r", 4_000_000.0),
+                                                              ("r (receive)", 1_000_000.0)]
+    assert sorted((x.rule, x.flows) for x in v.totals) == [("r", 1), ("r (receive)", 1)]
+
+
 def test_daemon_gone_is_reported_and_counts_start_over():
     t = Tracker("/run/x.sock", 0.5)
     t.update(status([flow("1.1.1.1:1", 1000)]), 1.0)

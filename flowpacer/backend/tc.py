@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from ..errors import BackendError, NetlinkError
 from ..model import (ApplyResult, BackendHealth, ClassStats, FlowKey, Op, OpError, OpKind,
-                     Protocol, Shape)
+                     Protocol, Shape, Side)
 from ..tc import nl, u32
 from ..tc.nl import (NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE, RTM_DELQDISC, RTM_DELTCLASS,
                      RTM_DELTFILTER, RTM_GETQDISC, RTM_GETTCLASS, RTM_GETTFILTER, RTM_NEWQDISC,
@@ -69,6 +69,16 @@ def link_speed_bps(interface: str) -> Optional[int]:
     return mbit * 1_000_000 // 8 if mbit > 0 else None
 
 
+def wire_key(key: FlowKey, side: Side) -> FlowKey:
+    """The tuple a flow's packets carry on ``side``: the key itself when sending (source =
+    local), reversed when receiving (source = remote). Its own inverse, so adoption maps a
+    filter's tuple back with it."""
+    if side is Side.SEND:
+        return key
+    return FlowKey(key.remote_addr, key.remote_port, key.local_addr, key.local_port,
+                   key.protocol)
+
+
 def root_qdisc(rtnl: RtnlSocket, ifindex: int) -> Optional[nl.TcObject]:
     for mtype, body in rtnl.dump(RTM_GETQDISC, nl.tcmsg(ifindex)):
         obj = nl.parse_tcmsg(mtype, body)
@@ -91,10 +101,15 @@ def cleanup(interface: str) -> bool:
 
 class TcBackend(PoolMixin):     # PoolMixin: first-byte pools (issue 16, pool.py)
     def __init__(self, codec, interface: str, link_rate_bps: Optional[int] = None,
-                 take_over: bool = False, rtnl: Optional[RtnlSocket] = None):
+                 take_over: bool = False, rtnl: Optional[RtnlSocket] = None,
+                 side: Side = Side.SEND, speed_interface: Optional[str] = None):
+        """``side``: RECEIVE on flowpacer's ifb (issue 17): filters match the reversed tuple;
+        ``speed_interface``: whose speed is the link rate (the ifb has none: its interface's)."""
         self.codec = codec
         self.name = codec.kind
         self.interface = interface
+        self.side = side
+        self.speed_interface = speed_interface or interface
         self.take_over = take_over
         self._want_link_rate = link_rate_bps
         self.link_rate_bps = 0
@@ -153,7 +168,7 @@ class TcBackend(PoolMixin):     # PoolMixin: first-byte pools (issue 16, pool.py
     def setup(self) -> None:
         """Create our root qdisc and skeleton, or adopt the one a previous run left."""
         self.ifindex = ifindex_of(self.interface)
-        rate = self._want_link_rate or link_speed_bps(self.interface)
+        rate = self._want_link_rate or link_speed_bps(self.speed_interface)
         if not rate:
             raise BackendError(f"interface {self.interface} reports no speed: set link_rate in the "
                                "rules file")
@@ -268,8 +283,9 @@ class TcBackend(PoolMixin):     # PoolMixin: first-byte pools (issue 16, pool.py
             if proto not in (Protocol.TCP.number, Protocol.UDP.number):
                 stale_filters.append((fam, obj.handle))
                 continue
-            key = FlowKey(la, lport, ra, rport,
-                          Protocol.UDP if proto == Protocol.UDP.number else Protocol.TCP)
+            key = wire_key(FlowKey(la, lport, ra, rport,
+                                   Protocol.UDP if proto == Protocol.UDP.number else Protocol.TCP),
+                           self.side)
             rate, ceil = self.codec.parse_rates(cls.options)
             self._flows[key] = Installed(classid, obj.handle, Shape("", rate, ceil))
             self._layout.adopt_leaf(obj.handle)
@@ -415,14 +431,16 @@ class TcBackend(PoolMixin):     # PoolMixin: first-byte pools (issue 16, pool.py
             res.errors.append(OpError(op, f"{key}: {e}"))
             return
         # issue 16: a socket that claimed a pool class already sends into it: that is its class
-        claimed = self._pool_take_claim(key) if parent is None else None
+        claimed = self._pool_take_claim(key) if parent is None and self.side is Side.SEND \
+            else None
         try:
             minor = claimed or self._alloc_minor()
         except LayoutFull as e:
             res.errors.append(OpError(op, str(e)))
             return
+        wk = wire_key(key, self.side)      # the tuple the filter matches (reversed on receive)
         try:
-            pl: Placement = self._layout.place(key)
+            pl: Placement = self._layout.place(wk)
         except LayoutFull as e:
             self._free_minor(minor)
             res.errors.append(OpError(op, str(e)))
@@ -468,9 +486,9 @@ class TcBackend(PoolMixin):     # PoolMixin: first-byte pools (issue 16, pool.py
         add(self._class_msg(minor, parent or self._flow_parent, options, not claimed,
                             lambda: f"add class {nl.fmt_handle(classid)} for {key}"), class_done)
         add(self._filter_msg(RTM_NEWTFILTER, NLM_F_CREATE | NLM_F_EXCL, key.family, pl.handle,
-                             u32.leaf_options(classid, u32.flow_keys(key.local_addr, key.local_port,
-                                                                     key.remote_addr, key.remote_port,
-                                                                     key.protocol.number),
+                             u32.leaf_options(classid, u32.flow_keys(wk.local_addr, wk.local_port,
+                                                                     wk.remote_addr, wk.remote_port,
+                                                                     wk.protocol.number),
                                               pl.in_table),
                              lambda: f"add filter for {key}"), filter_done)
 
@@ -728,7 +746,7 @@ class TcBackend(PoolMixin):     # PoolMixin: first-byte pools (issue 16, pool.py
         if root.handle != QDISC_HANDLE or root.kind != self.codec.kind:
             return BackendHealth.FOREIGN
         if not self._want_link_rate:
-            speed = link_speed_bps(self.interface)
+            speed = link_speed_bps(self.speed_interface)
             if speed and speed != self.link_rate_bps:
                 return BackendHealth.SPEED
         return BackendHealth.OK

@@ -155,31 +155,28 @@ def _addr_words(addr: ipaddress._BaseAddress) -> List[int]:
 
 def flow_keys(local_addr, local_port: int, remote_addr, remote_port: int,
               proto: int = IPPROTO_TCP) -> List[Key]:
-    """Exact keys for the egress 4-tuple (source = local, destination = remote) and the IP
-    protocol: a TCP leaf never catches a UDP flow of the same addresses and ports. An
-    unspecified local address (an unconnected UDP socket bound to the wildcard) is left out:
-    such a leaf matches the local port and the remote only."""
+    """Exact keys for a packet's 4-tuple (source = ``local``, destination = ``remote``: the flow
+    itself on egress, its reversed tuple on the receive side's ifb) and the IP protocol: a TCP
+    leaf never catches a UDP flow of the same addresses and ports. An unspecified address (an
+    unconnected UDP socket bound to the wildcard: the source on egress, the destination when
+    reversed) is left out: such a leaf matches the ports and the other address only."""
     ports = (local_port << 16) | remote_port
     fam = local_addr.version
+    src_off, dst_off, ports_off = (12, 16, V4_PORTS_OFF) if fam == 4 else (8, 24, V6_PORTS_OFF)
     off, mask, shift = PROTO_KEY[fam]
     keys = [(off, mask, (proto & 0xFF) << shift)]
-    if fam == 4:
-        if not local_addr.is_unspecified:
-            keys.append((12, 0xFFFFFFFF, _addr_words(local_addr)[0]))
-        keys += [(16, 0xFFFFFFFF, _addr_words(remote_addr)[0]),
-                 (V4_PORTS_OFF, 0xFFFFFFFF, ports)]
-        return keys
-    if not local_addr.is_unspecified:
-        keys += [(8 + 4 * i, 0xFFFFFFFF, w) for i, w in enumerate(_addr_words(local_addr))]
-    keys += [(24 + 4 * i, 0xFFFFFFFF, w) for i, w in enumerate(_addr_words(remote_addr))]
-    keys.append((V6_PORTS_OFF, 0xFFFFFFFF, ports))
+    for base, addr in ((src_off, local_addr), (dst_off, remote_addr)):
+        if not addr.is_unspecified:
+            keys += [(base + 4 * i, 0xFFFFFFFF, w) for i, w in enumerate(_addr_words(addr))]
+    keys.append((ports_off, 0xFFFFFFFF, ports))
     return keys
 
 
 def keys_to_tuple(keys: List[Key]):
     """Inverse of ``flow_keys``: (local_addr, local_port, remote_addr, remote_port, proto), or
     None for keys ``flow_keys`` does not make (a leaf of an older layout without the protocol
-    key is None too: the backend deletes it and the flow gets a new one)."""
+    key is None too: the backend deletes it and the flow gets a new one). A left-out address
+    comes back unspecified."""
     exact = {off: v for off, m, v in keys if m == 0xFFFFFFFF}
     if len(exact) != len(keys) - 1:
         return None
@@ -189,28 +186,22 @@ def keys_to_tuple(keys: List[Key]):
         if len(proto) != 1:
             continue
         proto = (proto[0] >> shift) & 0xFF
-        if fam == 4:
-            if set(exact) == {12, 16, V4_PORTS_OFF}:
-                la = ipaddress.IPv4Address(exact[12])
-            elif set(exact) == {16, V4_PORTS_OFF}:
-                la = ipaddress.IPv4Address(0)
-            else:
-                return None
-            ra = ipaddress.IPv4Address(exact[16])
-            ports = exact[V4_PORTS_OFF]
-        else:
-            remote = set(range(24, 40, 4)) | {V6_PORTS_OFF}
-            if set(exact) == remote | set(range(8, 24, 4)):
-                la = ipaddress.IPv6Address(b"".join(exact[o].to_bytes(4, "big")
-                                                    for o in range(8, 24, 4)))
-            elif set(exact) == remote:
-                la = ipaddress.IPv6Address(0)
-            else:
-                return None
-            ra = ipaddress.IPv6Address(b"".join(exact[o].to_bytes(4, "big")
-                                                for o in range(24, 40, 4)))
-            ports = exact[V6_PORTS_OFF]
-        return la, ports >> 16, ra, ports & 0xFFFF, proto
+        words = 1 if fam == 4 else 4
+        src_off, dst_off, ports_off = (12, 16, V4_PORTS_OFF) if fam == 4 \
+            else (8, 24, V6_PORTS_OFF)
+        src = set(range(src_off, src_off + 4 * words, 4))
+        dst = set(range(dst_off, dst_off + 4 * words, 4))
+        have = set(exact) - {ports_off}
+        if ports_off not in exact or have not in (src | dst, src, dst):
+            return None
+        addr_cls = ipaddress.IPv4Address if fam == 4 else ipaddress.IPv6Address
+
+        def addr(offs):
+            if not offs <= have:
+                return addr_cls(0)
+            return addr_cls(b"".join(exact[o].to_bytes(4, "big") for o in sorted(offs)))
+        ports = exact[ports_off]
+        return addr(src), ports >> 16, addr(dst), ports & 0xFFFF, proto
     return None
 
 

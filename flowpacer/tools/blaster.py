@@ -5,8 +5,9 @@
 
 ``serve`` sets its process name (comm) so that rules can match it, listens on each port and
 answers ``GET /`` with an endless generated body (``GET /N`` with N bytes), one thread per
-client. ``fetch`` downloads for a bounded time and prints one JSON line: bytes and goodput
-(bytes/s) measured after the warm-up, as the receiver saw them.
+client; ``GET /upload/N`` sends N bytes and then reads what the client uploads on the same
+connection until it closes. ``fetch`` downloads for a bounded time and prints one JSON line:
+bytes and goodput (bytes/s) measured after the warm-up, as the receiver saw them.
 """
 from __future__ import annotations
 
@@ -39,7 +40,15 @@ def _client(conn: socket.socket) -> None:
                     return
                 req += d
             path = req.split(b" ", 2)[1] if req.count(b" ") >= 2 else b"/"
+            # "/upload/N": N bytes, then the connection stays open for the client's upload
+            upload = path.startswith(b"/upload/")
+            if upload:
+                path = path[len(b"/upload"):]
             want = int(path[1:]) if path[1:].isdigit() else None
+            # whatever the client sends after its request is read and dropped: a client may
+            # upload on the same connection (tests of both directions)
+            drain = threading.Thread(target=_drain, args=(conn,), daemon=True)
+            drain.start()
             hdr = b"HTTP/1.0 200 OK\r\nContent-Type: application/octet-stream\r\n"
             if want is not None:
                 hdr += b"Content-Length: %d\r\n" % want
@@ -50,8 +59,19 @@ def _client(conn: socket.socket) -> None:
                 conn.sendall(CHUNK[:n])
                 if left is not None:
                     left -= n
+            if upload:
+                drain.join()      # the body is out: the connection stays until the client ends
         except OSError:
             return
+
+
+def _drain(conn: socket.socket) -> None:
+    buf = bytearray(1 << 16)
+    try:
+        while conn.recv_into(buf):
+            pass
+    except OSError:
+        return
 
 
 def serve(ports, v6: bool, name: str) -> None:

@@ -1,0 +1,90 @@
+"""Uploads (issue 17) with the psp backend, inside the VM where sch_psp is loaded.
+
+``flowpacer run --no-tracer`` in the server namespace with a rule that gives iperf3's flows
+``receive_rate: 3mbit``: the daemon makes its ifb, redirects the interface's ingress to it and
+puts a psp root qdisc and one psp class per flow there. iperf3 clients in the client namespace
+upload (no ``-R``) over IPv4 and IPv6 at once; what the server received must be within 5 % of
+3 Mbit/s x 1448/1514 (1428/1514 over IPv6). While they run each data flow has its psp class on
+the ifb at the rule's rate; after they end the classes go; SIGTERM removes the ifb and the
+clsact.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+import psplib
+from flowpacer.backend.ingress import ifb_name
+from harness.daemon import Daemon
+from harness.testbed import Testbed, wait_for
+from harness.traffic import WIRE, WIRE6
+from psplib import PspNl
+
+RECV = 3_000_000
+P_V4, P_V6 = 5401, 5402
+RULES = """
+    interface: IFACE
+    backend: psp
+    link_rate: 1gbit
+    rules:
+      - name: ingest
+        match: {process: iperf3, direction: inbound}
+        rate: 20mbit
+        receive_rate: 3mbit
+"""
+
+
+def _rx(tb: Testbed):
+    """(psp root qdisc, {minor: class}) on the receive side's ifb (None, {} without it)."""
+    with PspNl(tb.server_ns) as sock:
+        try:
+            return sock.root(ifb_name(tb.server_if)), sock.classes(ifb_name(tb.server_if))
+        except Exception:            # no such device
+            return None, {}
+
+
+def test_uploads_paced_by_psp_on_the_ifb(tb, tmp_path, big_rmem):
+    tb.popen(tb.server_ns, ["iperf3", "-s", "-p", str(P_V4), "-B", str(tb.server_v4)])
+    tb.popen(tb.server_ns, ["iperf3", "-s", "-p", str(P_V6)])
+    tb.wait_listening(P_V4)
+    tb.wait_listening(P_V6)
+    # bounded by a condition, long: TCG on a shared 2-core host starts Python slowly
+    d = Daemon(tb, tmp_path, RULES, "--no-tracer", "--no-metrics", "--rescan", "0.5").start(
+        timeout=300)
+    try:
+        st = d.status_cli()
+        assert st["backend"] == "psp" and st["receive"]["state"] == "ok", st
+        q, cls = _rx(tb)
+        assert q is not None and list(cls) == [2], (q, cls)
+        clients = {fam: tb.popen(tb.client_ns, ["iperf3", "-c", str(host), "-p", str(port),
+                                                "-t", "10", "-O", "3", "-J"],
+                                 stdout=subprocess.PIPE, text=True)
+                   for fam, host, port in ((4, tb.server_v4, P_V4), (6, tb.server_v6, P_V6))}
+        rx = wait_for(lambda: (lambda f: f if len(f) >= 4 else None)(
+            [f for f in d.flows() if f["side"] == "receive"]), 30, 0.2,
+            "the uploads' receive classes (data and control flows)")
+        _, cls = _rx(tb)
+        for f in rx:
+            minor = int(f["classid"].split(":")[1], 16)
+            assert f["rate_bit"] == RECV and minor in cls, (f, sorted(cls))
+            assert cls[minor].rate == RECV // 8
+        for fam, c in clients.items():
+            out, _ = c.communicate(timeout=120)
+            doc = json.loads(out)
+            assert c.returncode == 0, doc.get("error")
+            got = doc["end"]["sum_received"]["bits_per_second"] / 8
+            want = RECV / 8 * (WIRE6 if fam == 6 else WIRE)
+            psplib.record(f"psp upload (IPv{fam}): receive_rate {RECV / 1e6:g} Mbit: received "
+                          f"{got * 8 / 1e6:.3f} Mbit/s = {100 * got / want:.2f} % of rate x wire")
+            assert got == pytest.approx(want, rel=0.05), f"IPv{fam}: {got * 8 / 1e6:.3f} Mbit/s"
+        wait_for(lambda: list(_rx(tb)[1]) == [2], 10, 0.1, "the ended uploads' classes to go")
+    finally:
+        rc = d.stop()
+    assert rc == 0, d.log.read_text()[-3000:]
+    assert "Traceback" not in d.log.read_text()
+    links = tb.run(tb.server_ns, ["ip", "-o", "link", "show"]).stdout
+    assert ifb_name(tb.server_if) not in links, links
+    assert "clsact" not in tb.run(tb.server_ns, ["tc", "qdisc", "show", "dev",
+                                                 tb.server_if]).stdout
