@@ -63,11 +63,18 @@ _GLOB = set("*?[")
 _SYS_BPF = 321             # x86-64
 _BPF_LINK_CREATE = 28
 _BPF_CGROUP_SOCK_OPS = 3
+# cgroup sock_addr programs: (function, attach type); BPF_CGROUP_INET{4,6}_{BIND,CONNECT}
+SOCK_ADDR_PROGS = (("fb_bind4", 8), ("fb_bind6", 9), ("fb_connect4", 10), ("fb_connect6", 11))
 SO_NETNS_COOKIE = 71
 
 
 class FirstByteUnavailable(TracerUnavailable):
     """The kernel or the host cannot run first-byte shaping (one line why)."""
+
+
+def _last_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[-1] if text else type(e).__name__
 
 
 # ------------------------------------------------------------------ rules
@@ -295,7 +302,8 @@ class FirstByte:
         self.netns_cookie = 0
         self._bpf = None
         self._fn = None
-        self._link_fd = -1
+        self._link_fds: List[int] = []
+        self.owner_hooks = 0
         self._raw: List[bytes] = []
         self._pools: Dict[int, _Pool] = {}
         self._pending: Dict[FlowKey, tuple] = {}     # claims not bound yet: (since, class id)
@@ -323,48 +331,85 @@ class FirstByte:
             except Exception as e:
                 raise FirstByteUnavailable(f"bcc is not importable: {e}") from None
             t0 = time.monotonic()
-            b = fn = None
-            for current in (1, 0):
-                try:
-                    b = bcc.BPF(src_file=BPF_SRC.encode(),
-                                cflags=[f"-I{BPF_DIR}", f"-DFB_RING_PAGES={self.ring_pages}",
-                                        f"-DFB_CURRENT={current}"])
-                    fn = b.load_func(b"fb_sockops", bcc.BPF.SOCK_OPS)
-                    break
-                except Exception as e:
-                    if b is not None:
-                        b.cleanup()
-                        b = None
-                    msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-                    if not current:
-                        raise FirstByteUnavailable(f"sock_ops program refused: {msg}") from None
-            self.current_helpers = bool(current)
-            if not current:
-                log.info("first byte: this kernel's sock_ops programs cannot ask for the current "
-                         "process (Debian's 6.1 and 6.12 cannot): listeners' owners are found "
-                         "by user space, and "
-                         "outbound flows of rules naming a process or user get their class "
-                         "after the handshake")
-            root = "cgroup2"
             try:
-                cg, root = open_cgroup2_root()
-                try:
-                    self._link_fd = link_create(fn.fd, cg, _BPF_CGROUP_SOCK_OPS)
-                finally:
-                    os.close(cg)
+                b = bcc.BPF(src_file=BPF_SRC.encode(),
+                            cflags=[f"-I{BPF_DIR}", f"-DFB_RING_PAGES={self.ring_pages}"])
+            except Exception as e:
+                raise FirstByteUnavailable(f"first-byte programs not compiled: {_last_line(e)}") \
+                    from None
+            try:
+                fn, self.current_helpers = self._load_sockops(b)
+                owners = self._load_owner_progs(b)
             except FirstByteUnavailable:
                 b.cleanup()
                 raise
+            root = "cgroup2"
+            links: List[int] = []
+            try:
+                cg, root = open_cgroup2_root()
+                try:
+                    links.append(link_create(fn.fd, cg, _BPF_CGROUP_SOCK_OPS))
+                    for name, prog, attach in owners:
+                        try:
+                            links.append(link_create(prog.fd, cg, attach))
+                        except OSError as e:
+                            log.warning("first byte: %s not attached (%s): flows of rules naming "
+                                        "a process or user get their class after the handshake "
+                                        "where it would have told the owner", name,
+                                        e.strerror or e)
+                finally:
+                    os.close(cg)
+            except FirstByteUnavailable:
+                for fd in links:
+                    os.close(fd)
+                b.cleanup()
+                raise
             except OSError as e:
+                for fd in links:
+                    os.close(fd)
                 b.cleanup()
                 raise FirstByteUnavailable(f"cannot attach sock_ops to {root}: "
                                            f"{e.strerror or e}") from None
+            self._link_fds = links
+            self.owner_hooks = len(links) - 1
             self._bpf, self._fn = b, fn
             b[b"fb_events"].open_ring_buffer(self._on_event)
             self._write_config(0)
             n = self._seed_listeners()
-            log.info("first-byte sock_ops attached to %s (bpf_link fd %d), %d listeners seeded, "
-                     "compiled in %.2f s", root, self._link_fd, n, time.monotonic() - t0)
+            log.info("first-byte sock_ops and %d owner hooks attached to %s (bpf_links), %d "
+                     "listeners seeded, compiled in %.2f s (sock_ops %s the current task)",
+                     self.owner_hooks, root, n, time.monotonic() - t0,
+                     "may ask for" if self.current_helpers else "may not ask for")
+
+    @staticmethod
+    def _load_sockops(b):
+        """The sock_ops program: the variant that asks for the current task where the kernel
+        lets sock_ops do so (6.18), else the one that does not (6.1, 6.12). Both are in the one
+        compiled object: the refusal costs a verifier run, not a second compile."""
+        import bcc
+        try:
+            return b.load_func(b"fb_sockops_cur", bcc.BPF.SOCK_OPS), True
+        except Exception:
+            pass
+        try:
+            return b.load_func(b"fb_sockops", bcc.BPF.SOCK_OPS), False
+        except Exception as e:
+            raise FirstByteUnavailable(f"sock_ops program refused: {_last_line(e)}") from None
+
+    @staticmethod
+    def _load_owner_progs(b):
+        """The bind/connect programs (cgroup sock_addr, which may ask for the current task on
+        every kernel measured: 6.1, 6.12, 6.18); (name, fn, attach type) of those loaded."""
+        import bcc
+        out = []
+        for name, attach in SOCK_ADDR_PROGS:
+            try:
+                out.append((name, b.load_func(name.encode(), bcc.BPF.CGROUP_SOCK_ADDR,
+                                              attach_type=attach), attach))
+            except Exception as e:
+                log.warning("first byte: %s refused (%s): its owners stay unknown", name,
+                            _last_line(e))
+        return out
 
     def _seed_listeners(self) -> int:
         try:
@@ -644,9 +689,9 @@ class FirstByte:
             except Exception as e:
                 log.debug("first byte stats: %s", e)
             free = self._drain()
-            if self._link_fd >= 0:
-                os.close(self._link_fd)
-                self._link_fd = -1
+            for fd in self._link_fds:
+                os.close(fd)
+            self._link_fds = []
             if backend is not None and backend is self._backend \
                     and backend.pool_epoch == self._epoch and free:
                 try:
