@@ -29,7 +29,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 from . import model
 from .errors import TracerUnavailable
@@ -56,6 +56,7 @@ assert EVENT.size == 80
 POOL_TARGET = 48           # ready classes per rule (< POOL_SLOTS): 24 ms of claims at 2 000 flows/s
 CLAIM_WAIT_S = 5.0         # a claim whose flow the daemon has not seen by then is given back
 GRACE_S = 0.005            # a sock_ops run that saw the old rules has finished by then
+SWEEP_S = 2.0              # at most this often the sockets' priorities are swept while ids wait
 
 _GLOB = set("*?[")
 
@@ -269,6 +270,38 @@ def listeners() -> Dict[int, model.ProcessInfo]:
     return out
 
 
+# sock_diag: a socket's SO_PRIORITY is INET_DIAG_CLASS_ID (when no net_cls classid is set, which
+# cgroup v2 never sets), sent when INET_DIAG_TCLASS is asked for
+_INET_DIAG_TCLASS, _INET_DIAG_CLASS_ID = 6, 17
+_DIAG_MSG_LEN = 72                     # struct inet_diag_msg
+# every TCP state whose socket is a full one (not TIME_WAIT 6, not NEW_SYN_RECV 12)
+_FULL_STATES = ((1 << 12) - 1) & ~(1 << 6) & ~(1 << 0)
+_NLA = struct.Struct("=HH")
+
+
+def socket_priorities() -> Set[int]:
+    """The distinct non-zero SO_PRIORITY values of this namespace's TCP sockets (one sock_diag
+    dump per family; IPv4-mapped sockets are in the AF_INET6 one)."""
+    from .sockdiag import NETLINK_SOCK_DIAG, REQ, SOCK_DIAG_BY_FAMILY
+    from .tc.nl import RtnlSocket
+    out: Set[int] = set()
+    with RtnlSocket(NETLINK_SOCK_DIAG) as nls:
+        for fam in (socket.AF_INET, socket.AF_INET6):
+            req = REQ.pack(fam, socket.IPPROTO_TCP, 1 << (_INET_DIAG_TCLASS - 1), _FULL_STATES)
+            for _mtype, body in nls.dump(SOCK_DIAG_BY_FAMILY, req):
+                off = _DIAG_MSG_LEN
+                while off + 4 <= len(body):
+                    ln, typ = _NLA.unpack_from(body, off)
+                    if ln < 4:
+                        break
+                    if typ & 0x3FFF == _INET_DIAG_CLASS_ID and ln >= 8:
+                        prio = struct.unpack_from("=I", body, off + 4)[0]
+                        if prio:
+                            out.add(prio)
+                    off += (ln + 3) & ~3
+    return out
+
+
 def _set_bytes(obj, name: str, raw: bytes) -> None:
     """Copy ``raw`` into the array member ``name`` of a ctypes struct (char arrays included)."""
     ctypes.memmove(ctypes.addressof(obj) + getattr(type(obj), name).offset, raw, len(raw))
@@ -314,7 +347,8 @@ class FirstByte:
         self._backend = None
         self._epoch = -1
         self._counts = {"claims": 0, "bound": 0, "released": 0, "rebound": 0, "bad_records": 0,
-                        "stale": 0, "closed": 0}
+                        "stale": 0, "closed": 0, "sweeps": 0, "freed_by_sweep": 0}
+        self._swept_at = 0.0
         self._poll_lock = threading.Lock()
         self._lock = threading.RLock()
         self.summary = "not started"
@@ -612,6 +646,10 @@ class FirstByte:
             now = time.monotonic()
             fresh = backend is not self._backend or backend.pool_epoch != self._epoch
             closed, self._closed = self._closed, []
+            if fresh or (backend.pool_ids_waiting() and now - self._swept_at >= SWEEP_S):
+                # before any pool id is handed out on a new bookkeeping (rebuild, fall-back,
+                # start): the ids still-open sockets carry are held back
+                self._sweep(backend, now)
             marked = False
             for c in claims:
                 key = c.event.flow.key
@@ -662,6 +700,17 @@ class FirstByte:
                 self._replan(backend, rec.rules)
             else:
                 self.refill(backend)
+
+    def _sweep(self, backend, now: float) -> None:
+        try:
+            prios = socket_priorities()
+        except OSError as e:
+            log.warning("first byte: sockets' priorities not read (%s): awaited pool ids stay "
+                        "taken", e)
+            return
+        self._swept_at = now
+        self._counts["freed_by_sweep"] += backend.pool_sockets_hold(prios)
+        self._counts["sweeps"] += 1
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> Dict[str, int]:

@@ -12,7 +12,8 @@ from flowpacer.backend.htb import burst_for
 from flowpacer.backend.pool import POOL_FIRST_MINOR
 from flowpacer.testbed import PY, in_netns, wait_for
 
-from harness.capture import tc_show
+from harness import bpfobjs
+from harness.capture import kernel_objects, tc_show
 from harness.daemon import Daemon
 from harness.headcapture import HeadCapture
 
@@ -121,8 +122,33 @@ def fbed(testbed, tmp_path):
     tb.wait_listening(7100)
     tb.wait_listening(7101)
     d = Daemon(tb, tmp_path, RULES, "--rescan", "1", "--no-metrics").start()
+    objs = d.fb_objs = _bpf_held(d)
     yield tb, d
+    if d.proc.poll() is None:
+        # every flow's class and filter went with its flow
+        wait_for(lambda: kernel_objects(tb) == (0, 0), 10, 0.05, "no flow class or filter left")
     d.stop()
+    _nothing_left(tb, objs)
+
+
+def _bpf_held(d):
+    """The daemon's BPF objects: its programs, maps and the links (sock_ops and the four
+    bind/connect programs on the cgroup root, on every kernel)."""
+    objs = bpfobjs.held(d.pid())
+    assert len(objs["link"]) >= 5, objs
+    return objs
+
+
+def _nothing_left(tb, objs):
+    """After the daemon ended (stop or SIGKILL): no program, map (so no map entry) or link of
+    it in the kernel, and no flowpacer qdisc (classes and filters go with it)."""
+    _bpf_gone(objs)
+    assert "f1f0:" not in tc_show(tb, "qdisc"), tc_show(tb, "qdisc")
+
+
+def _bpf_gone(objs):
+    wait_for(lambda: not any(bpfobjs.alive(objs).values()), 10, 0.05,
+             "the daemon's BPF programs, maps and links gone")
 
 
 @pytest.mark.kernel
@@ -252,10 +278,12 @@ def test_crash_leaves_no_program_and_no_pool_class(fbed, tmp_path):
     wait_for(lambda: len(_pool_classes(tb)) == firstbyte.POOL_TARGET * kernel_rules, 10, 0.05,
              "the pools refilled")
     d.kill()
-    # the bpf_link went with the daemon's fds: a new socket gets no class any more
+    # the bpf_links, programs and maps went with the daemon's fds: a new socket gets no class
+    _bpf_gone(d.fb_objs)
     assert _accepted_priority(tb, tb.server_v4) == 0
     # the orphaned pool classes are removed by the next start's adoption, which makes new pools
     d2 = Daemon(tb, d.workdir, None, "--rescan", "1", "--no-metrics").start()
+    objs2 = _bpf_held(d2)
     try:
         st = d2.status()
         assert "rules shaped from the first byte" in st["flow_source"]
@@ -264,5 +292,87 @@ def test_crash_leaves_no_program_and_no_pool_class(fbed, tmp_path):
         _claimed_priority(tb, tb.server_v6)
     finally:
         d2.stop()
-    # a clean stop deletes the pools with the qdisc, and detaches the program
+    # a clean stop deletes the pools with the qdisc, and detaches the programs
+    _bpf_gone(objs2)
     assert _accepted_priority(tb, tb.server_v4) == 0
+
+
+def _kept_connections(tb, port=7400):
+    """Connections to ``port`` accepted here and kept open, IPv4, IPv4-mapped and IPv6 in one
+    batch: [(accepted, client)]. Each listener is closed once it accepted (the accepted sockets
+    stay), so the three can share the port."""
+    kept = []
+    mapped = f"::ffff:{tb.server_v4}"
+    for fam, lhost, chost in ((socket.AF_INET, str(tb.server_v4), str(tb.server_v4)),
+                              (socket.AF_INET6, mapped, str(tb.server_v4)),
+                              (socket.AF_INET6, str(tb.server_v6), str(tb.server_v6))):
+        with in_netns(tb.server_ns):
+            srv = socket.socket(fam, socket.SOCK_STREAM)
+        with srv:
+            srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            srv.bind((lhost, port))
+            srv.listen(8)
+            srv.settimeout(10)
+            with in_netns(tb.client_ns):
+                c = socket.create_connection((chost, port), timeout=10)
+            conn, _ = srv.accept()
+        kept.append((conn, c))
+    return kept
+
+
+@pytest.mark.kernel
+def test_after_a_rebuild_an_open_sockets_priority_lands_in_no_reused_class(fbed):
+    """A socket that claimed a pool class keeps that id as its SO_PRIORITY for its whole life.
+    After a full qdisc rebuild (root qdisc deleted behind our back) the bookkeeping starts
+    afresh: the new pools must not reuse the ids open sockets still carry, or those sockets'
+    packets would land in another flow's (or an idle pool's) class."""
+    tb, d = fbed
+    kept = _kept_connections(tb)
+    try:
+        prios = [a.getsockopt(socket.SOL_SOCKET, socket.SO_PRIORITY) & 0xFFFFFFFF
+                 for a, _c in kept]
+        assert all(p >> 16 == 0xF1F0 and p & 0xFFFF >= POOL_FIRST_MINOR for p in prios), \
+            [hex(p) for p in prios]
+        wait_for(lambda: d.status()["shaped_flows"] == 3, 10, 0.05, "the three flows shaped")
+        tb.run(tb.server_ns, ["tc", "qdisc", "del", "dev", tb.server_if, "root"])
+        wait_for(lambda: "rebuilt, re-applying every flow" in d.log_text(), 20, 0.1,
+                 "the qdisc rebuilt")
+        kernel_rules = 4
+        wait_for(lambda: d.status()["shaped_flows"] == 3
+                 and len(_pool_classes(tb)) == firstbyte.POOL_TARGET * kernel_rules, 20, 0.1,
+                 "the flows re-applied and the pools made again")
+        handles = {ln.split()[2] for ln in tc_show(tb, "class").splitlines()
+                   if ln.startswith("class ")}
+        stale = [f"f1f0:{p & 0xFFFF:x}" for p in prios if f"f1f0:{p & 0xFFFF:x}" in handles]
+        assert not stale, f"classes made again under ids open sockets carry: {stale}"
+        # what the old sockets send is counted in their own flows' classes (the priority names
+        # no class, so the flow's u32 filter decides)
+        chunk = 64 * 1024
+        for a, c in kept:
+            a.sendall(b"y" * chunk)
+            got = 0
+            c.settimeout(10)
+            while got < chunk:
+                got += len(c.recv(1 << 16))
+        cports = {c.getsockname()[1] for _a, c in kept}
+
+        def flows_counted():
+            fl = [f for f in d.status()["flows"] if int(f["remote"].rsplit(":", 1)[1]) in cports]
+            return len(fl) == 3 and all(f["bytes"] >= chunk for f in fl)
+        wait_for(flows_counted, 10, 0.1, "each old socket's bytes in its own flow's class")
+        sent = _class_bytes(tb)
+        assert not [h for h in _pool_classes(tb) if sent.get(h)], \
+            "an idle pool class carried traffic"
+    finally:
+        for a, c in kept:
+            a.close()
+            c.close()
+    wait_for(lambda: d.status()["shaped_flows"] == 0, 10, 0.05, "flows' classes gone")
+
+
+def _class_bytes(tb):
+    """class handle -> bytes sent (``tc -s class show``)."""
+    out = {}
+    for blk in ("\n" + tc_show(tb, "class", stats=True)).split("\nclass ")[1:]:
+        out[blk.split()[1]] = int(blk.split("Sent ", 1)[1].split()[0])
+    return out
