@@ -413,10 +413,18 @@ class Daemon:
                 tracer_stats = t.stats()
             except Exception as e:
                 log.debug("tracer stats: %s", e)
+        first_byte = None
+        fb = self.firstbyte
+        if fb is not None:
+            try:
+                first_byte = fb.view()
+            except Exception as e:
+                log.debug("first byte view: %s", e)
         with self.lock:
             return views.build(self.reconciler, self.supervisor, self.stages,
                                rules_path=os.path.abspath(self.opts.rules_path),
-                               flow_source=self.tracer_status, tracer_stats=tracer_stats)
+                               flow_source=self.tracer_status, tracer_stats=tracer_stats,
+                               first_byte=first_byte)
 
     def status(self) -> dict:
         """The control socket's status answer. The view is copied under the lock; the kernel's

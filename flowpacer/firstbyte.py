@@ -53,6 +53,14 @@ COUNTERS = ("claimed", "pool_empty", "undecided", "unattributed", "setsockopt_fa
 EVENT = struct.Struct("<QIIIIHHHBB16s16s16s")
 assert EVENT.size == 80
 
+# the counters status and metrics show (model.FirstByteView.counters), a fixed set: claims (by
+# the program), refilled (classes made to top pools up), returned (ready classes taken back
+# unclaimed at a reload or stop), released (claims no flow took), exhausted (a rule matched and
+# its pool was empty), and why a flow was left to user space or lost
+VIEW_COUNTERS = ("claimed", "bound", "refilled", "returned", "released", "exhausted",
+                 "undecided", "unattributed", "no_match", "setsockopt_failed", "lost", "stale",
+                 "rebound", "closed", "sweeps", "freed_by_sweep", "bad_records")
+
 POOL_TARGET = 48           # ready classes per rule (< POOL_SLOTS): 24 ms of claims at 2 000 flows/s
 CLAIM_WAIT_S = 5.0         # a claim whose flow the daemon has not seen by then is given back
 GRACE_S = 0.005            # a sock_ops run that saw the old rules has finished by then
@@ -347,7 +355,9 @@ class FirstByte:
         self._backend = None
         self._epoch = -1
         self._counts = {"claims": 0, "bound": 0, "released": 0, "rebound": 0, "bad_records": 0,
-                        "stale": 0, "closed": 0, "sweeps": 0, "freed_by_sweep": 0}
+                        "stale": 0, "closed": 0, "sweeps": 0, "freed_by_sweep": 0,
+                        "refilled": 0, "returned": 0}
+        self._rule_claims: Dict[str, int] = {}
         self._swept_at = 0.0
         self._poll_lock = threading.Lock()
         self._lock = threading.RLock()
@@ -532,6 +542,7 @@ class FirstByte:
     def _replan(self, backend, ruleset: RuleSet) -> None:
         same_backend = backend is self._backend and backend.pool_epoch == self._epoch
         free = self._drain() if self._bpf is not None else []
+        self._counts["returned"] += len(free)
         if not same_backend:
             free = []           # those classes went with the old backend's qdisc
         old_fill = {r: p.fill for r, p in self._pools.items()}
@@ -557,6 +568,8 @@ class FirstByte:
             backend.pool_delete(spare)
         self._backend, self._epoch = backend, backend.pool_epoch
         self._rules_seen = ruleset.rules
+        names = {r.name for r in c.kernel.values()}
+        self._rule_claims = {n: k for n, k in self._rule_claims.items() if n in names}
         self._write_config(c.live, c)
         self.summary = c.summary()
         log.info("%s; %d pool classes ready", self.summary, backend.pool_classes())
@@ -573,6 +586,7 @@ class FirstByte:
                 got = backend.pool_create(pool.shape, need)
                 self._put(r, pool, got)
                 made += len(got)
+        self._counts["refilled"] += made
         return made
 
     # ---------------------------------------------------------------- events
@@ -658,6 +672,10 @@ class FirstByte:
                     log.debug("stale claim of %x by %s", c.classid, key)
                     continue
                 self._counts["bound"] += 1
+                pool = self._pools.get(c.rule)
+                if pool is not None:
+                    n = pool.rule.name
+                    self._rule_claims[n] = self._rule_claims.get(n, 0) + 1
                 self._pending[key] = (now, c.classid)
                 log.debug("claim of %x by %s", c.classid, key)
                 cur = backend.classid_of(key)
@@ -725,6 +743,26 @@ class FirstByte:
                     pass
             out["pool_ready"] = sum(p.fill - self._take(r) for r, p in self._pools.items())
         return out
+
+    def view(self) -> model.FirstByteView:
+        """Pools and counters for status and metrics (one typed view)."""
+        with self._lock:
+            st = self.stats()
+            pools = []
+            for r, p in sorted(self._pools.items()):
+                try:
+                    ready = p.fill - self._take(r)
+                except Exception:
+                    ready = 0
+                pools.append(model.FirstBytePool(p.rule.name, ready,
+                                                 self._rule_claims.get(p.rule.name, 0)))
+            b = self._backend
+            fresh = b is None or b.pool_epoch != self._epoch
+            held = 0 if fresh else b.pool_ids_held()
+            waiting = 0 if fresh else b.pool_ids_waiting()
+        st["exhausted"] = st.get("pool_empty", 0)
+        return model.FirstByteView(tuple(pools), {k: int(st.get(k, 0)) for k in VIEW_COUNTERS},
+                                   held, waiting)
 
     # ------------------------------------------------------------------ close
     def close(self, backend=None) -> None:

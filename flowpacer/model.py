@@ -344,6 +344,24 @@ class GroupView:
 
 
 @dataclass(frozen=True, slots=True)
+class FirstBytePool:
+    """One kernel-decided rule's pool of ready classes (issue 16)."""
+    rule: str
+    ready: int                           # classes ready for the next handshakes now
+    claims: int                          # claims of this rule reported since start
+
+
+@dataclass(frozen=True, slots=True)
+class FirstByteView:
+    """First-byte shaping's pools and counters (issue 16): ``counters`` has the fixed names of
+    ``firstbyte.VIEW_COUNTERS`` (claims, refills, exhausted, ...), all totals since start."""
+    pools: Tuple[FirstBytePool, ...]
+    counters: dict                       # name -> count
+    ids_held: int                        # pool ids open sockets carry, not handed out
+    ids_awaiting: int                    # claimed ids whose class went, waiting for the socket
+
+
+@dataclass(frozen=True, slots=True)
 class DaemonView:
     """The daemon's state at one moment: the one thing status, control, top and metrics read."""
     backend: Optional[str]
@@ -362,3 +380,4 @@ class DaemonView:
     counters: dict
     events: dict
     groups: Tuple[GroupView, ...] = ()   # group classes (issue 15)
+    first_byte: Optional[FirstByteView] = None   # issue 16; None when the stage is off

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, Optional
 
-from .model import ClassStats, DaemonView, FlowView, GroupKind, GroupView, endpoint
+from .model import (ClassStats, DaemonView, FirstByteView, FlowView, GroupKind, GroupView,
+                    endpoint)
 
 
 def build(rec, sup, stages: Iterable, *, rules_path: str, flow_source: str,
-          tracer_stats: Optional[dict]) -> DaemonView:
+          tracer_stats: Optional[dict], first_byte: Optional[FirstByteView] = None) -> DaemonView:
     """Called with ``rec.lock`` held."""
     b = sup.backend
     flows = []
@@ -52,6 +53,7 @@ def build(rec, sup, stages: Iterable, *, rules_path: str, flow_source: str,
                   "apply_hist": c.apply_hist.cumulative()},
         events=dict(rec.table.events),
         groups=_groups(b),
+        first_byte=first_byte,
     )
 
 
@@ -130,7 +132,16 @@ def to_json(v: DaemonView, stats: Dict[int, ClassStats]) -> dict:
         "counters": counters,
         "flows": flows,
         "groups": _groups_json(v, stats),
+        "first_byte": _first_byte_json(v.first_byte),
     }
+
+
+def _first_byte_json(fb: Optional[FirstByteView]) -> Optional[dict]:
+    if fb is None:
+        return None
+    return {"pools": [{"rule": p.rule, "ready": p.ready, "claims": p.claims} for p in fb.pools],
+            "counters": dict(fb.counters), "ids_held": fb.ids_held,
+            "ids_awaiting": fb.ids_awaiting}
 
 
 def classid_text(c: Optional[int]) -> str:

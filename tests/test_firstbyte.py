@@ -93,6 +93,25 @@ def test_compile_rules_kernel_decided_and_masks(tmp_path):
     assert "burst" in c.summary() and "late (" in c.summary()
 
 
+def test_first_byte_metrics_bounded_by_rules():
+    """One series per kernel rule for ready classes and claims, one per fixed counter name."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from flowpacer import model
+    from flowpacer.metrics import _first_byte_metrics
+    fb = model.FirstByteView((model.FirstBytePool("a", 48, 3), model.FirstBytePool("b", 40, 9)),
+                             {k: 1 for k in firstbyte.VIEW_COUNTERS}, 2, 1)
+    fams = {f.name: f for f in _first_byte_metrics(fb, CounterMetricFamily, GaugeMetricFamily)}
+    ready = fams["flowpacer_first_byte_pool_ready_classes"].samples
+    assert {(s.labels["rule"], s.value) for s in ready} == {("a", 48), ("b", 40)}
+    claims = fams["flowpacer_first_byte_rule_claims"].samples
+    assert {(s.labels["rule"], s.value) for s in claims} == {("a", 3), ("b", 9)}
+    ev = fams["flowpacer_first_byte_events"].samples
+    assert {s.labels["kind"] for s in ev} == set(firstbyte.VIEW_COUNTERS)
+    ids = {s.labels["state"]: s.value for s in fams["flowpacer_first_byte_pool_ids"].samples}
+    assert ids == {"held": 2, "awaiting": 1}
+    assert not list(_first_byte_metrics(None, CounterMetricFamily, GaugeMetricFamily))
+
+
 # ---------------------------------------------------------------- kernel
 
 def _fetch(tb, host, port):
@@ -169,6 +188,16 @@ def test_head_of_inbound_flows_leaves_at_the_rule_rate(fbed):
                     f"(allowed {ALLOWED_AHEAD}): the head went out unshaped"
     # the claimed classes were the flows' own (u32 filter and status): all gone with the flows
     wait_for(lambda: d.status()["shaped_flows"] == 0, 10, 0.05, "flows' classes gone")
+    # status shows the pools and their counters: six claims of "burst", refilled
+    def counted():
+        fb = d.status()["first_byte"]
+        pools = {p["rule"]: p for p in fb["pools"]}
+        return (fb, pools) if (pools["burst"]["claims"] == 6 and fb["counters"]["refilled"] >= 6
+                               and pools["burst"]["ready"] == firstbyte.POOL_TARGET) else None
+    fb, pools = wait_for(counted, 10, 0.05, "six claims counted and the pool refilled")
+    assert set(pools) == {"burst", "up", "byport", "upport"}
+    assert fb["counters"]["claimed"] >= 6 and fb["counters"]["exhausted"] == 0, fb
+    assert fb["counters"]["bound"] >= 6 and fb["ids_held"] == 0, fb
 
 
 @pytest.mark.kernel
