@@ -2,6 +2,7 @@
 rate, IPv4 and IPv6, inbound and outbound; a crash leaves no program attached and no pool
 class behind; which rules the kernel decides (pure)."""
 import ipaddress
+import os
 import socket
 import textwrap
 
@@ -20,6 +21,12 @@ from harness.headcapture import HeadCapture
 RATE_BIT = 20_000_000
 RATE_BPS = RATE_BIT // 8
 PAYLOAD = 256 * 1024
+IN_VM = os.environ.get("FLOWPACER_IN_VM") == "1"
+# Bounds that only end a hang (every wait is for a condition): under the VM's TCG, loaded, a
+# daemon's start (bcc compiling the tracer and the first-byte programs) takes minutes and the
+# rest runs ~10x slower than here.
+T = 20 if IN_VM else 1
+START_S = 900 if IN_VM else 90
 MSS_WIRE = 1514
 
 RULES = """
@@ -117,10 +124,10 @@ def test_first_byte_metrics_bounded_by_rules():
 def _fetch(tb, host, port):
     """Connect from the client namespace, read to the end; (client port, bytes)."""
     with in_netns(tb.client_ns):
-        c = socket.create_connection((str(host), port), timeout=10)
+        c = socket.create_connection((str(host), port), timeout=10 * T)
     got = 0
     with c:
-        c.settimeout(10)
+        c.settimeout(10 * T)
         cport = c.getsockname()[1]
         while True:
             b = c.recv(1 << 16)
@@ -130,24 +137,40 @@ def _fetch(tb, host, port):
     return cport, got
 
 
-@pytest.fixture
-def fbed(testbed, tmp_path):
-    tb = testbed
+def _start_daemon(tb, workdir, rules=RULES):
+    return Daemon(tb, workdir, rules, "--rescan", "1", "--no-metrics").start(timeout=START_S)
+
+
+@pytest.fixture(scope="module")
+def shared(module_testbed, tmp_path_factory):
+    """One daemon for the module's cases (in the VM its start alone takes minutes), with a
+    256 KiB burst server on 7100 (rule "burst") and one on 7101 (the exe rule "late")."""
+    tb = module_testbed
     tb.set_gso(False)
     tb.popen(tb.server_ns, [PY, "-m", "flowpacer.tools.blaster", "burst-serve", "--port", "7100",
                             "--bytes", str(PAYLOAD)])
     tb.popen(tb.server_ns, [PY, "-m", "flowpacer.tools.blaster", "burst-serve", "--port", "7101",
                             "--bytes", str(PAYLOAD), "--name", "fp-other-srv"])
-    tb.wait_listening(7100)
-    tb.wait_listening(7101)
-    d = Daemon(tb, tmp_path, RULES, "--rescan", "1", "--no-metrics").start()
-    objs = d.fb_objs = _bpf_held(d)
+    tb.wait_listening(7100, timeout=10 * T)
+    tb.wait_listening(7101, timeout=10 * T)
+    d = _start_daemon(tb, tmp_path_factory.mktemp("firstbyte"))
+    objs = _bpf_held(d)
     yield tb, d
-    if d.proc.poll() is None:
-        # every flow's class and filter went with its flow
-        wait_for(lambda: kernel_objects(tb) == (0, 0), 10, 0.05, "no flow class or filter left")
     d.stop()
     _nothing_left(tb, objs)
+
+
+@pytest.fixture
+def fbed(shared):
+    """The shared daemon; after the case every flow's class and filter are gone, every stage
+    is alive and the log has no traceback."""
+    tb, d = shared
+    yield tb, d
+    wait_for(lambda: d.status()["shaped_flows"] == 0 and kernel_objects(tb) == (0, 0), 10 * T,
+             0.05, "no flow class or filter left")
+    st = d.status()
+    assert st["healthy"], st["stages"]
+    assert "Traceback" not in d.log_text()
 
 
 def _bpf_held(d):
@@ -166,7 +189,7 @@ def _nothing_left(tb, objs):
 
 
 def _bpf_gone(objs):
-    wait_for(lambda: not any(bpfobjs.alive(objs).values()), 10, 0.05,
+    wait_for(lambda: not any(bpfobjs.alive(objs).values()), 10 * T, 0.05,
              "the daemon's BPF programs, maps and links gone")
 
 
@@ -176,6 +199,8 @@ def test_head_of_inbound_flows_leaves_at_the_rule_rate(fbed):
     st = d.status()
     assert "rules shaped from the first byte: burst, up, byport, upport" in st["flow_source"], \
         st["flow_source"]
+    before = {p["rule"]: p["claims"] for p in st["first_byte"]["pools"]}["burst"]
+    refilled = st["first_byte"]["counters"]["refilled"]
     with HeadCapture(tb, 7100) as cap:
         for host in (tb.server_v4, tb.server_v6):
             for _ in range(3):
@@ -187,14 +212,15 @@ def test_head_of_inbound_flows_leaves_at_the_rule_rate(fbed):
                     f"IPv{host.version}: {ahead} bytes left ahead of the 20 Mbit/s line " \
                     f"(allowed {ALLOWED_AHEAD}): the head went out unshaped"
     # the claimed classes were the flows' own (u32 filter and status): all gone with the flows
-    wait_for(lambda: d.status()["shaped_flows"] == 0, 10, 0.05, "flows' classes gone")
+    wait_for(lambda: d.status()["shaped_flows"] == 0, 10 * T, 0.05, "flows' classes gone")
     # status shows the pools and their counters: six claims of "burst", refilled
     def counted():
         fb = d.status()["first_byte"]
         pools = {p["rule"]: p for p in fb["pools"]}
-        return (fb, pools) if (pools["burst"]["claims"] == 6 and fb["counters"]["refilled"] >= 6
+        return (fb, pools) if (pools["burst"]["claims"] == before + 6
+                               and fb["counters"]["refilled"] >= refilled + 6
                                and pools["burst"]["ready"] == firstbyte.POOL_TARGET) else None
-    fb, pools = wait_for(counted, 10, 0.05, "six claims counted and the pool refilled")
+    fb, pools = wait_for(counted, 10 * T, 0.05, "six claims counted and the pool refilled")
     assert set(pools) == {"burst", "up", "byport", "upport"}
     assert fb["counters"]["claimed"] >= 6 and fb["counters"]["exhausted"] == 0, fb
     assert fb["counters"]["bound"] >= 6 and fb["ids_held"] == 0, fb
@@ -215,7 +241,7 @@ def test_a_rule_the_kernel_cannot_decide_keeps_todays_path(fbed):
 SENDER = """
 import ctypes, socket, sys
 ctypes.CDLL(None).prctl(15, b"fp-up-cli", 0, 0, 0)
-s = socket.create_connection((sys.argv[1], int(sys.argv[3])), timeout=10)
+s = socket.create_connection((sys.argv[1], int(sys.argv[3])), timeout=int(sys.argv[4]))
 s.sendall(b"x" * int(sys.argv[2]))
 s.close()
 """
@@ -238,27 +264,28 @@ def test_head_of_outbound_flows_leaves_at_the_rule_rate(fbed, port):
             srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             srv.bind((str(host), port))
             srv.listen(8)
-            srv.settimeout(10)
-            p = tb.popen(tb.server_ns, [PY, "-c", SENDER, str(dst), str(PAYLOAD), str(port)])
+            srv.settimeout(10 * T)
+            p = tb.popen(tb.server_ns, [PY, "-c", SENDER, str(dst), str(PAYLOAD), str(port),
+                                        str(10 * T)])
             conn, peer = srv.accept()
             got = 0
             with conn:
-                conn.settimeout(10)
+                conn.settimeout(10 * T)
                 while True:
                     b = conn.recv(1 << 16)
                     if not b:
                         break
                     got += len(b)
-            assert p.wait(timeout=10) == 0
+            assert p.wait(timeout=10 * T) == 0
             assert got == PAYLOAD
             ahead, seen = cap.ahead_bytes(peer[1], RATE_BPS)
         assert seen == PAYLOAD
         assert ahead <= ALLOWED_AHEAD, \
             f"outbound to {dst}: {ahead} bytes ahead of the rate line"
-    wait_for(lambda: d.status()["shaped_flows"] == 0, 10, 0.05, "flows' classes gone")
+    wait_for(lambda: d.status()["shaped_flows"] == 0, 10 * T, 0.05, "flows' classes gone")
 
 
-def _claimed_priority(tb, host, timeout=10):
+def _claimed_priority(tb, host, timeout=10 * T):
     """The first SO_PRIORITY of ours a socket accepted on 7400 gets. On a kernel without the
     current-task helpers the daemon learns a new listener's owner from user space, and until
     then the process rule before "byport" cannot be judged: a few sockets may get none."""
@@ -275,10 +302,10 @@ def _accepted_priority(tb, host, port=7400):
         srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         srv.bind(("::" if fam == socket.AF_INET6 else "0.0.0.0", port))
         srv.listen(8)
-        srv.settimeout(10)
+        srv.settimeout(10 * T)
         with in_netns(tb.client_ns):
             c = socket.create_connection((str(tb.server_v6 if fam == socket.AF_INET6
-                                              else tb.server_v4), port), timeout=10)
+                                              else tb.server_v4), port), timeout=10 * T)
         with c:
             conn, _ = srv.accept()
             with conn:
@@ -299,25 +326,27 @@ def _pool_classes(tb):
 
 
 @pytest.mark.kernel
-def test_crash_leaves_no_program_and_no_pool_class(fbed, tmp_path):
-    tb, d = fbed
+def test_crash_leaves_no_program_and_no_pool_class(testbed, tmp_path):
+    tb = testbed
+    d = _start_daemon(tb, tmp_path)
+    d.fb_objs = _bpf_held(d)
     prio = _claimed_priority(tb, tb.server_v4)
     assert prio & 0xFFFF >= POOL_FIRST_MINOR, hex(prio)
     kernel_rules = 4
-    wait_for(lambda: len(_pool_classes(tb)) == firstbyte.POOL_TARGET * kernel_rules, 10, 0.05,
+    wait_for(lambda: len(_pool_classes(tb)) == firstbyte.POOL_TARGET * kernel_rules, 10 * T, 0.05,
              "the pools refilled")
     d.kill()
     # the bpf_links, programs and maps went with the daemon's fds: a new socket gets no class
     _bpf_gone(d.fb_objs)
     assert _accepted_priority(tb, tb.server_v4) == 0
     # the orphaned pool classes are removed by the next start's adoption, which makes new pools
-    d2 = Daemon(tb, d.workdir, None, "--rescan", "1", "--no-metrics").start()
+    d2 = _start_daemon(tb, d.workdir, None)
     objs2 = _bpf_held(d2)
     try:
         st = d2.status()
         assert "rules shaped from the first byte" in st["flow_source"]
-        wait_for(lambda: len(_pool_classes(tb)) == firstbyte.POOL_TARGET * kernel_rules, 10,
-                 0.05, "exactly the new daemon's pools")
+        wait_for(lambda: len(_pool_classes(tb)) == firstbyte.POOL_TARGET * kernel_rules,
+                 10 * T, 0.05, "exactly the new daemon's pools")
         _claimed_priority(tb, tb.server_v6)
     finally:
         d2.stop()
@@ -341,9 +370,9 @@ def _kept_connections(tb, port=7400):
             srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             srv.bind((lhost, port))
             srv.listen(8)
-            srv.settimeout(10)
+            srv.settimeout(10 * T)
             with in_netns(tb.client_ns):
-                c = socket.create_connection((chost, port), timeout=10)
+                c = socket.create_connection((chost, port), timeout=10 * T)
             conn, _ = srv.accept()
         kept.append((conn, c))
     return kept
@@ -362,13 +391,13 @@ def test_after_a_rebuild_an_open_sockets_priority_lands_in_no_reused_class(fbed)
                  for a, _c in kept]
         assert all(p >> 16 == 0xF1F0 and p & 0xFFFF >= POOL_FIRST_MINOR for p in prios), \
             [hex(p) for p in prios]
-        wait_for(lambda: d.status()["shaped_flows"] == 3, 10, 0.05, "the three flows shaped")
+        wait_for(lambda: d.status()["shaped_flows"] == 3, 10 * T, 0.05, "the three flows shaped")
         tb.run(tb.server_ns, ["tc", "qdisc", "del", "dev", tb.server_if, "root"])
-        wait_for(lambda: "rebuilt, re-applying every flow" in d.log_text(), 20, 0.1,
+        wait_for(lambda: "rebuilt, re-applying every flow" in d.log_text(), 20 * T, 0.1,
                  "the qdisc rebuilt")
         kernel_rules = 4
         wait_for(lambda: d.status()["shaped_flows"] == 3
-                 and len(_pool_classes(tb)) == firstbyte.POOL_TARGET * kernel_rules, 20, 0.1,
+                 and len(_pool_classes(tb)) == firstbyte.POOL_TARGET * kernel_rules, 20 * T, 0.1,
                  "the flows re-applied and the pools made again")
         handles = {ln.split()[2] for ln in tc_show(tb, "class").splitlines()
                    if ln.startswith("class ")}
@@ -380,7 +409,7 @@ def test_after_a_rebuild_an_open_sockets_priority_lands_in_no_reused_class(fbed)
         for a, c in kept:
             a.sendall(b"y" * chunk)
             got = 0
-            c.settimeout(10)
+            c.settimeout(10 * T)
             while got < chunk:
                 got += len(c.recv(1 << 16))
         cports = {c.getsockname()[1] for _a, c in kept}
@@ -388,7 +417,7 @@ def test_after_a_rebuild_an_open_sockets_priority_lands_in_no_reused_class(fbed)
         def flows_counted():
             fl = [f for f in d.status()["flows"] if int(f["remote"].rsplit(":", 1)[1]) in cports]
             return len(fl) == 3 and all(f["bytes"] >= chunk for f in fl)
-        wait_for(flows_counted, 10, 0.1, "each old socket's bytes in its own flow's class")
+        wait_for(flows_counted, 10 * T, 0.1, "each old socket's bytes in its own flow's class")
         sent = _class_bytes(tb)
         assert not [h for h in _pool_classes(tb) if sent.get(h)], \
             "an idle pool class carried traffic"
@@ -396,7 +425,7 @@ def test_after_a_rebuild_an_open_sockets_priority_lands_in_no_reused_class(fbed)
         for a, c in kept:
             a.close()
             c.close()
-    wait_for(lambda: d.status()["shaped_flows"] == 0, 10, 0.05, "flows' classes gone")
+    wait_for(lambda: d.status()["shaped_flows"] == 0, 10 * T, 0.05, "flows' classes gone")
 
 
 def _class_bytes(tb):
