@@ -14,8 +14,10 @@ the callbacks, the rule masks and the pool protocol). This module owns it:
   binds the claims to the backend, hands the events to the reconciler (which installs the flow's
   own u32 filter on the claimed class), gives back claims no rule wants, and refills the pools.
 
-Needs: cgroup v2 mounted, bpf_link for cgroups (5.7), bpf_get_netns_cookie in sock_ops (5.15;
-Debian 12's 6.1 and 13's 6.12 have both).
+Needs: cgroup v2 mounted, bpf_link for cgroups (5.7), bpf_get_netns_cookie in sock_ops (5.15),
+the current-task helpers in cgroup sock_addr programs (the bind/connect hooks that learn a
+socket's owner) and bpf_sk_storage (Debian 12's 6.1 and 13's 6.12 have all: docs/firstbyte.md
+has the measured table).
 """
 from __future__ import annotations
 

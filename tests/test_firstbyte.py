@@ -286,9 +286,8 @@ def test_head_of_outbound_flows_leaves_at_the_rule_rate(fbed, port):
 
 
 def _claimed_priority(tb, host, timeout=10 * T):
-    """The first SO_PRIORITY of ours a socket accepted on 7400 gets. On a kernel without the
-    current-task helpers the daemon learns a new listener's owner from user space, and until
-    then the process rule before "byport" cannot be judged: a few sockets may get none."""
+    """The first SO_PRIORITY of ours a socket accepted on 7400 gets (waiting for the daemon's
+    pools after a (re)start)."""
     return wait_for(lambda: (lambda p: p if p >> 16 == 0xF1F0 else 0)(
         _accepted_priority(tb, host)), timeout, 0.05, "a socket with a claimed class")
 
