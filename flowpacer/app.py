@@ -118,6 +118,18 @@ def _real_tracer():
     return Tracer(ring_pages=256)
 
 
+def _read_stats(stage_obj, method: str):
+    """``stage_obj.method()`` for a view (None when the stage is off or the read failed: a view
+    never fails because of one stage's counters)."""
+    if stage_obj is None:
+        return None
+    try:
+        return getattr(stage_obj, method)()
+    except Exception as e:
+        log.debug("%s %s: %s", type(stage_obj).__name__, method, e)
+        return None
+
+
 def _real_firstbyte():
     from .firstbyte import FirstByte
     return FirstByte()
@@ -406,20 +418,8 @@ class Daemon:
     # ---------------------------------------------------------------- views
     def view(self) -> DaemonView:
         """A consistent copy of the daemon's state (taken under the reconciler's lock)."""
-        tracer_stats = None
-        t = self.tracer
-        if t is not None:
-            try:
-                tracer_stats = t.stats()
-            except Exception as e:
-                log.debug("tracer stats: %s", e)
-        first_byte = None
-        fb = self.firstbyte
-        if fb is not None:
-            try:
-                first_byte = fb.view()
-            except Exception as e:
-                log.debug("first byte view: %s", e)
+        tracer_stats = _read_stats(self.tracer, "stats")
+        first_byte = _read_stats(self.firstbyte, "view")
         with self.lock:
             return views.build(self.reconciler, self.supervisor, self.stages,
                                rules_path=os.path.abspath(self.opts.rules_path),
