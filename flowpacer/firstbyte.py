@@ -651,6 +651,11 @@ class FirstByte:
         (or sock_diag) as before, so OPEN and CLOSE keep their one ordered source; the flow's
         ADD then takes the claimed class. A flow that got its class before its claim was seen
         is given the claimed one instead (the socket sends into that)."""
+        prios = None
+        if backend is not None and self._bpf is not None and backend is self._backend \
+                and backend.pool_epoch == self._epoch and backend.pool_ids_waiting() \
+                and time.monotonic() - self._swept_at >= SWEEP_S:
+            prios = self._priorities()      # the periodic sweep's dump, outside the lock
         with self._lock, rec.lock:
             if self._bpf is None:
                 return
@@ -662,10 +667,17 @@ class FirstByte:
             now = time.monotonic()
             fresh = backend is not self._backend or backend.pool_epoch != self._epoch
             closed, self._closed = self._closed, []
-            if fresh or (backend.pool_ids_waiting() and now - self._swept_at >= SWEEP_S):
+            if fresh:
                 # before any pool id is handed out on a new bookkeeping (rebuild, fall-back,
-                # start): the ids still-open sockets carry are held back
-                self._sweep(backend, now)
+                # start), the ids still-open sockets carry are held back; claims are off first,
+                # so that no socket takes an old pool's id after the sweep read the sockets
+                self._write_config(0)
+                time.sleep(GRACE_S)
+                prios = self._priorities()
+            if prios is not None:
+                self._swept_at = now
+                self._counts["freed_by_sweep"] += backend.pool_sockets_hold(prios)
+                self._counts["sweeps"] += 1
             marked = False
             for c in claims:
                 key = c.event.flow.key
@@ -721,16 +733,13 @@ class FirstByte:
             else:
                 self.refill(backend)
 
-    def _sweep(self, backend, now: float) -> None:
+    def _priorities(self) -> Optional[Set[int]]:
         try:
-            prios = socket_priorities()
+            return socket_priorities()
         except OSError as e:
             log.warning("first byte: sockets' priorities not read (%s): awaited pool ids stay "
                         "taken", e)
-            return
-        self._swept_at = now
-        self._counts["freed_by_sweep"] += backend.pool_sockets_hold(prios)
-        self._counts["sweeps"] += 1
+            return None
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> Dict[str, int]:
