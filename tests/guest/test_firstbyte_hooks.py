@@ -58,9 +58,10 @@ def test_bind_and_connect_hooks_tell_the_owner(netns):
         old = ctypes.create_string_buffer(16)
         libc.prctl(16, old, 0, 0, 0)                     # PR_GET_NAME
         libc.prctl(15, COMM, 0, 0, 0)                    # PR_SET_NAME: the rule's process
+        socks = []
         try:
             with in_netns(netns):
-                socks = [socket.socket(socket.AF_INET), socket.socket(socket.AF_INET6)]
+                socks += [socket.socket(socket.AF_INET), socket.socket(socket.AF_INET6)]
             socks[0].bind(("127.0.0.1", 7300))
             socks[1].bind(("::1", 7300))
             for s in socks:
