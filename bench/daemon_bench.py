@@ -205,6 +205,7 @@ def unshaped_churn(tb, probes=20, rates=(200, 2000)) -> dict:
                     res = {}
                     bg = threading.Thread(target=lambda: res.update(
                         churn(tb, rate, 3 + probes * 0.25, procs=2, mixed=fam == 6)))
+                    fb0 = (d.status().get("first_byte") or {}).get("counters", {})
                     bg.start()
                     time.sleep(1.0)         # the churn is under way
                     ahead = []
@@ -226,6 +227,11 @@ def unshaped_churn(tb, probes=20, rates=(200, 2000)) -> dict:
                     bg.join(timeout=120)
                     case = {"ahead_bytes": percentiles(ahead, (50, 99)),
                             "background": res, "probes_measured": len(ahead)}
+                    fb1 = (d.status().get("first_byte") or {}).get("counters", {})
+                    if fb1:     # what the pools did meanwhile (exhausted: a claim found none)
+                        case["first_byte"] = {k: fb1[k] - fb0.get(k, 0) for k in
+                                              ("claimed", "exhausted", "refilled", "unattributed",
+                                               "lost")}
                     out.setdefault(mode, {})[f"{rate}_per_s_ipv{fam}"] = case
                     print(json.dumps({mode: {f"{rate}_per_s_ipv{fam}": case}}), flush=True)
                     wait_for(lambda: d.status()["shaped_flows"] == 0, 60, 0.1, "drained")

@@ -118,6 +118,18 @@ def _real_tracer():
     return Tracer(ring_pages=256)
 
 
+def _read_stats(stage_obj, method: str):
+    """``stage_obj.method()`` for a view (None when the stage is off or the read failed: a view
+    never fails because of one stage's counters)."""
+    if stage_obj is None:
+        return None
+    try:
+        return getattr(stage_obj, method)()
+    except Exception as e:
+        log.debug("%s %s: %s", type(stage_obj).__name__, method, e)
+        return None
+
+
 def _real_firstbyte():
     from .firstbyte import FirstByte
     return FirstByte()
@@ -415,17 +427,13 @@ class Daemon:
     # ---------------------------------------------------------------- views
     def view(self) -> DaemonView:
         """A consistent copy of the daemon's state (taken under the reconciler's lock)."""
-        tracer_stats = None
-        t = self.tracer
-        if t is not None:
-            try:
-                tracer_stats = t.stats()
-            except Exception as e:
-                log.debug("tracer stats: %s", e)
+        tracer_stats = _read_stats(self.tracer, "stats")
+        first_byte = _read_stats(self.firstbyte, "view")
         with self.lock:
             return views.build(self.reconciler, self.supervisor, self.stages,
                                rules_path=os.path.abspath(self.opts.rules_path),
-                               flow_source=self.tracer_status, tracer_stats=tracer_stats)
+                               flow_source=self.tracer_status, tracer_stats=tracer_stats,
+                               first_byte=first_byte)
 
     def status(self) -> dict:
         """The control socket's status answer. The view is copied under the lock; the kernel's

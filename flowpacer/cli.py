@@ -128,6 +128,13 @@ def status(socket_path, as_json):
                    + (f" ({safe(rx['problem'])})" if rx.get("problem") else ""))
     click.echo(f"flows:     {st['shaped_flows']} shaped of {st['live_flows']} live; "
                f"source: {safe(st['flow_source'])}")
+    fb = st.get("first_byte")
+    if fb:
+        c = fb["counters"]
+        click.echo("first byte: ready " + (", ".join(
+            f"{safe(p['rule'])} {p['ready']}" for p in fb["pools"]) or "none")
+            + f"; claimed {c['claimed']}, refilled {c['refilled']}, returned unclaimed "
+              f"{c['returned'] + c['released']}, pool exhausted {c['exhausted']}")
     stages = st.get("stages", [])
     if stages:
         click.echo("stages:    " + ", ".join(

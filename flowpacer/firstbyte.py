@@ -14,8 +14,10 @@ the callbacks, the rule masks and the pool protocol). This module owns it:
   binds the claims to the backend, hands the events to the reconciler (which installs the flow's
   own u32 filter on the claimed class), gives back claims no rule wants, and refills the pools.
 
-Needs: cgroup v2 mounted, bpf_link for cgroups (5.7), bpf_get_netns_cookie in sock_ops (5.15;
-Debian 12's 6.1 and 13's 6.12 have both).
+Needs: cgroup v2 mounted, bpf_link for cgroups (5.7), bpf_get_netns_cookie in sock_ops (5.15),
+the current-task helpers in cgroup sock_addr programs (the bind/connect hooks that learn a
+socket's owner) and bpf_sk_storage (Debian 12's 6.1 and 13's 6.12 have all: docs/firstbyte.md
+has the measured table).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 from . import cgroupbpf, model
 from .cgroupbpf import cgroup2_root, link_create  # noqa: F401  (cgroup2_root: tests use it)
@@ -54,18 +56,35 @@ COUNTERS = ("claimed", "pool_empty", "undecided", "unattributed", "setsockopt_fa
 EVENT = struct.Struct("<QIIIIHHHBB16s16s16s")
 assert EVENT.size == 80
 
+# the counters status and metrics show (model.FirstByteView.counters), a fixed set: claims (by
+# the program), refilled (classes made to top pools up), returned (ready classes taken back
+# unclaimed at a reload or stop), released (claims no flow took), exhausted (a rule matched and
+# its pool was empty), and why a flow was left to user space or lost
+VIEW_COUNTERS = ("claimed", "bound", "refilled", "returned", "released", "exhausted",
+                 "undecided", "unattributed", "no_match", "setsockopt_failed", "lost", "stale",
+                 "rebound", "closed", "sweeps", "freed_by_sweep", "bad_records")
+
 POOL_TARGET = 48           # ready classes per rule (< POOL_SLOTS): 24 ms of claims at 2 000 flows/s
 CLAIM_WAIT_S = 5.0         # a claim whose flow the daemon has not seen by then is given back
 GRACE_S = 0.005            # a sock_ops run that saw the old rules has finished by then
+SWEEP_S = 2.0              # at most this often the sockets' priorities are swept while ids wait
 
 _GLOB = set("*?[")
 
 # bpf(2)
 _BPF_CGROUP_SOCK_OPS = 3
+# cgroup sock_addr programs: (function, attach type); BPF_CGROUP_INET{4,6}_{BIND,CONNECT}
+SOCK_ADDR_PROGS = (("fb_bind4", 8), ("fb_bind6", 9), ("fb_connect4", 10), ("fb_connect6", 11))
+SO_NETNS_COOKIE = 71
 
 
 class FirstByteUnavailable(TracerUnavailable):
     """The kernel or the host cannot run first-byte shaping (one line why)."""
+
+
+def _last_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[-1] if text else type(e).__name__
 
 
 # ------------------------------------------------------------------ rules
@@ -207,6 +226,38 @@ def listeners() -> Dict[int, model.ProcessInfo]:
     return out
 
 
+# sock_diag: a socket's SO_PRIORITY is INET_DIAG_CLASS_ID (when no net_cls classid is set, which
+# cgroup v2 never sets), sent when INET_DIAG_TCLASS is asked for
+_INET_DIAG_TCLASS, _INET_DIAG_CLASS_ID = 6, 17
+_DIAG_MSG_LEN = 72                     # struct inet_diag_msg
+# every TCP state whose socket is a full one (not TIME_WAIT 6, not NEW_SYN_RECV 12)
+_FULL_STATES = ((1 << 12) - 1) & ~(1 << 6) & ~(1 << 0)
+_NLA = struct.Struct("=HH")
+
+
+def socket_priorities() -> Set[int]:
+    """The distinct non-zero SO_PRIORITY values of this namespace's TCP sockets (one sock_diag
+    dump per family; IPv4-mapped sockets are in the AF_INET6 one)."""
+    from .sockdiag import NETLINK_SOCK_DIAG, REQ, SOCK_DIAG_BY_FAMILY
+    from .tc.nl import RtnlSocket
+    out: Set[int] = set()
+    with RtnlSocket(NETLINK_SOCK_DIAG) as nls:
+        for fam in (socket.AF_INET, socket.AF_INET6):
+            req = REQ.pack(fam, socket.IPPROTO_TCP, 1 << (_INET_DIAG_TCLASS - 1), _FULL_STATES)
+            for _mtype, body in nls.dump(SOCK_DIAG_BY_FAMILY, req):
+                off = _DIAG_MSG_LEN
+                while off + 4 <= len(body):
+                    ln, typ = _NLA.unpack_from(body, off)
+                    if ln < 4:
+                        break
+                    if typ & 0x3FFF == _INET_DIAG_CLASS_ID and ln >= 8:
+                        prio = struct.unpack_from("=I", body, off + 4)[0]
+                        if prio:
+                            out.add(prio)
+                    off += (ln + 3) & ~3
+    return out
+
+
 def _set_bytes(obj, name: str, raw: bytes) -> None:
     """Copy ``raw`` into the array member ``name`` of a ctypes struct (char arrays included)."""
     ctypes.memmove(ctypes.addressof(obj) + getattr(type(obj), name).offset, raw, len(raw))
@@ -240,7 +291,8 @@ class FirstByte:
         self.netns_cookie = 0
         self._bpf = None
         self._fn = None
-        self._link_fd = -1
+        self._link_fds: List[int] = []
+        self.owner_hooks = 0
         self._raw: List[bytes] = []
         self._pools: Dict[int, _Pool] = {}
         self._pending: Dict[FlowKey, tuple] = {}     # claims not bound yet: (since, class id)
@@ -251,7 +303,10 @@ class FirstByte:
         self._backend = None
         self._epoch = -1
         self._counts = {"claims": 0, "bound": 0, "released": 0, "rebound": 0, "bad_records": 0,
-                        "stale": 0, "closed": 0}
+                        "stale": 0, "closed": 0, "sweeps": 0, "freed_by_sweep": 0,
+                        "refilled": 0, "returned": 0}
+        self._rule_claims: Dict[str, int] = {}
+        self._swept_at = 0.0
         self._poll_lock = threading.Lock()
         self._lock = threading.RLock()
         self.summary = "not started"
@@ -268,48 +323,85 @@ class FirstByte:
             except Exception as e:
                 raise FirstByteUnavailable(f"bcc is not importable: {e}") from None
             t0 = time.monotonic()
-            b = fn = None
-            for current in (1, 0):
-                try:
-                    b = bcc.BPF(src_file=BPF_SRC.encode(),
-                                cflags=[f"-I{BPF_DIR}", f"-DFB_RING_PAGES={self.ring_pages}",
-                                        f"-DFB_CURRENT={current}"])
-                    fn = b.load_func(b"fb_sockops", bcc.BPF.SOCK_OPS)
-                    break
-                except Exception as e:
-                    if b is not None:
-                        b.cleanup()
-                        b = None
-                    msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-                    if not current:
-                        raise FirstByteUnavailable(f"sock_ops program refused: {msg}") from None
-            self.current_helpers = bool(current)
-            if not current:
-                log.info("first byte: this kernel's sock_ops programs cannot ask for the current "
-                         "process (Debian's 6.1 and 6.12 cannot): listeners' owners are found "
-                         "by user space, and "
-                         "outbound flows of rules naming a process or user get their class "
-                         "after the handshake")
-            root = "cgroup2"
             try:
-                cg, root = open_cgroup2_root()
-                try:
-                    self._link_fd = link_create(fn.fd, cg, _BPF_CGROUP_SOCK_OPS)
-                finally:
-                    os.close(cg)
+                b = bcc.BPF(src_file=BPF_SRC.encode(),
+                            cflags=[f"-I{BPF_DIR}", f"-DFB_RING_PAGES={self.ring_pages}"])
+            except Exception as e:
+                raise FirstByteUnavailable(f"first-byte programs not compiled: {_last_line(e)}") \
+                    from None
+            try:
+                fn, self.current_helpers = self._load_sockops(b)
+                owners = self._load_owner_progs(b)
             except FirstByteUnavailable:
                 b.cleanup()
                 raise
+            root = "cgroup2"
+            links: List[int] = []
+            try:
+                cg, root = open_cgroup2_root()
+                try:
+                    links.append(link_create(fn.fd, cg, _BPF_CGROUP_SOCK_OPS))
+                    for name, prog, attach in owners:
+                        try:
+                            links.append(link_create(prog.fd, cg, attach))
+                        except OSError as e:
+                            log.warning("first byte: %s not attached (%s): flows of rules naming "
+                                        "a process or user get their class after the handshake "
+                                        "where it would have told the owner", name,
+                                        e.strerror or e)
+                finally:
+                    os.close(cg)
+            except FirstByteUnavailable:
+                for fd in links:
+                    os.close(fd)
+                b.cleanup()
+                raise
             except OSError as e:
+                for fd in links:
+                    os.close(fd)
                 b.cleanup()
                 raise FirstByteUnavailable(f"cannot attach sock_ops to {root}: "
                                            f"{e.strerror or e}") from None
+            self._link_fds = links
+            self.owner_hooks = len(links) - 1
             self._bpf, self._fn = b, fn
             b[b"fb_events"].open_ring_buffer(self._on_event)
             self._write_config(0)
             n = self._seed_listeners()
-            log.info("first-byte sock_ops attached to %s (bpf_link fd %d), %d listeners seeded, "
-                     "compiled in %.2f s", root, self._link_fd, n, time.monotonic() - t0)
+            log.info("first-byte sock_ops and %d owner hooks attached to %s (bpf_links), %d "
+                     "listeners seeded, compiled in %.2f s (sock_ops %s the current task)",
+                     self.owner_hooks, root, n, time.monotonic() - t0,
+                     "may ask for" if self.current_helpers else "may not ask for")
+
+    @staticmethod
+    def _load_sockops(b):
+        """The sock_ops program: the variant that asks for the current task where the kernel
+        lets sock_ops do so (6.18), else the one that does not (6.1, 6.12). Both are in the one
+        compiled object: the refusal costs a verifier run, not a second compile."""
+        import bcc
+        try:
+            return b.load_func(b"fb_sockops_cur", bcc.BPF.SOCK_OPS), True
+        except Exception:
+            pass
+        try:
+            return b.load_func(b"fb_sockops", bcc.BPF.SOCK_OPS), False
+        except Exception as e:
+            raise FirstByteUnavailable(f"sock_ops program refused: {_last_line(e)}") from None
+
+    @staticmethod
+    def _load_owner_progs(b):
+        """The bind/connect programs (cgroup sock_addr, which may ask for the current task on
+        every kernel measured: 6.1, 6.12, 6.18); (name, fn, attach type) of those loaded."""
+        import bcc
+        out = []
+        for name, attach in SOCK_ADDR_PROGS:
+            try:
+                out.append((name, b.load_func(name.encode(), bcc.BPF.CGROUP_SOCK_ADDR,
+                                              attach_type=attach), attach))
+            except Exception as e:
+                log.warning("first byte: %s refused (%s): its owners stay unknown", name,
+                            _last_line(e))
+        return out
 
     def _seed_listeners(self) -> int:
         try:
@@ -398,6 +490,7 @@ class FirstByte:
     def _replan(self, backend, ruleset: RuleSet) -> None:
         same_backend = backend is self._backend and backend.pool_epoch == self._epoch
         free = self._drain() if self._bpf is not None else []
+        self._counts["returned"] += len(free)
         if not same_backend:
             free = []           # those classes went with the old backend's qdisc
         old_fill = {r: p.fill for r, p in self._pools.items()}
@@ -423,6 +516,8 @@ class FirstByte:
             backend.pool_delete(spare)
         self._backend, self._epoch = backend, backend.pool_epoch
         self._rules_seen = ruleset.rules
+        names = {r.name for r in c.kernel.values()}
+        self._rule_claims = {n: k for n, k in self._rule_claims.items() if n in names}
         self._write_config(c.live, c)
         self.summary = c.summary()
         log.info("%s; %d pool classes ready", self.summary, backend.pool_classes())
@@ -439,6 +534,7 @@ class FirstByte:
                 got = backend.pool_create(pool.shape, need)
                 self._put(r, pool, got)
                 made += len(got)
+        self._counts["refilled"] += made
         return made
 
     # ---------------------------------------------------------------- events
@@ -501,6 +597,11 @@ class FirstByte:
         (or sock_diag) as before, so OPEN and CLOSE keep their one ordered source; the flow's
         ADD then takes the claimed class. A flow that got its class before its claim was seen
         is given the claimed one instead (the socket sends into that)."""
+        prios = None
+        if backend is not None and self._bpf is not None and backend is self._backend \
+                and backend.pool_epoch == self._epoch and backend.pool_ids_waiting() \
+                and time.monotonic() - self._swept_at >= SWEEP_S:
+            prios = self._priorities()      # the periodic sweep's dump, outside the lock
         with self._lock, rec.lock:
             if self._bpf is None:
                 return
@@ -512,6 +613,17 @@ class FirstByte:
             now = time.monotonic()
             fresh = backend is not self._backend or backend.pool_epoch != self._epoch
             closed, self._closed = self._closed, []
+            if fresh:
+                # before any pool id is handed out on a new bookkeeping (rebuild, fall-back,
+                # start), the ids still-open sockets carry are held back; claims are off first,
+                # so that no socket takes an old pool's id after the sweep read the sockets
+                self._write_config(0)
+                time.sleep(GRACE_S)
+                prios = self._priorities()
+            if prios is not None:
+                self._swept_at = now
+                self._counts["freed_by_sweep"] += backend.pool_sockets_hold(prios)
+                self._counts["sweeps"] += 1
             marked = False
             for c in claims:
                 key = c.event.flow.key
@@ -520,6 +632,10 @@ class FirstByte:
                     log.debug("stale claim of %x by %s", c.classid, key)
                     continue
                 self._counts["bound"] += 1
+                pool = self._pools.get(c.rule)
+                if pool is not None:
+                    n = pool.rule.name
+                    self._rule_claims[n] = self._rule_claims.get(n, 0) + 1
                 self._pending[key] = (now, c.classid)
                 log.debug("claim of %x by %s", c.classid, key)
                 cur = backend.classid_of(key)
@@ -563,6 +679,14 @@ class FirstByte:
             else:
                 self.refill(backend)
 
+    def _priorities(self) -> Optional[Set[int]]:
+        try:
+            return socket_priorities()
+        except OSError as e:
+            log.warning("first byte: sockets' priorities not read (%s): awaited pool ids stay "
+                        "taken", e)
+            return None
+
     # ------------------------------------------------------------------ stats
     def stats(self) -> Dict[str, int]:
         out = dict(self._counts)
@@ -577,6 +701,26 @@ class FirstByte:
             out["pool_ready"] = sum(p.fill - self._take(r) for r, p in self._pools.items())
         return out
 
+    def view(self) -> model.FirstByteView:
+        """Pools and counters for status and metrics (one typed view)."""
+        with self._lock:
+            st = self.stats()
+            pools = []
+            for r, p in sorted(self._pools.items()):
+                try:
+                    ready = p.fill - self._take(r)
+                except Exception:
+                    ready = 0
+                pools.append(model.FirstBytePool(p.rule.name, ready,
+                                                 self._rule_claims.get(p.rule.name, 0)))
+            b = self._backend
+            fresh = b is None or b.pool_epoch != self._epoch
+            held = 0 if fresh else b.pool_ids_held()
+            waiting = 0 if fresh else b.pool_ids_waiting()
+        st["exhausted"] = st.get("pool_empty", 0)
+        return model.FirstByteView(tuple(pools), {k: int(st.get(k, 0)) for k in VIEW_COUNTERS},
+                                   held, waiting)
+
     # ------------------------------------------------------------------ close
     def close(self, backend=None) -> None:
         """Detach; the unclaimed pool classes go when the backend is still ours."""
@@ -589,9 +733,9 @@ class FirstByte:
             except Exception as e:
                 log.debug("first byte stats: %s", e)
             free = self._drain()
-            if self._link_fd >= 0:
-                os.close(self._link_fd)
-                self._link_fd = -1
+            for fd in self._link_fds:
+                os.close(fd)
+            self._link_fds = []
             if backend is not None and backend is self._backend \
                     and backend.pool_epoch == self._epoch and free:
                 try:

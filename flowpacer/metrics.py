@@ -336,6 +336,7 @@ class FlowpacerCollector:
                                   "Tracer events that could not be attributed to a process.")
         una.add_metric([], (v.tracer or {}).get("unattributed", 0))
         yield una
+        yield from _first_byte_metrics(v.first_byte, CounterMetricFamily, GaugeMetricFamily)
         nle = CounterMetricFamily("flowpacer_netlink_errors", "Requests the kernel refused.")
         nle.add_metric([], v.counters["op_errors"])
         yield nle
@@ -752,3 +753,35 @@ class MetricsServer:
                 os.unlink(self.listen.path)
             except OSError:
                 pass
+
+
+def _first_byte_metrics(fb, counter, gauge):
+    """Issue 16's pools: ready classes and claims per kernel-decided rule (at most 64 rules),
+    the fixed set of first-byte counters (``firstbyte.VIEW_COUNTERS``) and the pool ids held
+    back. Nothing when the first-byte stage is off."""
+    if fb is None:
+        return
+    ready = gauge("flowpacer_first_byte_pool_ready_classes",
+                  "Ready classes in the rule's first-byte pool.", labels=["rule"])
+    claims = counter("flowpacer_first_byte_rule_claims",
+                     "Flows of the rule that got a pool class at their handshake.",
+                     labels=["rule"])
+    for p in fb.pools:
+        ready.add_metric([p.rule], p.ready)
+        claims.add_metric([p.rule], p.claims)
+    yield ready
+    yield claims
+    ev = counter("flowpacer_first_byte_events",
+                 "First-byte shaping counters: claimed, refilled, returned (ready classes taken "
+                 "back unclaimed), released (claims no flow took), exhausted (pool empty), and "
+                 "why flows were left to user space.", labels=["kind"])
+    for k, n in sorted(fb.counters.items()):
+        ev.add_metric([k], n)
+    yield ev
+    ids = gauge("flowpacer_first_byte_pool_ids",
+                "Pool class ids held back: 'held' carried by open sockets, 'awaiting' claimed "
+                "ids whose class went and whose socket is still open.", labels=["state"])
+    ids.add_metric(["held"], fb.ids_held)
+    ids.add_metric(["awaiting"], fb.ids_awaiting)
+    yield ids
+

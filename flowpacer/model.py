@@ -396,6 +396,24 @@ class GroupView:
 
 
 @dataclass(frozen=True, slots=True)
+class FirstBytePool:
+    """One kernel-decided rule's pool of ready classes (issue 16)."""
+    rule: str
+    ready: int                           # classes ready for the next handshakes now
+    claims: int                          # claims of this rule reported since start
+
+
+@dataclass(frozen=True, slots=True)
+class FirstByteView:
+    """First-byte shaping's pools and counters (issue 16): ``counters`` has the fixed names of
+    ``firstbyte.VIEW_COUNTERS`` (claims, refills, exhausted, ...), all totals since start."""
+    pools: Tuple[FirstBytePool, ...]
+    counters: dict                       # name -> count
+    ids_held: int                        # pool ids open sockets carry, not handed out
+    ids_awaiting: int                    # claimed ids whose class went, waiting for the socket
+
+
+@dataclass(frozen=True, slots=True)
 class DaemonView:
     """The daemon's state at one moment: the one thing status, control, top and metrics read."""
     backend: Optional[str]
@@ -418,3 +436,4 @@ class DaemonView:
     receive_interface: Optional[str] = None
     receive_health: BackendHealth = BackendHealth.OK
     receive_problem: str = ""
+    first_byte: Optional[FirstByteView] = None   # issue 16; None when the stage is off

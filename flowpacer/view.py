@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, Optional
 
-from .model import (BackendHealth, ClassStats, DaemonView, FlowView, GroupKind, GroupView, Side,
-                    endpoint)
+from .model import (BackendHealth, ClassStats, DaemonView, FirstByteView, FlowView, GroupKind,
+                    GroupView, Side, endpoint)
 
 
 def build(rec, sup, stages: Iterable, *, rules_path: str, flow_source: str,
-          tracer_stats: Optional[dict]) -> DaemonView:
+          tracer_stats: Optional[dict], first_byte: Optional[FirstByteView] = None) -> DaemonView:
     """Called with ``rec.lock`` held."""
     b = sup.backend
     rx = getattr(sup, "rx", None)
@@ -58,6 +58,7 @@ def build(rec, sup, stages: Iterable, *, rules_path: str, flow_source: str,
         receive_interface=rx.interface if rx is not None else None,
         receive_health=getattr(sup, "rx_health", BackendHealth.OK),
         receive_problem=getattr(sup, "rx_problem", ""),
+        first_byte=first_byte,
     )
 
 
@@ -142,7 +143,16 @@ def to_json(v: DaemonView, stats: Dict[int, ClassStats]) -> dict:
         "receive": None if v.receive_interface is None and not v.receive_problem else {
             "interface": v.receive_interface, "state": v.receive_health.value,
             "problem": v.receive_problem},
+        "first_byte": _first_byte_json(v.first_byte),
     }
+
+
+def _first_byte_json(fb: Optional[FirstByteView]) -> Optional[dict]:
+    if fb is None:
+        return None
+    return {"pools": [{"rule": p.rule, "ready": p.ready, "claims": p.claims} for p in fb.pools],
+            "counters": dict(fb.counters), "ids_held": fb.ids_held,
+            "ids_awaiting": fb.ids_awaiting}
 
 
 def classid_text(c: Optional[int]) -> str:

@@ -61,7 +61,29 @@ APPEND = "console=ttyS0 panic=-1 tsc=reliable mitigations=off rdinit=/init"
 # (a 9p read) would jump the guest's clock that far and trip the guest's own timeouts. A
 # periodic tick (nohz=off: CONFIG_HZ, 250 on Debian) bounds each jump to 4 ms.
 APPEND_VIRTUAL = "nohz=off"
+
+
+def host_tsc_khz(cpuinfo: str = "/proc/cpuinfo") -> int:
+    """The host's TSC rate in kHz (its ``cpu MHz``), 0 when unknown. Under plain TCG the guest's
+    TSC counts the host's. The guest otherwise calibrates its TSC against the emulated PIT at
+    boot, and on a loaded host (vCPU descheduled during that loop) 6.1 measured 218 and 448 MHz
+    instead of 2445: with tsc=reliable its clock then ran 5-11x fast and every guest-side time
+    limit fired early (``modprobe veth`` "timed out after 30 s" within a few host seconds).
+    ``tsc_early_khz`` (Linux 5.8) skips that calibration."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("cpu MHz"):
+                    return int(float(line.split(":", 1)[1]) * 1000)
+    except (OSError, ValueError):
+        pass
+    return 0
 _HIDDEN_DIRS = ("/proc", "/sys", "/dev", "/run")  # fresh in the guest: host paths there are not
+
+
+def _tsc_append(clock) -> str:
+    khz = host_tsc_khz() if clock is Clock.REAL else 0
+    return f"tsc_early_khz={khz}" if khz else ""
 
 
 class Clock(enum.Enum):
@@ -146,6 +168,7 @@ def _qemu_cmd(art: "vmbuild.Artifacts", out: Path, mem_mb: int, smp: int,
         "-machine", "q35", *accel, "-cpu", "max", "-m", str(mem_mb), "-smp", str(smp),
         "-kernel", str(art.vmlinux), "-initrd", str(art.initramfs),
         "-append", " ".join(filter(None, (APPEND, APPEND_VIRTUAL if clock is Clock.VIRTUAL else "",
+                                          _tsc_append(clock),
                                           os.environ.get("FLOWPACER_VM_APPEND", "")))),
         "-serial", f"file:{console}",
         "-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,"

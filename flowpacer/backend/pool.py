@@ -9,9 +9,13 @@ instead of making one: the class's rates are set to the flow's shape and the flo
 filter is added as usual, so ``_flows`` and the filters stay the source of truth.
 
 Class ids are never handed out twice while a socket may still point at them: the id of a
-claimed class is free again only when its class is gone *and* the program reported the claiming
-socket's close (or a minute passed without that report). Pool classes left by a daemon that
-died are orphans (classes without a filter) and go at the next start's adoption.
+claimed class is free again only when its class is gone *and* no socket carries it as its
+priority any more -- the program reports a claiming socket's close, and ``firstbyte`` sweeps
+the namespace's sockets' priorities with sock_diag (``pool_sockets_hold``): after a full qdisc
+rebuild, a fall-back or a restart the bookkeeping starts afresh, and the ids still-open sockets
+carry are skipped until those sockets are gone (else a stale priority would land in a reused
+class). Pool classes left by a daemon that died are orphans (classes without a filter) and go
+at the next start's adoption.
 """
 from __future__ import annotations
 
@@ -33,8 +37,8 @@ log = logging.getLogger(__name__)
 POOL_FIRST_MINOR = 0xC000
 POOL_LAST_MINOR = 0xFFFF
 # A claimed id is its socket's priority until the socket closes: after its class was deleted it
-# is handed out again only once the program reported that close (FB_F_CLOSED), or after
-# AWAIT_CLOSE_S when that report was lost.
+# is handed out again only once the program reported that close (FB_F_CLOSED) or a sweep found
+# no socket carrying it; without any sweep (no first-byte stage), after AWAIT_CLOSE_S.
 AWAIT_CLOSE_S = 60.0
 
 
@@ -63,24 +67,36 @@ class PoolMixin:
     def _pool_ids(self):
         ids = self.__dict__.get("_pool_id_state")
         if ids is None:
-            ids = self.__dict__["_pool_id_state"] = {"next": POOL_FIRST_MINOR, "free": [],
-                                                     "awaiting": {}, "closed": set()}
+            ids = self.__dict__["_pool_id_state"] = self._pool_new_ids(POOL_FIRST_MINOR, [])
         return ids
+
+    @staticmethod
+    def _pool_new_ids(nxt: int, free: List[int]) -> dict:
+        # held: ids an open socket carried at the last sweep (never handed out); swept: a sweep
+        # ran since this state began (then awaiting ids wait for a sweep, not for a timeout)
+        return {"next": nxt, "free": free, "awaiting": {}, "closed": set(), "held": set(),
+                "swept": False}
 
     def _pool_alloc_minor(self) -> int:
         ids = self._pool_ids()
-        if not ids["free"] and ids["awaiting"]:
+        if not ids["free"] and ids["awaiting"] and not ids["swept"]:
             now = time.monotonic()
             for m in [m for m, t in ids["awaiting"].items() if now - t >= AWAIT_CLOSE_S]:
                 del ids["awaiting"][m]
                 ids["free"].append(m)
-        if ids["free"]:
-            return ids["free"].pop()
-        if ids["next"] > POOL_LAST_MINOR:
-            raise LayoutFull("no free pool class id")
-        m = ids["next"]
-        ids["next"] += 1
-        return m
+        while True:
+            if ids["free"]:
+                m = ids["free"].pop()
+            elif ids["next"] > POOL_LAST_MINOR:
+                raise LayoutFull("no free pool class id")
+            else:
+                m = ids["next"]
+                ids["next"] += 1
+            if m not in ids["held"]:
+                return m
+            # a still-open socket carries it (from before a rebuild or a restart): it waits
+            ids["awaiting"][m] = time.monotonic()
+            self.__dict__["_pool_skipped"] = self.__dict__.get("_pool_skipped", 0) + 1
 
     def _pool_free_minor(self, minor: int, claimed: bool = True) -> None:
         """The class of id ``minor`` is gone. A claimed id waits for its socket's close."""
@@ -98,9 +114,32 @@ class PoolMixin:
         if m < POOL_FIRST_MINOR:
             return
         if ids["awaiting"].pop(m, None) is not None:
+            ids["held"].discard(m)
             ids["free"].append(m)
+        elif m in ids["held"]:
+            ids["held"].discard(m)      # a socket from before the rebuild: nothing of ours uses m
         else:
             ids["closed"].add(m)        # its class is still there (the flow's): freed with it
+
+    def pool_sockets_hold(self, priorities: Iterable[int]) -> int:
+        """A sweep of the namespace's sockets (sock_diag) found these priorities: the pool ids
+        among them are not handed out while that lasts, and the awaited ids no socket carries
+        any more are free again. How many awaited ids were freed."""
+        ids = self._pool_ids()
+        major = self._parent_handle() >> 16
+        held = {p & 0xFFFF for p in priorities
+                if p >> 16 == major and POOL_FIRST_MINOR <= p & 0xFFFF <= POOL_LAST_MINOR}
+        ids["held"] = held
+        ids["swept"] = True
+        freed = [m for m in ids["awaiting"] if m not in held]
+        for m in freed:
+            del ids["awaiting"][m]
+            ids["free"].append(m)
+        return len(freed)
+
+    def pool_ids_held(self) -> int:
+        """Pool-range ids open sockets carried at the last sweep."""
+        return len(self._pool_ids()["held"])
 
     def pool_ids_waiting(self) -> int:
         return len(self._pool_ids()["awaiting"])
@@ -109,9 +148,8 @@ class PoolMixin:
         """After adoption: the pool-range ids that adopted flows hold stay taken."""
         taken = [m for m in used if m >= POOL_FIRST_MINOR]
         nxt = max([POOL_FIRST_MINOR - 1] + taken) + 1
-        self.__dict__["_pool_id_state"] = {
-            "next": nxt, "free": [m for m in range(nxt - 1, POOL_FIRST_MINOR - 1, -1)
-                                  if m not in set(taken)], "awaiting": {}, "closed": set()}
+        self.__dict__["_pool_id_state"] = self._pool_new_ids(
+            nxt, [m for m in range(nxt - 1, POOL_FIRST_MINOR - 1, -1) if m not in set(taken)])
 
     def pool_create(self, shape: Shape, n: int) -> List[int]:
         """Make up to ``n`` ready classes with ``shape``; their class ids (fewer when the kernel

@@ -1,18 +1,28 @@
 // SPDX-License-Identifier: GPL-2.0-only
 /*
  * firstbyte.c: give a target flow its class before its first data packet
- * (bcc, one cgroup sock_ops program; flowpacer/firstbyte.py owns it).
+ * (bcc: one cgroup sock_ops program and four cgroup sock_addr programs;
+ * flowpacer/firstbyte.py owns them).
  *
- * Attached (bpf_link, so it goes when its owner's fd closes, also on a
- * crash) to the root of the cgroup v2 hierarchy.  Callbacks used (all run
- * without BPF_SOCK_OPS_*_CB_FLAG):
- *   TCP_LISTEN_CB           listen(): process context, the owner is current;
+ * Attached (bpf_links, so they go when their owner's fds close, also on a
+ * crash) to the root of the cgroup v2 hierarchy.  Who owns a socket is
+ * learnt where the kernel runs us in the owner's context:
+ *   cgroup/bind4, bind6       bind(): the binder (current task) is kept in
+ *   (sock_addr programs)      the socket's storage (fb_owner_st)
+ *   cgroup/connect4, connect6 connect(): the connecting task, the same way
+ * (sock_addr programs may call bpf_get_current_{pid_tgid,uid_gid,comm} on
+ * every kernel we meet; sock_ops programs on 6.18 only: 6.1 has none of
+ * them, 6.12 only pid_tgid.)  The sock_ops callbacks used (all without
+ * BPF_SOCK_OPS_*_CB_FLAG):
+ *   TCP_LISTEN_CB           listen(): the owner from the socket's storage
+ *                           (its binder), else current when sock_ops may ask
+ *                           (fb_sockops_cur), else reported to user space;
  *                           remembered per local port in fb_listeners
- *   TCP_CONNECT_CB          connect(): process context, the owner is current;
- *                           remembered per socket cookie in fb_conn
- *   ACTIVE_ESTABLISHED_CB   SYN-ACK received (softirq): owner from fb_conn
+ *   ACTIVE_ESTABLISHED_CB   SYN-ACK received (softirq): owner from the
+ *                           socket's storage (its connect() caller)
  *   PASSIVE_ESTABLISHED_CB  final ACK received (softirq): owner from the
  *                           listener of the local port
+ *   STATE_CB                claimed sockets only: their close
  * At the end of a handshake the rules (fb_rules, first match wins) are
  * walked; a rule decided wholly here claims a class from its pool and sets
  * the socket's SO_PRIORITY to it: htb and psp put a packet whose
@@ -47,13 +57,6 @@
 #ifndef FB_MAX_KEYS
 #define FB_MAX_KEYS 4096
 #endif
-/* 1: sock_ops may call bpf_get_current_{pid_tgid,uid_gid,comm} (6.18 has them, 6.1 and 6.12
- * refuse them); 0: the listen() callback reports the port and user space writes its owner,
- * and connect() callers stay unknown (rules naming a process or user are then decided in user
- * space for outbound flows) */
-#ifndef FB_CURRENT
-#define FB_CURRENT 1
-#endif
 
 #ifndef AF_INET
 #define AF_INET 2
@@ -67,6 +70,9 @@
 #ifndef SO_PRIORITY
 #define SO_PRIORITY 12
 #endif
+#ifndef SOCK_STREAM
+#define SOCK_STREAM 1
+#endif
 
 BPF_RINGBUF_OUTPUT(fb_events, FB_RING_PAGES);
 BPF_ARRAY(fb_config, struct fb_config, 1);
@@ -76,7 +82,7 @@ BPF_HASH(fb_comms, struct fb_comm_key, u64, FB_MAX_KEYS);
 BPF_HASH(fb_uids, u32, u64, FB_MAX_KEYS);
 BPF_LPM_TRIE(fb_remote, struct fb_remote_key, u64, FB_MAX_KEYS);
 BPF_HASH(fb_listeners, u32, struct fb_owner, FB_MAX_LISTENERS);
-BPF_TABLE("lru_hash", u64, struct fb_owner, fb_conn, FB_MAX_CONN);
+BPF_SK_STORAGE(fb_owner_st, struct fb_owner);	/* bound/connected socket -> its owner */
 BPF_TABLE("lru_hash", u64, u32, fb_claimed, FB_MAX_CONN);	/* cookie -> class id */
 BPF_ARRAY(fb_pool, u32, FB_MAX_RULES * FB_POOL_SLOTS);
 BPF_ARRAY(fb_fill, u64, FB_MAX_RULES);
@@ -91,14 +97,24 @@ static __always_inline void count(u32 idx)
 		*v += 1;
 }
 
-#if FB_CURRENT
+/* Only where the program type may ask (sock_addr always; sock_ops on 6.18): callers pass a
+ * constant, so the other programs hold no call the verifier would refuse. */
 static __always_inline void owner_current(struct fb_owner *o)
 {
 	o->pid = bpf_get_current_pid_tgid() >> 32;
 	o->uid = (u32)bpf_get_current_uid_gid();
 	bpf_get_current_comm(o->comm, sizeof(o->comm));
 }
-#endif
+
+/* The owner kept in a socket's storage by the bind/connect programs, or NULL. */
+static __always_inline struct fb_owner *owner_stored(struct bpf_sock_ops *skops)
+{
+	struct bpf_sock *sk = skops->sk;
+
+	if (!sk)
+		return 0;
+	return fb_owner_st.sk_storage_get(sk, 0, 0);
+}
 
 /* The flow as the rules see it (filled from the callback's context). */
 struct fb_flow {
@@ -238,7 +254,7 @@ static __always_inline void established(struct bpf_sock_ops *skops, struct fb_co
 	f.ev.direction = direction;
 	fill_tuple(skops, &f.ev);
 	if (direction == FB_DIR_OUTBOUND) {
-		o = fb_conn.lookup(&cookie);
+		o = owner_stored(skops);
 	} else {
 		u32 port = f.ev.lport;
 
@@ -250,8 +266,6 @@ static __always_inline void established(struct bpf_sock_ops *skops, struct fb_co
 		f.ev.uid = o->uid;
 		__builtin_memcpy(f.ev.comm, o->comm, FB_COMM_LEN);
 	}
-	if (direction == FB_DIR_OUTBOUND)
-		fb_conn.delete(&cookie);
 
 	chosen = first_rule(cfg, &f);
 	if (chosen < 0)
@@ -290,7 +304,7 @@ static __always_inline void established(struct bpf_sock_ops *skops, struct fb_co
 	fb_events.ringbuf_submit(e, 0);
 }
 
-int fb_sockops(struct bpf_sock_ops *skops)
+static __always_inline int sockops(struct bpf_sock_ops *skops, const int may_ask)
 {
 	u32 zero = 0, op = skops->op;
 	struct fb_config *cfg;
@@ -305,23 +319,26 @@ int fb_sockops(struct bpf_sock_ops *skops)
 		cookie = bpf_get_socket_cookie(skops);
 		cid = fb_claimed.lookup(&cookie);
 		if (cid) {
-			struct fb_event *e = fb_events.ringbuf_reserve(sizeof(*e));
+			/* out of fb_claimed before the report: user space, which sweeps
+			 * fb_claimed for ids still held, never sees a closed one there */
+			u32 classid = *cid;
+			struct fb_event *e;
 
+			fb_claimed.delete(&cookie);
+			e = fb_events.ringbuf_reserve(sizeof(*e));
 			if (e) {
 				__builtin_memset(e, 0, sizeof(*e));
-				e->classid = *cid;
+				e->classid = classid;
 				e->flags = FB_F_CLOSED;
 				e->ts_ns = bpf_ktime_get_ns();
 				fb_events.ringbuf_submit(e, 0);
 			} else {
 				count(FB_C_LOST);
 			}
-			fb_claimed.delete(&cookie);
 		}
 		return 1;
 	}
-	if (op != BPF_SOCK_OPS_TCP_LISTEN_CB && op != BPF_SOCK_OPS_TCP_CONNECT_CB &&
-	    op != BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB &&
+	if (op != BPF_SOCK_OPS_TCP_LISTEN_CB && op != BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB &&
 	    op != BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB)
 		return 1;
 	if (skops->family != AF_INET && skops->family != AF_INET6)
@@ -333,33 +350,25 @@ int fb_sockops(struct bpf_sock_ops *skops)
 	switch (op) {
 	case BPF_SOCK_OPS_TCP_LISTEN_CB: {
 		u32 port = skops->local_port;
-#if FB_CURRENT
+		struct fb_owner *so = owner_stored(skops);
 		struct fb_owner o = {};
 
-		owner_current(&o);
-		fb_listeners.update(&port, &o);
-#else
-		/* classid 0: "a new listener on lport", user space finds its owner */
-		struct fb_event *e = fb_events.ringbuf_reserve(sizeof(*e));
+		if (so) {
+			fb_listeners.update(&port, so);
+		} else if (may_ask) {
+			owner_current(&o);
+			fb_listeners.update(&port, &o);
+		} else {
+			/* bound without bind(): classid 0 says "a new listener on
+			 * lport", user space finds its owner */
+			struct fb_event *e = fb_events.ringbuf_reserve(sizeof(*e));
 
-		if (e) {
-			__builtin_memset(e, 0, sizeof(*e));
-			e->lport = port;
-			fb_events.ringbuf_submit(e, 0);
+			if (e) {
+				__builtin_memset(e, 0, sizeof(*e));
+				e->lport = port;
+				fb_events.ringbuf_submit(e, 0);
+			}
 		}
-#endif
-		break;
-	}
-	case BPF_SOCK_OPS_TCP_CONNECT_CB: {
-#if FB_CURRENT
-		struct fb_owner o = {};
-		u64 cookie = bpf_get_socket_cookie(skops);
-
-		if (!cfg->live)
-			break;
-		owner_current(&o);
-		fb_conn.update(&cookie, &o);
-#endif
 		break;
 	}
 	case BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB:
@@ -372,4 +381,54 @@ int fb_sockops(struct bpf_sock_ops *skops)
 		break;
 	}
 	return 1;
+}
+
+/* sock_ops on a kernel whose sock_ops may ask for the current task (6.18), and without */
+int fb_sockops_cur(struct bpf_sock_ops *skops)
+{
+	return sockops(skops, 1);
+}
+
+int fb_sockops(struct bpf_sock_ops *skops)
+{
+	return sockops(skops, 0);
+}
+
+/* bind() and connect() of a TCP socket of our namespace: its owner into its storage. */
+static __always_inline int remember_owner(struct bpf_sock_addr *ctx)
+{
+	u32 zero = 0;
+	struct fb_config *cfg = fb_config.lookup(&zero);
+	struct bpf_sock *sk = ctx->sk;
+	struct fb_owner *o;
+
+	if (ctx->type != SOCK_STREAM || !sk)
+		return 1;
+	if (!cfg || !cfg->netns_cookie || bpf_get_netns_cookie(ctx) != cfg->netns_cookie)
+		return 1;
+	o = fb_owner_st.sk_storage_get(sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (o)
+		owner_current(o);
+	return 1;	/* never refuses the call */
+}
+
+/* one function per attach type (a sock_addr program is loaded for one) */
+int fb_bind4(struct bpf_sock_addr *ctx)
+{
+	return remember_owner(ctx);
+}
+
+int fb_bind6(struct bpf_sock_addr *ctx)
+{
+	return remember_owner(ctx);
+}
+
+int fb_connect4(struct bpf_sock_addr *ctx)
+{
+	return remember_owner(ctx);
+}
+
+int fb_connect6(struct bpf_sock_addr *ctx)
+{
+	return remember_owner(ctx);
 }
