@@ -23,6 +23,7 @@
  *   psp_prefetch(addr)      a cache hint, may do nothing
  *   psp_div_rem(a, b, &rem) -> a / b, rem = a % b       (64-bit)
  *   psp_mul_div(a, b, c)    -> a * b / c, 128-bit product, result fits
+ *   PSP_GROUP_LEVELS        from uapi/pkt_sch_psp.h (group levels)
  *
  * Structures start zeroed (kzalloc/calloc); the init helpers set the rest.
  *
@@ -158,7 +159,7 @@
 #define PSP_CEIL_CATCHUP_NS	(1000ULL * 1000)	/* lag a ceil clock may make up */
 #define PSP_DL_SHIFT		16		/* fixed point of dl_inv */
 #define PSP_HEAD_MAX		131071		/* bytes: caps a deadline offset */
-#define PSP_GROUP_DEPTH		2		/* group levels above a class */
+#define PSP_GROUP_DEPTH		PSP_GROUP_LEVELS	/* uapi header */
 #define PSP_GROUP_CATCHUP_NS	(1000ULL * 1000)	/* lag a group clock may make up */
 #define PSP_GATE_MAX		16		/* held-back classes requeued per dequeue */
 
@@ -368,6 +369,21 @@ static inline u64 psp_est_read(const struct psp_sclass *c, u64 now)
 }
 
 /* ---------------------------------------------------------------- groups */
+
+/* Rate a busy group gets now: its demand, scaled as a class's rate. */
+static inline u64 psp_group_eff_rate(const struct psp_sched *q,
+				     const struct psp_sgroup *g)
+{
+	const struct psp_sgroup *p;
+	u64 r = g->sum < g->rate ? g->sum : g->rate;
+
+	for (p = g->parent; p; p = p->parent)
+		if (p->sum > p->rate)
+			r = psp_mul_div(r, p->rate, p->sum);
+	if (psp_oversubscribed(q))
+		r = psp_mul_div(r, q->link_rate, q->rate_sum);
+	return r;
+}
 
 /* What a group asks of its parent (or the link): min(rate, sum). */
 static inline u64 psp_group_demand(const struct psp_sgroup *g)

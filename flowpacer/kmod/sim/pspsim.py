@@ -62,7 +62,9 @@ class ClassXStats(ctypes.Structure):
     _fields_ = [(n, ctypes.c_uint64) for n in (
         "rate", "ceil", "eff_rate", "rate_est", "borrowed_bytes", "borrowed_pkts", "clamps",
         "late_ns_max")] + [("clock_ns", ctypes.c_int64), ("limit", ctypes.c_uint32),
-                           ("flags", ctypes.c_uint32)]
+                           ("flags", ctypes.c_uint32), ("group_sum", ctypes.c_uint64),
+                           ("group_held", ctypes.c_uint64), ("members", ctypes.c_uint32),
+                           ("pad", ctypes.c_uint32)]
 
 
 def _stale() -> bool:
