@@ -135,13 +135,23 @@
  *   - Cost: the group clocks are checked lazily.  A class keeps t_grp, the
  *     latest of its groups' clocks it has seen (a lower bound on its
  *     departure: clocks only grow), in its departure key; it is refreshed
- *     when the class sends.  When the class chosen to send finds a
- *     group clock ahead of now, its key is raised to it and it is requeued,
- *     O(log N), and the choice is made again (at most PSP_GATE_MAX times per
- *     dequeue, then the caller retries at once).  A member is held back at
- *     most once per packet its group sends, so with the shares in step a
- *     packet costs O(depth + log N): two levels, 1 000 groups of 100 classes
- *     cost as 100 000 flat classes (bench/psp_sim.py measures it).
+ *     when the class sends.  When the class chosen to send finds a group
+ *     clock ahead of now, it is held: its key is raised to the next free
+ *     slot of that group (t_resv: members held together get slots one packet
+ *     time at the group's rate apart, in the order they were held, which is
+ *     the order of their own clocks), it is requeued, O(log N), and the
+ *     choice is made again (at most PSP_GATE_MAX times per dequeue, then the
+ *     caller retries at once).  Without the slots a crowd of K members due
+ *     together would all be held again after each packet, K requeues per
+ *     packet; with them a member is held about once per packet it sends
+ *     (again only when a packet that was not held took its slot), so a
+ *     packet costs O(depth + log N): 1 000 groups of 100 classes cost about
+ *     as 100 000 flat classes (bench/psp_sim.py measures it, and
+ *     tests/test_psp_sim.py counts the holds).  A held borrower waits at the group
+ *     clock itself, so that borrowers go in the order of their ceil clocks
+ *     (an even share of idle capacity); K borrowers held by one group cost
+ *     up to K requeues per borrowed packet (borrowing only happens while
+ *     the link has capacity nobody's rate reserves).
  *   - Going busy or idle updates the demands up the chain, O(depth), and a
  *     group that was idle restarts its clock at max(clock, now), as a class.
  *     Unpaced classes have no group.
@@ -186,6 +196,7 @@ struct psp_sgroup {
 	u64			sum;		/* demand of the backlogged members */
 	u64			t_clk;		/* byte clock at rate, ns */
 	u64			rem;		/* its division remainder */
+	u64			t_resv;		/* end of the slots given to held members */
 	u32			active;		/* backlogged members */
 	u32			members;	/* attached members */
 	/* statistics */
@@ -417,6 +428,7 @@ static inline void psp_groups_busy(struct psp_sgroup *g, u64 now)
 			return;
 		if (g->t_clk < now)
 			g->t_clk = now;	/* idle: no credit */
+		g->t_resv = 0;
 	}
 }
 
@@ -798,24 +810,34 @@ static inline void psp_hold(struct psp_sched *q, struct psp_sclass *c,
 			    int kind, u64 gate, u64 now)
 {
 	struct psp_sgroup *g;
+	u64 rem;
 
-	for (g = c->grp; g; g = g->parent)
-		if (g->t_clk == gate) {
-			g->held++;
-			break;
-		}
-	c->t_grp = gate;
+	for (g = c->grp; g->t_clk != gate; g = g->parent)
+		;
+	g->held++;
 	if (kind == PSP_SEND_BORROW) {
-		/* Its rnode keeps a lower key: it is held again there.  The
-		 * gate is not kept in the borrow key after the class sends
-		 * (t_grp is not in psp_bkey()): borrowers held by one group
-		 * then queue at its clock in the order of their ceil
-		 * clocks, the one that borrowed least first.
+		/* Held at the group's clock itself, no slot, and the gate is
+		 * not kept in the borrow key after the class sends (t_grp is
+		 * not in psp_bkey()): borrowers held by one group then go in
+		 * the order of their ceil clocks, the one that borrowed least
+		 * first, so they share what is idle evenly.  The price: K
+		 * borrowers held together are requeued up to K times per
+		 * borrowed packet.  Its rnode keeps a lower key: it is held
+		 * again there.
 		 */
 		psp_tree_move(q, &q->btree, &c->bnode,
 			      psp_max(psp_bkey(c), gate));
 		return;
 	}
+	/* paced: the next free slot of the group that holds it; members
+	 * held together get successive slots a packet time at the group's
+	 * rate apart, so the crowd is not held again at every packet
+	 */
+	if (g->t_resv > gate)
+		gate = g->t_resv;
+	g->t_resv = gate + psp_div_rem((u64)c->head * PSP_NSEC_PER_SEC, g->rate,
+				       &rem);
+	c->t_grp = gate;
 	if (c->flags & PSP_SC_DUE) {
 		psp_paced_erase(q, c);
 		psp_paced_put(q, c, now);	/* into wtree: due > now */
@@ -1004,6 +1026,7 @@ static inline void psp_group_reset_clocks(struct psp_sgroup *g)
 {
 	g->t_clk = 0;
 	g->rem = 0;
+	g->t_resv = 0;
 }
 
 /* Forget all clocks (qdisc reset); classes must be deactivated first. */
