@@ -883,5 +883,5 @@ def test_100000_classes_in_1000_groups():
         counts = np.bincount(d["cls"], minlength=n)
         assert counts.min() >= 5 and counts.max() <= 7, (counts.min(), counts.max())
         held = sum(s.group_stats(g)["held"] for g in groups)
-        assert held <= 1.2 * len(d), (held, len(d))     # about once per packet, not 100x
+        assert held <= 0.5 * len(d), (held, len(d))     # in step: rarely, never 100x
         assert s.xstats().rate_sum == cap * ngroups and s.xstats().clamps == 0
