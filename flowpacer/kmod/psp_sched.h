@@ -186,6 +186,9 @@ enum psp_send {
 #define PSP_SC_BORROW	0x2	/* paced and ceil > rate */
 #define PSP_SC_DUE	0x4	/* paced, in etree (else in wtree) */
 #define PSP_SC_FIRST	0x8	/* next packet is the first after idle */
+#define PSP_SC_GROUP	0x10	/* in a group (grp): the group fields, in the
+				 * cold part, are read only then
+				 */
 #define PSP_SC_RUN_SHIFT 8	/* bits 8..15: packets in the current run */
 #define PSP_SC_RUN_MAX	0xffU
 #define PSP_SC_PREV_SHIFT 16	/* bits 16..31: wire bytes of the last packet */
@@ -321,9 +324,12 @@ static inline u64 psp_scaled(const struct psp_sched *q, u64 tx, u64 *rem)
 /* The same stretch for each oversubscribed group of @c, innermost first. */
 static inline u64 psp_group_scaled(struct psp_sclass *c, u64 tx)
 {
-	struct psp_sgroup *g = c->grp;
+	struct psp_sgroup *g;
 	int i;
 
+	if (likely(!(c->flags & PSP_SC_GROUP)))
+		return tx;
+	g = c->grp;
 	for (i = 0; g && i < PSP_GROUP_DEPTH; i++, g = g->parent)
 		tx = psp_scale(tx, g->sum, g->rate, &c->grp_rem[i]);
 	return tx;
@@ -481,8 +487,10 @@ static inline u64 psp_wire_bytes(const struct psp_sched *q, u64 len, u32 segs)
 /* Departure time of a paced class's head packet. */
 static inline u64 psp_rkey(const struct psp_sclass *c)
 {
-	u64 t = psp_max(psp_max(c->t_rate, c->t_min), c->t_grp);
+	u64 t = psp_max(c->t_rate, c->t_min);
 
+	if (unlikely(c->flags & PSP_SC_GROUP))
+		t = psp_max(t, c->t_grp);
 	if (c->flags & PSP_SC_BORROW)
 		return psp_max(t, c->t_ceil);
 	return t;
@@ -604,8 +612,12 @@ static inline void psp_class_activate(struct psp_sched *q,
 	}
 	if (c->t_rate < now)
 		c->t_rate = now;	/* idle: no credit */
-	psp_groups_busy(c->grp, now);
-	psp_demand_move(q, c->grp, 0, c->rate);
+	if (c->flags & PSP_SC_GROUP) {
+		psp_groups_busy(c->grp, now);
+		psp_demand_move(q, c->grp, 0, c->rate);
+	} else {
+		q->rate_sum += c->rate;
+	}
 	if (c->flags & PSP_SC_BORROW) {
 		if (c->t_ceil < now)
 			c->t_ceil = now;
@@ -629,8 +641,12 @@ static inline void psp_class_deactivate(struct psp_sched *q,
 	psp_paced_erase(q, c);
 	if (c->flags & PSP_SC_BORROW)
 		psp_tree_erase(&q->btree, &c->bnode);
-	psp_demand_move(q, c->grp, c->rate, 0);
-	psp_groups_idle(c->grp);
+	if (c->flags & PSP_SC_GROUP) {
+		psp_demand_move(q, c->grp, c->rate, 0);
+		psp_groups_idle(c->grp);
+	} else {
+		q->rate_sum -= c->rate;
+	}
 }
 
 /* Set a class's rate and ceil (bytes/s; rate 0: unpaced), also while it is
@@ -710,8 +726,12 @@ static inline void psp_class_set_group(struct psp_sched *q,
 	if (c->grp)
 		c->grp->members--;
 	c->grp = g;
-	if (g)
+	if (g) {
 		g->members++;
+		c->flags |= PSP_SC_GROUP;
+	} else {
+		c->flags &= ~PSP_SC_GROUP;
+	}
 	c->t_grp = 0;
 	for (i = 0; i < PSP_GROUP_DEPTH; i++)
 		c->grp_rem[i] = 0;
@@ -875,7 +895,7 @@ static inline struct psp_sclass *psp_select(struct psp_sched *q, u64 now,
 		u64 gate;
 
 		c = psp_select_once(q, now, kind, next, held);
-		if (!c || likely(!c->grp))
+		if (!c || likely(!(c->flags & PSP_SC_GROUP)))
 			return c;
 		gate = psp_group_gate(c);
 		if (gate <= now)
@@ -955,7 +975,7 @@ static inline void psp_charge(struct psp_sched *q, struct psp_sclass *c,
 		q->unpaced_pkts++;
 		break;
 	}
-	if (c->grp) {
+	if (c->flags & PSP_SC_GROUP) {
 		/* paced or borrowed: every member's packet runs its groups'
 		 * clocks; the class waits for the latest
 		 */
