@@ -365,26 +365,38 @@ static inline u64 psp_est_fold(u64 est, u64 bytes, u64 dt)
 	return est - (est >> PSP_EST_SHIFT) + (sample >> PSP_EST_SHIFT);
 }
 
-static inline void psp_est_add(struct psp_sclass *c, u64 bytes, u64 now)
+/* One estimator (a class's or a group's): @bytes sent at @now. */
+static inline void psp_est_update(u64 *est, u64 *start, u64 *acc, u64 bytes,
+				  u64 now)
 {
-	u64 dt = now - c->est_start;
+	u64 dt = now - *start;
 
-	c->est_bytes += bytes;
+	*acc += bytes;
 	if (dt < PSP_EST_WINDOW_NS)
 		return;
-	c->rate_est = psp_est_fold(c->rate_est, c->est_bytes, dt);
-	c->est_start = now;
-	c->est_bytes = 0;
+	*est = psp_est_fold(*est, *acc, dt);
+	*start = now;
+	*acc = 0;
 }
 
 /* The estimate as of @now, counting the idle time since the last packet. */
+static inline u64 psp_est_value(u64 est, u64 start, u64 acc, u64 now)
+{
+	u64 dt = now - start;
+
+	if (now < start || dt < PSP_EST_WINDOW_NS)
+		return est;
+	return psp_est_fold(est, acc, dt);
+}
+
+static inline void psp_est_add(struct psp_sclass *c, u64 bytes, u64 now)
+{
+	psp_est_update(&c->rate_est, &c->est_start, &c->est_bytes, bytes, now);
+}
+
 static inline u64 psp_est_read(const struct psp_sclass *c, u64 now)
 {
-	u64 dt = now - c->est_start;
-
-	if (now < c->est_start || dt < PSP_EST_WINDOW_NS)
-		return c->rate_est;
-	return psp_est_fold(c->rate_est, c->est_bytes, dt);
+	return psp_est_value(c->rate_est, c->est_start, c->est_bytes, now);
 }
 
 /* ---------------------------------------------------------------- groups */
@@ -460,23 +472,12 @@ static inline u64 psp_group_gate(const struct psp_sclass *c)
 
 static inline void psp_group_est_add(struct psp_sgroup *g, u64 bytes, u64 now)
 {
-	u64 dt = now - g->est_start;
-
-	g->est_bytes += bytes;
-	if (dt < PSP_EST_WINDOW_NS)
-		return;
-	g->rate_est = psp_est_fold(g->rate_est, g->est_bytes, dt);
-	g->est_start = now;
-	g->est_bytes = 0;
+	psp_est_update(&g->rate_est, &g->est_start, &g->est_bytes, bytes, now);
 }
 
 static inline u64 psp_group_est_read(const struct psp_sgroup *g, u64 now)
 {
-	u64 dt = now - g->est_start;
-
-	if (now < g->est_start || dt < PSP_EST_WINDOW_NS)
-		return g->rate_est;
-	return psp_est_fold(g->rate_est, g->est_bytes, dt);
+	return psp_est_value(g->rate_est, g->est_start, g->est_bytes, now);
 }
 
 static inline u64 psp_wire_bytes(const struct psp_sched *q, u64 len, u32 segs)
