@@ -99,6 +99,8 @@ def strict_parse(payload: bytes, policy: Dict[int, str]) -> Tuple[int, Dict[int,
             return errno.EINVAL, {}
         if typ & NESTED:                    # "NLA_F_NESTED not expected"
             return errno.EINVAL, {}
+        if kind == "flag" and ln > 4:       # NLA_FLAG with a payload: "Attribute failed
+            return errno.ERANGE, {}         # policy validation", ERANGE (6.1, 6.12)
         if ln - 4 != LEN[kind]:             # "invalid attribute length"
             return errno.EINVAL, {}
         tb[t] = int.from_bytes(payload[off + 4:off + ln], "little") if ln > 4 else 1
@@ -391,6 +393,12 @@ class Gen:
         if mtype == RTM_DELTCLASS:
             return Req(op, mtype, flags, handle, parent, None, None)
         payload, bad = self.attrs([6, 7, 8, GROUP], [1, 2, 3, 4, 5, 9], model)
+        tops = [g for g in groups if not model.classes[g].parent]
+        if op == "class-add" and tops and r.random() < 0.15:
+            # a client group under a rule group (two levels), or a class in one
+            parent = h(r.choice(tops))
+            payload, bad = Attr(6, struct.pack("=Q", r.randint(1000, 5_000_000))).encode() + \
+                (Attr(GROUP, b"").encode() if r.random() < 0.5 else b""), False
         opts = payload if r.random() < 0.95 else None
         return Req(op, mtype, flags, handle, parent, "psp", opts, nested=r.random() < 0.95,
                    estimator=self.estimator(), malformed=bad)

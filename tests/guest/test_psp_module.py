@@ -466,7 +466,7 @@ def _group_cases():
         ("group-change-with-ceil", RTM_NEWTCLASS, 0, h(0x31), h(0x30), opts(a64(C, 10**6)),
          errno.EINVAL, "a group has no ceil: its rate is its cap"),
         ("group-flag-with-payload", RTM_NEWTCLASS, NEW, h(0x20), QDISC,
-         opts(a64(R, 1000), N.nla(G, U32(1))), errno.EINVAL, ""),
+         opts(a64(R, 1000), N.nla(G, U32(1))), errno.ERANGE, "Attribute failed policy validation"),
         ("delete-client-group-with-members", RTM_DELTCLASS, 0, h(0x31), QDISC, b"", errno.EBUSY,
          "group has member classes or groups: delete them first"),
         ("delete-rule-group-with-a-client", RTM_DELTCLASS, 0, h(0x30), QDISC, b"", errno.EBUSY,
