@@ -12,21 +12,28 @@ x 1428/1514 (IPv6) of TCP payload. tests/test_aggregates.py has the same cases o
 - total_rate 9 Mbit/s over three clients of 2 streams (client_rate 6 each): 9 within 3 %;
 - borrowing: rate 1, ceil 4, client_rate 6: one stream reaches its ceil, three streams of one
   client stop at the client's cap together;
-- a SIGKILLed daemon's successor adopts the group classes and the cap holds across it.
+- a SIGKILLed daemon's successor adopts the group classes and the cap holds across it;
+- the module alone (no daemon): a class of 8 Mbit/s in a 3 Mbit/s client group under a 4 Mbit/s
+  rule group gets the client cap, the cap changed in place under traffic takes effect with the
+  queue kept, the dump shows parents, flags, members and demands, and the groups count their
+  members' bytes.
 """
 from __future__ import annotations
 
 import ipaddress
 import subprocess
+import time
 
 import pytest
 
 import psplib
 from harness import traffic
+from pacing import Capture, Iperf, IPERF_PORT, mbit, to_mbit, window_rate
 from harness.daemon import Daemon
 from harness.servers import iperf3_server
 from pacing import guest_timeout, require_virtual_time, wait_for
-from psplib import PspNl
+from psplib import RTM_NEWTCLASS, TC_H_ROOT, PspNl, h
+from flowpacer.tc import nl as N
 
 from flowpacer.tc import psp as enc
 
@@ -250,3 +257,59 @@ def test_daemon_crash_under_load_keeps_the_groups(site):
                   payload(8, False), streams)
     assert total == pytest.approx(payload(8, False), rel=0.03), line
     wait_quiet(site)
+
+
+# ------------------------------------------------------------------ the module alone
+
+FILTER = ["protocol", "ip", "prio", "1", "u32", "match", "ip", "dport", str(IPERF_PORT), "0xffff",
+          "flowid"]
+
+
+def test_groups_dump_count_and_cap_under_traffic(bed):
+    """A class of 8 Mbit/s in a 3 Mbit/s client group under a 4 Mbit/s rule group: iperf3 through
+    it gets the client cap; the client group's rate changed in place to 1.5 Mbit/s under traffic
+    takes effect (queue kept); the dump shows parents, the group flag, members and the demand;
+    the groups count their members' bytes."""
+    tb, sock = bed
+    dev = tb.sender_dev
+    tb.set_gso(True)
+    sock.add_qdisc(dev, link_rate_bps=mbit(100))
+    sock.add_group(dev, 0x30, mbit(4))
+    sock.add_group(dev, 0x31, mbit(3), parent=0x30)
+    sock.add_class(dev, 0x10, mbit(8), parent=0x31)
+    tb.s("tc", "filter", "add", "dev", dev, "parent", "f1f0:", *FILTER, "f1f0:10")
+    cls = sock.classes(dev)
+    assert cls[0x30].parent == TC_H_ROOT and cls[0x31].parent == h(0x30)
+    assert cls[0x10].parent == h(0x31)
+    assert cls[0x30].xstats["flags"] & enc.PSP_CLASS_F_GROUP and cls[0x30].ceil is None
+    assert (cls[0x30].rate, cls[0x30].xstats["members"], cls[0x31].xstats["members"]) == \
+        (mbit(4), 1, 1)
+    marks = {}
+    with Capture(tb.receiver_ns, tb.receiver_dev, IPERF_PORT) as cap:
+        with Iperf(tb, [IPERF_PORT], duration=8) as ip:
+            def busy(after_s):
+                return lambda: ip.elapsed() >= after_s and sock.classes(dev)[0x10].stats["qlen"] > 0
+            wait_for(busy(4.0), 15, "the class to be backlogged")
+            during = sock.classes(dev)
+            marks["change"] = time.time_ns()
+            sock.must(RTM_NEWTCLASS, 0, N.tcmsg(sock.ifindex(dev), h(0x31), h(0x30))
+                      + enc.group_options(mbit(1.5)), "change the client group's rate")
+            after = sock.classes(dev)
+            ip.wait()
+        end = time.time_ns()
+    s = 1_000_000_000
+    first = min(p.ts_ns for p in cap.packets)
+    r3 = window_rate(cap.packets, first + s, marks["change"])
+    r15 = window_rate(cap.packets, marks["change"] + s * 6 // 10, min(end, first + 8 * s) - s // 2)
+    got = sock.classes(dev)
+    psplib.record(f"psp groups: client cap 3 Mbit/s over a class of 8: {to_mbit(r3):.3f}, cap "
+                  f"changed to 1.5 Mbit/s under traffic: {to_mbit(r15):.3f} Mbit/s; held "
+                  f"{got[0x31].xstats['group_held']} times")
+    assert during[0x31].xstats["group_sum"] == mbit(8) and during[0x30].xstats["group_sum"] == mbit(3)
+    assert during[0x31].xstats["flags"] & enc.PSP_CLASS_F_ACTIVE
+    assert during[0x10].xstats["eff_rate"] == mbit(3)
+    assert after[0x10].stats["qlen"] > 0 and after[0x31].rate == mbit(1.5)
+    assert abs(r3 / mbit(3) - 1) < 0.05
+    assert abs(r15 / mbit(1.5) - 1) < 0.05
+    assert got[0x30].stats["bytes"] == got[0x31].stats["bytes"] == got[0x10].stats["bytes"] > 0
+    assert got[0x10].stats["drops"] == 0
