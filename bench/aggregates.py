@@ -1,7 +1,14 @@
-"""Aggregate rates on htb (issue 15): how close to the caps, and how regular each stream is
-inside a capped group.
+"""Aggregate rates on htb and psp (issue 15): how close to the caps, and how regular each stream
+is inside a capped group.
 
     .venv/bin/python -m bench.aggregates        # ~40 s; writes bench/results/aggregates_htb.json
+    .venv/bin/python -m bench.aggregates --vm   # psp and htb side by side in the VM's virtual
+                                                # time (~10 min): bench/results/aggregates_psp.json
+
+``--vm``: the host kernel has no psp, so both qdiscs run in one VM boot (virtual time, exact
+guest clock; the daemon with ``--no-tracer``) with the same cases at rates the VM paces (a
+quarter of the host's: client_rate 8 Mbit/s over 4 streams of 4; total_rate 9 over three
+clients of 2 streams, client_rate 6).
 
 In a testbed with GSO off (one wire packet per skb, so that the receiver sees the pacing), the
 daemon (htb) shapes ``iperf3 -R`` streams of rules with aggregates:
@@ -39,19 +46,28 @@ from harness.testbed import Testbed, wait_for
 
 RULES = """
     interface: IFACE
-    backend: htb
+    backend: BACKEND
     link_rate: 1gbit
     rules:
       - name: client
         match: {process: iperf3, direction: inbound, local_port: 5401}
-        rate: 8mbit
-        client_rate: 20mbit
+        rate: RATEmbit
+        client_rate: CLIENTmbit
       - name: total
         match: {process: iperf3, direction: inbound, local_port: 5411-5413}
-        rate: 8mbit
-        client_rate: 16mbit
-        total_rate: 30mbit
+        rate: RATEmbit
+        client_rate: TCLIENTmbit
+        total_rate: TOTALmbit
 """
+HOST_RATES = {"RATE": 8, "CLIENT": 20, "TCLIENT": 16, "TOTAL": 30}
+VM_RATES = {"RATE": 4, "CLIENT": 8, "TCLIENT": 6, "TOTAL": 9}
+
+
+def rules(rates: dict) -> str:
+    text = RULES
+    for k in ("TCLIENT", "CLIENT", "TOTAL", "RATE"):
+        text = text.replace(k + "mbit", f"{rates[k]}mbit")
+    return text
 FRAME = 1514
 SECONDS, OMIT = 8, 2
 
@@ -112,8 +128,10 @@ def run_case(tb, ports, clients, cap_bps, streams):
             "off_cap": total / (cap_bps * wire) - 1, "clients": per_client}
 
 
-def main() -> int:
-    figures = {}
+def measure(backends, rates: dict, daemon_args=(), start_timeout: float = 90) -> dict:
+    """The two cases on each backend in ``backends``, in one testbed: {backend: {case: ...}}."""
+    out = {}
+    mbit = 1_000_000 / 8
     with Testbed(gso=False) as tb:
         v4 = int(tb.client_v4)
         extra = [ipaddress.IPv4Address(v4 + 1), ipaddress.IPv4Address(v4 + 2)]
@@ -121,18 +139,45 @@ def main() -> int:
             tb.run(tb.client_ns, ["ip", "addr", "add", f"{a}/24", "dev", tb.client_if])
         for p in (5401, 5411, 5412, 5413):
             iperf3_server(tb, p)
-        d = Daemon(tb, None, RULES, "--backend", "htb").start()
-        try:
-            mbit = 1_000_000 / 8
-            figures["client"] = run_case(tb, [5401], [(tb.client_v4, tb.server_v4)],
-                                         20 * mbit, 4)
-            three = [(a, tb.server_v4) for a in [tb.client_v4] + extra]
-            figures["total"] = run_case(tb, [5411, 5412, 5413], three, 30 * mbit, 2)
-            wait_for(lambda: not d.flows(), 10, 0.1, "the flows to end")
-        finally:
-            d.stop()
-    path = write("aggregates_htb", figures)
+        for backend in backends:
+            figures = out[backend] = {"rates_mbit": dict(rates)}
+            d = Daemon(tb, None, rules(rates), *daemon_args, backend=backend).start(
+                timeout=start_timeout)
+            try:
+                figures["client"] = run_case(tb, [5401], [(tb.client_v4, tb.server_v4)],
+                                             rates["CLIENT"] * mbit, 4)
+                three = [(a, tb.server_v4) for a in [tb.client_v4] + extra]
+                figures["total"] = run_case(tb, [5411, 5412, 5413], three,
+                                            rates["TOTAL"] * mbit, 2)
+                wait_for(lambda: not d.flows(), start_timeout / 3, 0.1, "the flows to end")
+                figures["daemon_log_tracebacks"] = d.log_text().count("Traceback")
+            finally:
+                d.stop()
+    return out
+
+
+def guest_main(out_path: str) -> int:
+    """In the VM: psp (module loaded) and htb with the VM rates; JSON to ``out_path``."""
+    import json
+    import os
+    from bench.vm_sharing import guest_tools
+    pacing = guest_tools()
+    import psplib
+    psplib.ensure_loaded()
+    figures = measure(("psp", "htb"), VM_RATES,
+                      ("--no-tracer", "--no-metrics", "--rescan", "0.5"),
+                      start_timeout=pacing.guest_timeout(90))
+    figures["guest_kernel"] = os.uname().release
+    figures["clock"] = os.environ.get("FLOWPACER_VM_CLOCK", "")
+    with open(out_path, "w") as f:
+        json.dump(figures, f)
+    return 0
+
+
+def show(figures: dict) -> None:
     for name, f in figures.items():
+        if name not in ("client", "total"):
+            continue
         print(f"{name}: {f['payload_bps'] * 8 / 1e6:.2f} Mbit/s of a "
               f"{f['payload_cap_bps'] * 8 / 1e6:.2f} payload cap ({f['off_cap']:+.2%})")
         for i, c in enumerate(f["clients"]):
@@ -141,6 +186,30 @@ def main() -> int:
                 print(f"  client {i}: {s['payload_bps'] * 8 / 1e6:.2f} Mbit/s, gaps p10/p50/p99 "
                       f"{g['p10']:.0f}/{g['p50']:.0f}/{g['p99']:.0f} us (share's gap "
                       f"{s['nominal_gap_us']:.0f} us mean), back-to-back {s['back_to_back']:.1%}")
+
+
+def main(argv=None) -> int:
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vm", action="store_true", help="psp and htb in the VM (virtual time)")
+    ap.add_argument("--guest", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.guest:
+        return guest_main(args.out)
+    if args.vm:
+        from bench.vm_sharing import run_guest
+        doc = run_guest("bench.aggregates", [], timeout=1800)
+        figures = {"psp": doc["psp"], "htb": doc["htb"], "vm": doc.get("vm"),
+                   "guest_kernel": doc.get("guest_kernel"), "clock": doc.get("clock")}
+        path = write("aggregates_psp", figures)
+        for backend in ("psp", "htb"):
+            print(f"--- {backend} (VM, virtual time)")
+            show(figures[backend])
+    else:
+        figures = measure(("htb",), HOST_RATES)["htb"]
+        path = write("aggregates_htb", figures)
+        show(figures)
     print(f"written {path}")
     return 0
 

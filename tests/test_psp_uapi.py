@@ -150,6 +150,7 @@ static const struct { const char *name; int size; int qdisc; } pol[TCA_PSP_MAX +
 	[TCA_PSP_CLASS_CEIL]	= { "class_ceil", 8, 0 },
 	[TCA_PSP_CLASS_LIMIT]	= { "class_limit", 4, 0 },
 	[TCA_PSP_CATCHUP]	= { "catchup", 8, 1 },
+	[TCA_PSP_CLASS_GROUP]	= { "class_group", 0, 0 },	/* NLA_FLAG: no payload */
 };
 
 int main(int argc, char **argv)
@@ -182,6 +183,8 @@ int main(int argc, char **argv)
 		if (pol[type].qdisc != qdisc) { fprintf(stderr, "%s in %s\n", pol[type].name, argv[1]); return 1; }
 		if (len - 4 != pol[type].size) { fprintf(stderr, "%s: %d bytes\n", pol[type].name, len - 4); return 1; }
 		memcpy(&v, b + off + 4, pol[type].size);
+		if (!pol[type].size)
+			v = 1;	/* a flag: present */
 		printf("%s\"%s\": %llu", first ? "" : ", ", pol[type].name, (unsigned long long)v);
 		first = 0;
 		off += (len + 3u) & ~3u;
@@ -238,6 +241,9 @@ int main(void)
 	put(TCA_PSP_CLASS_CEIL, &ceil, 8);
 	put(TCA_PSP_CLASS_LIMIT, &limit, 4);
 	hex();
+	put(TCA_PSP_CLASS_RATE, &ceil, 8);
+	put(TCA_PSP_CLASS_GROUP, NULL, 0);
+	hex();
 	memset(&q, 0, sizeof(q));
 	q.link_rate = link; q.rate_sum = 3; q.paced_pkts = 4; q.borrowed_pkts = 5;
 	q.unpaced_pkts = 6; q.late_ns_total = 7; q.late_ns_max = 8; q.clamps = 9;
@@ -248,6 +254,7 @@ int main(void)
 	c.rate = rate; c.ceil = ceil; c.eff_rate = 21; c.rate_est = 22; c.borrowed_bytes = 23;
 	c.borrowed_pkts = 24; c.clamps = 25; c.late_ns_max = 26; c.clock_ns = -27; c.limit = limit;
 	c.flags = PSP_CLASS_F_DEFAULT | PSP_CLASS_F_ACTIVE;
+	c.group_sum = 28; c.group_held = 29; c.members = 30;
 	memcpy(buf, &c, sizeof(c)); pos = sizeof(c); hex();
 	return 0;
 }
@@ -301,6 +308,9 @@ def test_pyroute2_encoding_reads_back_in_c(decoder):
     c = psp.get_class_parameters(dict(rate=1_250_000, ceil=(1 << 33) + 5, limit=64))
     assert decode(decoder, "class", pyroute2_options_payload("psp", c, RTM_NEWTCLASS)) == \
         dict(class_rate=1_250_000, class_ceil=(1 << 33) + 5, class_limit=64)
+    g = psp.get_class_parameters(dict(rate=2_500_000, group=True))
+    assert decode(decoder, "class", pyroute2_options_payload("psp", g, RTM_NEWTCLASS)) == \
+        dict(class_rate=2_500_000, class_group=1)
 
 
 def test_fast_packers_read_back_in_c(decoder):
@@ -316,6 +326,8 @@ def test_fast_packers_read_back_in_c(decoder):
         dict(class_rate=5, class_ceil=9, class_limit=3)
     assert decode(decoder, "class", options_payload(psp.default_class_options(42))) == \
         dict(class_limit=42)
+    assert decode(decoder, "class", options_payload(psp.group_options(2_500_000))) == \
+        dict(class_rate=2_500_000, class_group=1)
     est = psp.class_options(1000, estimator=(0, 3))
     assert est[-8:] == struct.pack("=HHbB", 6, psp.TCA_RATE, 0, 3) + b"\0\0"
 
@@ -323,8 +335,8 @@ def test_fast_packers_read_back_in_c(decoder):
 def test_c_encoded_dump_decodes_in_pyroute2(tmp_path):
     from pyroute2.netlink.rtnl.tcmsg import tcmsg
     psp.register()
-    qopt, copt, qxs, cxs = (bytes.fromhex(x) for x in
-                            run(compile_c(tmp_path, "encoder", ENCODER)).split())
+    qopt, copt, gopt, qxs, cxs = (bytes.fromhex(x) for x in
+                                  run(compile_c(tmp_path, "encoder", ENCODER)).split())
 
     def nlattr(t, data):
         n = 4 + len(data)
@@ -357,7 +369,8 @@ def test_c_encoded_dump_decodes_in_pyroute2(tmp_path):
             o.get_attr("TCA_PSP_CLASS_LIMIT")) == (1_250_000, 2_500_000, 777)
     want = dict(rate=1_250_000, ceil=2_500_000, eff_rate=21, rate_est=22, borrowed_bytes=23,
                 borrowed_pkts=24, clamps=25, late_ns_max=26, clock_ns=-27, limit=777,
-                flags=psp.PSP_CLASS_F_DEFAULT | psp.PSP_CLASS_F_ACTIVE)
+                flags=psp.PSP_CLASS_F_DEFAULT | psp.PSP_CLASS_F_ACTIVE, group_sum=28,
+                group_held=29, members=30, pad=0)
     xs = c.get_attr("TCA_XSTATS")
     assert {k: xs[k] for k in want} == want
     assert psp.parse_class_xstats(cxs) == want
@@ -365,6 +378,13 @@ def test_c_encoded_dump_decodes_in_pyroute2(tmp_path):
     opts = parse_attrs(copt)
     assert psp.parse_class_rates(opts) == (1_250_000, 2_500_000)
     assert psp.parse_class_limit(opts) == 777
+    assert not psp.is_group(opts)
+    # a group as the module dumps it: its rate (the cap) and the flag, no ceil, no limit
+    g = dump(RTM_NEWTCLASS, gopt, cxs).get_attr("TCA_OPTIONS")
+    assert g.get_attr("TCA_PSP_CLASS_RATE") == 2_500_000
+    assert g.get_attr("TCA_PSP_CLASS_GROUP") is not None
+    gopts = parse_attrs(gopt)
+    assert psp.is_group(gopts) and psp.parse_class_rates(gopts) == (2_500_000, 2_500_000)
     assert psp.parse_qdisc_options(parse_attrs(qopt)) == dict(
         link_rate_bps=125_000_000, default_minor=2, overhead_bytes=24, limit=777,
         catchup_ns=30_000_000)

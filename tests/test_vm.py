@@ -84,7 +84,8 @@ GUEST_IDS, COLLECT_ERROR = _collect_guest_ids()
 
 # Guest test files measured in virtual time (vm/run.py Clock.VIRTUAL: exact guest time, one
 # vCPU): every pacing test. Each of their modules also fails by itself outside virtual time.
-VIRTUAL_FILES = ("test_psp_pacing.py", "test_stock_pacing.py", "test_udp_pacing.py")
+VIRTUAL_FILES = ("test_psp_pacing.py", "test_stock_pacing.py", "test_udp_pacing.py",
+                 "test_psp_aggregates.py")
 
 
 def clock_of(guest_id: str) -> vmrun.Clock:

@@ -30,6 +30,11 @@ A flow's rate therefore changes when a sibling comes or goes: the backend re-com
 of every group touched by a plan and changes the classes whose kernel rates differ, in the same
 netlink transaction as the plan's own adds and removes.
 
+psp (``kernel_shares``): the module does the sharing itself (in proportion to the rates, the cap on
+the group's byte clock), so ``targets`` gives every group its cap and every flow its nominal rate
+with its ceil clipped by its groups' caps and the link: the kernel values do not depend on the
+siblings, and a flow's class never changes when another comes or goes.
+
 This module is the bookkeeping and the arithmetic (no netlink): ``GroupTree`` and ``targets``.
 """
 from __future__ import annotations
@@ -159,12 +164,16 @@ def shares(wants: List[int], rate: int) -> List[int]:
 
 
 def targets(tree: GroupTree, flows: Mapping[Hashable, Member], link_rate_bps: int,
-            roots: Optional[set] = None) -> Tuple[Dict[Hashable, Rates], Dict[int, Rates]]:
+            roots: Optional[set] = None, kernel_shares: bool = False
+            ) -> Tuple[Dict[Hashable, Rates], Dict[int, Rates]]:
     """The kernel (rate, ceil) of every flow under a group and of every group class.
 
     ``flows``: every flow that hangs under a group (after the plan); ``roots``: only the
     trees under these top groups (None: all). Groups without members get no target (they are
-    about to be deleted)."""
+    about to be deleted). ``kernel_shares``: the kernel shares a group's rate itself (psp): the
+    nominal values, see the module docstring."""
+    if kernel_shares:
+        return _nominal_targets(tree, flows, link_rate_bps, roots)
     kids_f: Dict[int, List[Hashable]] = {}
     kids_n: Dict[int, List[int]] = {}
     for k, f in flows.items():
@@ -204,4 +213,25 @@ def targets(tree: GroupTree, flows: Mapping[Hashable, Member], link_rate_bps: in
     for m, n in tree.nodes.items():
         if n.parent is None and (roots is None or m in roots) and nom(m) > 0:
             assign(m, nom(m), min(n.ceil_bps, link_rate_bps))
+    return flow_out, node_out
+
+
+def _nominal_targets(tree: GroupTree, flows: Mapping[Hashable, Member], link_rate_bps: int,
+                     roots: Optional[set]) -> Tuple[Dict[Hashable, Rates], Dict[int, Rates]]:
+    """``targets`` for a kernel that shares groups itself: a group its cap (rate == ceil), a
+    flow its rate and its ceil within its groups' caps and the link."""
+    flow_out: Dict[Hashable, Rates] = {}
+    node_out: Dict[int, Rates] = {}
+    for k, f in flows.items():
+        if f.parent is None:
+            continue
+        chain = tree.chain(f.parent)
+        if roots is not None and chain[0] not in roots:
+            continue
+        cap = link_rate_bps
+        for m in chain:
+            n = tree.nodes[m]
+            node_out[m] = (n.rate_bps, n.rate_bps)
+            cap = min(cap, n.rate_bps)
+        flow_out[k] = (f.rate_bps, max(f.rate_bps, min(f.ceil_bps, cap)))
     return flow_out, node_out

@@ -592,7 +592,8 @@ class TcBackend(PoolMixin):     # PoolMixin: first-byte pools (issue 16, pool.py
         roots.discard(None)
         members = {k: Member(p, rates[k].rate_bps, rates[k].ceil_bps) for k, p in where.items()
                    if root(p) in roots}
-        flow_t, node_t = targets(tree, members, self.link_rate_bps, roots)
+        flow_t, node_t = targets(tree, members, self.link_rate_bps, roots,
+                                 getattr(self.codec, "kernel_shares", False))
         c = self.codec
         for m in created:
             self._queue_group_class(m, node_t.get(m), True, add)

@@ -20,8 +20,14 @@
  *   class  MAJ:DEF  made by the qdisc itself (DEF = TCA_PSP_DEFCLS, default
  *                   2): unpaced, carries unmatched traffic within the link
  *                   rate.  Only its limit can change; it cannot be deleted.
- *   class  MAJ:N    added with parent MAJ: (or root): rate, optional ceil,
- *                   packet limit.  Classes are flat, there is no link class.
+ *   class  MAJ:N    added with parent MAJ: (or root) or a group: rate,
+ *                   optional ceil, packet limit.  There is no link class.
+ *   group  MAJ:N    added with TCA_PSP_CLASS_GROUP and parent MAJ: (or root)
+ *                   or a top group (two levels: rule, client): rate only,
+ *                   the cap of its members together (psp_sched.h, "Groups").
+ *                   It holds no packets; its byte counters add up its
+ *                   members'.  Parents are fixed at creation; a group with
+ *                   members cannot be deleted.
  *
  * Packets: u32 (or any) filters attached to the qdisc pick a class; the
  * class can also be named in skb->priority; the rest go to the default
@@ -94,6 +100,9 @@ struct psp_class {
 	struct qdisc_skb_head		q;		/* FIFO */
 	u32				limit;		/* packets */
 	u32				filter_cnt;	/* filters bound to us */
+	struct psp_class		*parent;	/* its group, NULL: the qdisc */
+	bool				is_group;	/* a group: g, not sc and q */
+	struct psp_sgroup		g;
 	struct Qdisc_class_common	common;
 	struct gnet_stats_basic_sync	bstats;
 	struct gnet_stats_queue		qstats;		/* drops, overlimits, backlog */
@@ -143,9 +152,12 @@ static void psp_class_free(struct psp_class *cl)
 	kfree(cl);
 }
 
-/* Allocate a class: @rate 0 makes an unpaced class. */
+/* Allocate a class: @rate 0 makes an unpaced class; @group a group (its
+ * parent is set when it is linked in, under the tree lock).
+ */
 static struct psp_class *psp_class_alloc(struct psp_sched_data *q, u32 classid,
-					 u64 rate, u64 ceil, u32 limit)
+					 u64 rate, u64 ceil, u32 limit,
+					 bool group)
 {
 	struct psp_class *cl = kzalloc(sizeof(*cl), GFP_KERNEL);
 
@@ -153,12 +165,25 @@ static struct psp_class *psp_class_alloc(struct psp_sched_data *q, u32 classid,
 		return NULL;
 	cl->common.classid = classid;
 	cl->limit = limit;
+	cl->is_group = group;
 	gnet_stats_basic_sync_init(&cl->bstats);
 	RB_CLEAR_NODE(&cl->sc.rnode.rb);
 	RB_CLEAR_NODE(&cl->sc.bnode.rb);
+	if (group)
+		return cl;
 	/* not active yet: only the class's own fields are set */
 	psp_class_set(&q->s, &cl->sc, rate, ceil, 0);
 	return cl;
+}
+
+/* Group levels from @cl up: 0 for NULL (the qdisc). */
+static int psp_depth(const struct psp_class *cl)
+{
+	int d = 0;
+
+	for (; cl; cl = cl->parent)
+		d++;
+	return d;
 }
 
 /* Link speed of @dev in bytes/s, 0 when it reports none. */
@@ -186,7 +211,7 @@ static struct psp_class *psp_classify(struct sk_buff *skb, struct Qdisc *sch,
 
 	if (TC_H_MAJ(skb->priority) == sch->handle) {
 		cl = psp_find(skb->priority, sch);
-		if (cl)
+		if (cl && !cl->is_group)
 			return cl;
 	}
 
@@ -208,7 +233,7 @@ static struct psp_class *psp_classify(struct sk_buff *skb, struct Qdisc *sch,
 		cl = (struct psp_class *)res.class;
 		if (!cl)
 			cl = psp_find(res.classid, sch);
-		if (cl)
+		if (cl && !cl->is_group)	/* groups hold no packets */
 			return cl;
 	}
 	return q->defclass;
@@ -317,7 +342,7 @@ static struct sk_buff *psp_dequeue(struct Qdisc *sch)
 {
 	struct psp_sched_data *q = qdisc_priv(sch);
 	struct psp_sclass *sc, *held;
-	struct psp_class *cl;
+	struct psp_class *cl, *p;
 	struct sk_buff *skb;
 	unsigned int len;
 	u64 now, next;
@@ -358,6 +383,8 @@ static struct sk_buff *psp_dequeue(struct Qdisc *sch)
 
 	cl->qstats.backlog -= len;
 	bstats_update(&cl->bstats, skb);
+	for (p = cl->parent; p; p = p->parent)
+		bstats_update(&p->bstats, skb);
 	qdisc_qstats_backlog_dec(sch, skb);
 	qdisc_bstats_update(sch, skb);
 	sch->q.qlen--;
@@ -372,12 +399,19 @@ static void psp_reset(struct Qdisc *sch)
 
 	for (i = 0; i < q->clhash.hashsize; i++) {
 		hlist_for_each_entry(cl, &q->clhash.hash[i], common.hnode) {
+			if (cl->is_group)
+				continue;
 			psp_class_deactivate(&q->s, &cl->sc);
 			psp_class_reset_clocks(&cl->sc);
 			__qdisc_reset_queue(&cl->q);
 			cl->qstats.backlog = 0;
 		}
 	}
+	/* all members idle now: the groups' demands are 0 */
+	for (i = 0; i < q->clhash.hashsize; i++)
+		hlist_for_each_entry(cl, &q->clhash.hash[i], common.hnode)
+			if (cl->is_group)
+				psp_group_reset_clocks(&cl->g);
 	psp_sched_reset(&q->s);
 	qdisc_watchdog_cancel(&q->watchdog);
 	q->wd_expires = 0;
@@ -399,6 +433,8 @@ static const struct nla_policy psp_qdisc_policy[TCA_PSP_MAX + 1] = {
 				    .reject_message = "sch_psp: class ceil given in qdisc options" },
 	[TCA_PSP_CLASS_LIMIT]	= { .type = NLA_REJECT,
 				    .reject_message = "sch_psp: class limit given in qdisc options" },
+	[TCA_PSP_CLASS_GROUP]	= { .type = NLA_REJECT,
+				    .reject_message = "sch_psp: group flag given in qdisc options" },
 };
 
 static const struct nla_policy psp_class_policy[TCA_PSP_MAX + 1] = {
@@ -415,6 +451,7 @@ static const struct nla_policy psp_class_policy[TCA_PSP_MAX + 1] = {
 	[TCA_PSP_CLASS_LIMIT]	= { .type = NLA_U32 },
 	[TCA_PSP_CATCHUP]	= { .type = NLA_REJECT,
 				    .reject_message = "sch_psp: catch-up window given in class options" },
+	[TCA_PSP_CLASS_GROUP]	= { .type = NLA_FLAG },
 };
 
 static int psp_check_limit(u32 limit, struct netlink_ext_ack *extack)
@@ -516,6 +553,10 @@ static int psp_change(struct Qdisc *sch, struct nlattr *opt,
 		return err;
 	if (o.has_defcls) {
 		def = psp_find(TC_H_MAKE(sch->handle, o.defcls), sch);
+		if (def && def->is_group) {
+			NL_SET_ERR_MSG_MOD(extack, "the default class cannot be a group");
+			return -EINVAL;
+		}
 		if (!def) {
 			NL_SET_ERR_MSG_MOD(extack, "unknown default class");
 			return -ENOENT;
@@ -574,7 +615,7 @@ static int psp_init(struct Qdisc *sch, struct nlattr *opt,
 	q->limit = o.has_limit ? o.limit : PSP_DEFAULT_LIMIT;
 	def = psp_class_alloc(q, TC_H_MAKE(sch->handle,
 					   o.has_defcls ? o.defcls : PSP_DEFAULT_DEFCLS),
-			      0, 0, q->limit);
+			      0, 0, q->limit, false);
 	if (!def)
 		return -ENOMEM;
 
@@ -608,6 +649,123 @@ static void psp_destroy(struct Qdisc *sch)
 
 /* ---------------------------------------------------------- class ops */
 
+/*
+ * The group named by @parentid (NULL with *top for the qdisc itself), or an
+ * error: it must be a group class of this qdisc.
+ */
+static int psp_parent_group(struct Qdisc *sch, u32 parentid,
+			    struct psp_class **pg, struct netlink_ext_ack *extack)
+{
+	struct psp_class *p;
+
+	*pg = NULL;
+	if (parentid == TC_H_ROOT || parentid == TC_H_UNSPEC ||
+	    parentid == sch->handle)
+		return 0;
+	p = psp_find(parentid, sch);
+	if (!p) {
+		NL_SET_ERR_MSG_MOD(extack,
+				   "parent is neither this qdisc nor one of its group classes");
+		return -ENOENT;
+	}
+	if (!p->is_group) {
+		NL_SET_ERR_MSG_MOD(extack,
+				   "parent class is not a group: only groups have members");
+		return -EINVAL;
+	}
+	*pg = p;
+	return 0;
+}
+
+/* Validated class options: what a request asks for, before anything changes. */
+struct psp_copt {
+	u64	rate, ceil;
+	u32	limit;
+	bool	group;
+};
+
+static int psp_parse_copt(struct Qdisc *sch, struct psp_class *cl,
+			  struct nlattr **tb, struct psp_copt *o,
+			  struct netlink_ext_ack *extack)
+{
+	struct psp_sched_data *q = qdisc_priv(sch);
+
+	o->group = cl ? cl->is_group : !!tb[TCA_PSP_CLASS_GROUP];
+	if (cl && !cl->is_group && tb[TCA_PSP_CLASS_GROUP]) {
+		NL_SET_BAD_ATTR(extack, tb[TCA_PSP_CLASS_GROUP]);
+		NL_SET_ERR_MSG_MOD(extack,
+				   "a class cannot become a group: delete it and add the group");
+		return -EINVAL;
+	}
+	if (o->group && tb[TCA_PSP_CLASS_CEIL]) {
+		NL_SET_BAD_ATTR(extack, tb[TCA_PSP_CLASS_CEIL]);
+		NL_SET_ERR_MSG_MOD(extack, "a group has no ceil: its rate is its cap");
+		return -EINVAL;
+	}
+	if (o->group && tb[TCA_PSP_CLASS_LIMIT]) {
+		NL_SET_BAD_ATTR(extack, tb[TCA_PSP_CLASS_LIMIT]);
+		NL_SET_ERR_MSG_MOD(extack, "a group holds no packets: no limit");
+		return -EINVAL;
+	}
+	if (cl && !cl->is_group && !cl->sc.rate &&
+	    (tb[TCA_PSP_CLASS_RATE] || tb[TCA_PSP_CLASS_CEIL])) {
+		NL_SET_ERR_MSG_MOD(extack,
+				   "the default class is unpaced: only its limit can change");
+		return -EINVAL;
+	}
+	if (cl) {
+		o->rate = cl->is_group ? cl->g.rate : cl->sc.rate;
+		o->ceil = cl->is_group ? cl->g.rate : cl->sc.ceil;
+		if (tb[TCA_PSP_CLASS_RATE]) {
+			o->rate = nla_get_u64(tb[TCA_PSP_CLASS_RATE]);
+			/* a class that did not borrow keeps not borrowing */
+			if (cl->is_group || cl->sc.ceil == cl->sc.rate)
+				o->ceil = o->rate;
+		}
+		o->limit = cl->limit;
+	} else {
+		if (!tb[TCA_PSP_CLASS_RATE]) {
+			if (o->group)
+				NL_SET_ERR_MSG_MOD(extack, "psp group rate missing");
+			else
+				NL_SET_ERR_MSG_MOD(extack, "psp class rate missing");
+			return -EINVAL;
+		}
+		o->rate = nla_get_u64(tb[TCA_PSP_CLASS_RATE]);
+		o->ceil = o->rate;
+		o->limit = o->group ? 0 : q->limit;
+	}
+	if (tb[TCA_PSP_CLASS_CEIL])
+		o->ceil = nla_get_u64(tb[TCA_PSP_CLASS_CEIL]);
+	if (tb[TCA_PSP_CLASS_LIMIT])
+		o->limit = nla_get_u32(tb[TCA_PSP_CLASS_LIMIT]);
+
+	if (!(cl && !cl->is_group && !cl->sc.rate)) {	/* unpaced: rate 0 stays */
+		if (o->rate == 0) {
+			NL_SET_BAD_ATTR(extack, tb[TCA_PSP_CLASS_RATE]);
+			NL_SET_ERR_MSG_MOD(extack, "rate must be > 0");
+			return -EINVAL;
+		}
+		if (o->rate > PSP_RATE_MAX) {
+			NL_SET_BAD_ATTR(extack, tb[TCA_PSP_CLASS_RATE]);
+			NL_SET_ERR_MSG_MOD(extack, "rate above 2^40 bytes/s");
+			return -ERANGE;
+		}
+		if (o->ceil < o->rate) {
+			NL_SET_ERR_MSG_MOD(extack, "ceil must be >= rate");
+			return -EINVAL;
+		}
+		if (o->ceil > PSP_RATE_MAX) {
+			NL_SET_BAD_ATTR(extack, tb[TCA_PSP_CLASS_CEIL]);
+			NL_SET_ERR_MSG_MOD(extack, "ceil above 2^40 bytes/s");
+			return -ERANGE;
+		}
+	}
+	if (o->group)
+		return 0;
+	return psp_check_limit(o->limit, extack);
+}
+
 static int psp_change_class(struct Qdisc *sch, u32 classid, u32 parentid,
 			    struct nlattr **tca, unsigned long *arg,
 			    struct netlink_ext_ack *extack)
@@ -616,16 +774,10 @@ static int psp_change_class(struct Qdisc *sch, u32 classid, u32 parentid,
 	struct psp_class *cl = (struct psp_class *)*arg;
 	struct nlattr *opt = tca[TCA_OPTIONS];
 	struct nlattr *tb[TCA_PSP_MAX + 1];
-	u64 rate, ceil;
-	u32 limit;
+	struct psp_class *pg;
+	struct psp_copt o;
 	int err;
 
-	if (parentid != TC_H_ROOT && parentid != TC_H_UNSPEC &&
-	    parentid != sch->handle) {
-		NL_SET_ERR_MSG_MOD(extack,
-				   "psp classes are flat: the parent must be the qdisc");
-		return -EINVAL;
-	}
 	if (!opt) {
 		NL_SET_ERR_MSG_MOD(extack, "psp class options missing");
 		return -EINVAL;
@@ -633,67 +785,27 @@ static int psp_change_class(struct Qdisc *sch, u32 classid, u32 parentid,
 	err = nla_parse_nested(tb, TCA_PSP_MAX, opt, psp_class_policy, extack);
 	if (err < 0)
 		return err;
-
-	if (cl) {
-		if (!cl->sc.rate &&
-		    (tb[TCA_PSP_CLASS_RATE] || tb[TCA_PSP_CLASS_CEIL])) {
-			NL_SET_ERR_MSG_MOD(extack,
-					   "the default class is unpaced: only its limit can change");
-			return -EINVAL;
-		}
-		rate = cl->sc.rate;
-		ceil = cl->sc.ceil;
-		if (tb[TCA_PSP_CLASS_RATE]) {
-			rate = nla_get_u64(tb[TCA_PSP_CLASS_RATE]);
-			/* a class that did not borrow keeps not borrowing */
-			if (cl->sc.ceil == cl->sc.rate)
-				ceil = rate;
-		}
-		limit = cl->limit;
-	} else {
-		if (TC_H_MAJ(classid) != sch->handle || !TC_H_MIN(classid)) {
-			NL_SET_ERR_MSG_MOD(extack,
-					   "class id must be MAJOR:MINOR of this qdisc, MINOR > 0");
-			return -EINVAL;
-		}
-		if (!tb[TCA_PSP_CLASS_RATE]) {
-			NL_SET_ERR_MSG_MOD(extack, "psp class rate missing");
-			return -EINVAL;
-		}
-		rate = nla_get_u64(tb[TCA_PSP_CLASS_RATE]);
-		ceil = rate;
-		limit = q->limit;
-	}
-	if (tb[TCA_PSP_CLASS_CEIL])
-		ceil = nla_get_u64(tb[TCA_PSP_CLASS_CEIL]);
-	if (tb[TCA_PSP_CLASS_LIMIT])
-		limit = nla_get_u32(tb[TCA_PSP_CLASS_LIMIT]);
-
-	if (cl && !cl->sc.rate)
-		goto check_limit;	/* unpaced: rate 0 stays */
-	if (rate == 0) {
-		NL_SET_BAD_ATTR(extack, tb[TCA_PSP_CLASS_RATE]);
-		NL_SET_ERR_MSG_MOD(extack, "rate must be > 0");
-		return -EINVAL;
-	}
-	if (rate > PSP_RATE_MAX) {
-		NL_SET_BAD_ATTR(extack, tb[TCA_PSP_CLASS_RATE]);
-		NL_SET_ERR_MSG_MOD(extack, "rate above 2^40 bytes/s");
-		return -ERANGE;
-	}
-	if (ceil < rate) {
-		NL_SET_ERR_MSG_MOD(extack, "ceil must be >= rate");
-		return -EINVAL;
-	}
-	if (ceil > PSP_RATE_MAX) {
-		NL_SET_BAD_ATTR(extack, tb[TCA_PSP_CLASS_CEIL]);
-		NL_SET_ERR_MSG_MOD(extack, "ceil above 2^40 bytes/s");
-		return -ERANGE;
-	}
-check_limit:
-	err = psp_check_limit(limit, extack);
+	err = psp_parent_group(sch, parentid, &pg, extack);
 	if (err)
 		return err;
+	if (cl && parentid != TC_H_UNSPEC && pg != cl->parent) {
+		NL_SET_ERR_MSG_MOD(extack,
+				   "a class cannot move to another parent: delete it and add it there");
+		return -EINVAL;
+	}
+	if (!cl && (TC_H_MAJ(classid) != sch->handle || !TC_H_MIN(classid))) {
+		NL_SET_ERR_MSG_MOD(extack,
+				   "class id must be MAJOR:MINOR of this qdisc, MINOR > 0");
+		return -EINVAL;
+	}
+	err = psp_parse_copt(sch, cl, tb, &o, extack);
+	if (err)
+		return err;
+	if (!cl && o.group && psp_depth(pg) >= PSP_GROUP_LEVELS) {
+		NL_SET_ERR_MSG_MOD(extack,
+				   "groups nest two levels deep at most: the parent group is already under a group");
+		return -EINVAL;
+	}
 
 	if (cl) {
 		if (tca[TCA_RATE]) {
@@ -707,14 +819,17 @@ check_limit:
 			}
 		}
 		sch_tree_lock(sch);
-		if (cl->sc.rate)
-			psp_class_set(&q->s, &cl->sc, rate, ceil, ktime_get_ns());
-		cl->limit = limit;
+		if (cl->is_group)
+			psp_group_set_rate(&q->s, &cl->g, o.rate);
+		else if (cl->sc.rate)
+			psp_class_set(&q->s, &cl->sc, o.rate, o.ceil,
+				      ktime_get_ns());
+		cl->limit = o.limit;
 		sch_tree_unlock(sch);
 		return 0;
 	}
 
-	cl = psp_class_alloc(q, classid, rate, ceil, limit);
+	cl = psp_class_alloc(q, classid, o.rate, o.ceil, o.limit, o.group);
 	if (!cl)
 		return -ENOMEM;
 	if (tca[TCA_RATE]) {
@@ -727,6 +842,11 @@ check_limit:
 		}
 	}
 	sch_tree_lock(sch);
+	cl->parent = pg;
+	if (o.group)
+		psp_group_init(&cl->g, pg ? &pg->g : NULL, o.rate);
+	else if (pg)
+		psp_class_set_group(&q->s, &cl->sc, &pg->g, ktime_get_ns());
 	qdisc_class_hash_insert(&q->clhash, &cl->common);
 	sch_tree_unlock(sch);
 	qdisc_class_hash_grow(sch, &q->clhash);
@@ -750,11 +870,21 @@ static int psp_delete_class(struct Qdisc *sch, unsigned long arg,
 				   "class is used by filters: delete them first");
 		return -EBUSY;
 	}
+	if (cl->is_group && cl->g.members) {
+		NL_SET_ERR_MSG_MOD(extack,
+				   "group has member classes or groups: delete them first");
+		return -EBUSY;
+	}
 
 	sch_tree_lock(sch);
+	if (cl->is_group) {
+		psp_group_release(&cl->g);
+		goto unhash;
+	}
 	qlen = cl->q.qlen;
 	backlog = cl->qstats.backlog;
 	psp_class_deactivate(&q->s, &cl->sc);
+	psp_class_set_group(&q->s, &cl->sc, NULL, 0);	/* idle: no clocks move */
 	__qdisc_reset_queue(&cl->q);
 	if (qlen) {
 		sch->q.qlen -= qlen;
@@ -762,6 +892,7 @@ static int psp_delete_class(struct Qdisc *sch, unsigned long arg,
 		sch->qstats.drops += qlen;
 		qdisc_tree_reduce_backlog(sch, qlen, backlog);
 	}
+unhash:
 	qdisc_class_hash_remove(&q->clhash, &cl->common);
 	sch_tree_unlock(sch);
 
@@ -882,13 +1013,20 @@ static int psp_dump_class(struct Qdisc *sch, unsigned long arg,
 	struct psp_class *cl = (struct psp_class *)arg;
 	struct nlattr *nest;
 
-	tcm->tcm_parent = TC_H_ROOT;
+	tcm->tcm_parent = cl->parent ? cl->parent->common.classid : TC_H_ROOT;
 	tcm->tcm_handle = cl->common.classid;
 	tcm->tcm_info = 0;
 
 	nest = nla_nest_start_noflag(skb, TCA_OPTIONS);
 	if (!nest)
 		goto nla_put_failure;
+	if (cl->is_group) {
+		if (nla_put_u64_64bit(skb, TCA_PSP_CLASS_RATE, cl->g.rate,
+				      TCA_PSP_PAD) ||
+		    nla_put_flag(skb, TCA_PSP_CLASS_GROUP))
+			goto nla_put_failure;
+		return nla_nest_end(skb, nest);
+	}
 	if (nla_put_u64_64bit(skb, TCA_PSP_CLASS_RATE, cl->sc.rate,
 			      TCA_PSP_PAD) ||
 	    nla_put_u64_64bit(skb, TCA_PSP_CLASS_CEIL, cl->sc.ceil,
@@ -915,6 +1053,19 @@ static int psp_dump_class_stats(struct Qdisc *sch, unsigned long arg,
 	sch_tree_lock(sch);
 	qs = cl->qstats;
 	qlen = cl->q.qlen;
+	if (cl->is_group) {
+		xs.rate = cl->g.rate;
+		xs.ceil = cl->g.rate;
+		xs.eff_rate = psp_group_eff_rate(&q->s, &cl->g);
+		xs.rate_est = psp_group_est_read(&cl->g, now);
+		xs.clock_ns = (s64)(cl->g.t_clk - now);
+		xs.flags = PSP_CLASS_F_GROUP |
+			   (cl->g.active ? PSP_CLASS_F_ACTIVE : 0);
+		xs.group_sum = cl->g.sum;
+		xs.group_held = cl->g.held;
+		xs.members = cl->g.members;
+		goto unlock;
+	}
 	xs.rate = cl->sc.rate;
 	xs.ceil = cl->sc.ceil;
 	xs.eff_rate = psp_eff_rate(&q->s, &cl->sc);
@@ -928,6 +1079,7 @@ static int psp_dump_class_stats(struct Qdisc *sch, unsigned long arg,
 	xs.flags = (cl->sc.rate ? 0 : PSP_CLASS_F_UNPACED) |
 		   (cl == q->defclass ? PSP_CLASS_F_DEFAULT : 0) |
 		   ((cl->sc.flags & PSP_SC_ACTIVE) ? PSP_CLASS_F_ACTIVE : 0);
+unlock:
 	sch_tree_unlock(sch);
 
 	if (gnet_stats_copy_basic(d, NULL, &cl->bstats, true) < 0 ||

@@ -14,10 +14,14 @@ The objects (see the header comment of ``flowpacer/kmod/sch_psp.c``):
 * The qdisc makes its default class ``MAJ:default`` itself: unpaced, for unmatched traffic, within
   the link rate. Do not ``add-class`` it (EEXIST); only its limit can be changed, with
   ``default_class_options()``; it cannot be deleted.
-* classes ``MAJ:MIN`` with parent ``MAJ:`` (or root; classes are flat, there is no link class):
+* classes ``MAJ:MIN`` with parent ``MAJ:`` (or root; there is no link class) or a group:
   ``rate`` (bytes/s, > 0), ``ceil`` (bytes/s, >= rate; default: rate, i.e. no borrowing) and
   ``limit``. ``change-class`` changes the rate in place; a class with filters bound to it cannot be
   deleted (delete the filter first).
+* groups ``MAJ:MIN`` (``group=True``; ``group_options()``): a class that holds no packets and caps
+  its members (classes, and groups one level down) together at its ``rate``, sharing it in
+  proportion to their rates. Parent ``MAJ:`` or a top group (two levels: rule, client). Parents
+  are fixed at creation; a group with members cannot be deleted (EBUSY).
 
 pyroute2: after ``register()`` (or ``flowpacer.tc.register()``)::
 
@@ -53,7 +57,8 @@ TCA_PSP_CLASS_RATE = 6
 TCA_PSP_CLASS_CEIL = 7
 TCA_PSP_CLASS_LIMIT = 8
 TCA_PSP_CATCHUP = 9
-TCA_PSP_MAX = 9
+TCA_PSP_CLASS_GROUP = 10
+TCA_PSP_MAX = 10
 
 PSP_RATE_MAX = 1 << 40          # bytes/s
 PSP_OVERHEAD_MAX = 1024         # bytes
@@ -66,6 +71,8 @@ PSP_DEFAULT_CATCHUP_NS = 50_000_000
 PSP_CLASS_F_UNPACED = 0x1
 PSP_CLASS_F_DEFAULT = 0x2
 PSP_CLASS_F_ACTIVE = 0x4
+PSP_CLASS_F_GROUP = 0x8
+PSP_GROUP_LEVELS = 2
 
 TCA_RATE = 5                    # top-level tcmsg attribute: struct tc_estimator
 
@@ -79,7 +86,8 @@ QDISC_XSTATS_FIELDS = (
 CLASS_XSTATS_FIELDS = (
     ("rate", "Q"), ("ceil", "Q"), ("eff_rate", "Q"), ("rate_est", "Q"), ("borrowed_bytes", "Q"),
     ("borrowed_pkts", "Q"), ("clamps", "Q"), ("late_ns_max", "Q"), ("clock_ns", "q"),
-    ("limit", "I"), ("flags", "I"),
+    ("limit", "I"), ("flags", "I"), ("group_sum", "Q"), ("group_held", "Q"), ("members", "I"),
+    ("pad", "I"),
 )
 QDISC_XSTATS = struct.Struct("=" + "".join(f for _, f in QDISC_XSTATS_FIELDS))
 CLASS_XSTATS = struct.Struct("=" + "".join(f for _, f in CLASS_XSTATS_FIELDS))
@@ -141,6 +149,8 @@ def get_class_parameters(kwarg: dict) -> dict:
         attrs.append(["TCA_PSP_CLASS_CEIL", ceil])
     if kwarg.get("limit") is not None:
         attrs.append(["TCA_PSP_CLASS_LIMIT", _int("limit", kwarg["limit"], 1, PSP_LIMIT_MAX)])
+    if kwarg.get("group"):
+        attrs.append(["TCA_PSP_CLASS_GROUP", None])
     return {"attrs": attrs}
 
 
@@ -167,6 +177,7 @@ class options(nla):
         ("TCA_PSP_CLASS_CEIL", "uint64"),
         ("TCA_PSP_CLASS_LIMIT", "uint32"),
         ("TCA_PSP_CATCHUP", "uint64"),
+        ("TCA_PSP_CLASS_GROUP", "flag"),
     )
 
 
@@ -252,6 +263,19 @@ def class_options(rate_bps: int, ceil_bps: Optional[int] = None, limit: Optional
         out += _nla(TCA_RATE, struct.pack("=bB", _int("estimator interval", interval, -2, 3),
                                           _int("estimator ewma_log", ewma_log, 1, 31)))
     return out
+
+
+def group_options(rate_bps: int) -> bytes:
+    """TCA_KIND + TCA_OPTIONS for a psp group (add or change): its cap in bytes/s. The flag is
+    sent on changes too (the kernel refuses it only for a class that is not a group)."""
+    return nla_str(TCA_KIND, KIND) + nla_nested(
+        TCA_OPTIONS, nla_u64(TCA_PSP_CLASS_RATE, _int("group rate", rate_bps, 1, PSP_RATE_MAX)),
+        _nla(TCA_PSP_CLASS_GROUP, b""))
+
+
+def is_group(options: dict) -> bool:
+    """Whether a dumped psp class (parsed TCA_OPTIONS) is a group."""
+    return TCA_PSP_CLASS_GROUP in options
 
 
 def default_class_options(limit: Optional[int] = None) -> bytes:

@@ -54,11 +54,12 @@ UDP_PORT, TCP_PORT = 7301, 7302
 
 # attribute policy of each object (uapi/pkt_sch_psp.h and sch_psp.c)
 QDISC_POLICY = {1: "pad", 2: "u64", 3: "u32", 4: "u32", 5: "u32", 6: "reject", 7: "reject",
-                8: "reject", 9: "u64"}
+                8: "reject", 9: "u64", 10: "reject"}
 CLASS_POLICY = {1: "pad", 2: "reject", 3: "reject", 4: "reject", 5: "reject", 6: "u64",
-                7: "u64", 8: "u32", 9: "reject"}
+                7: "u64", 8: "u32", 9: "reject", 10: "flag"}
 U64_ATTRS = (2, 6, 7, 9)
-LEN = {"u32": 4, "u64": 8}
+GROUP = enc.TCA_PSP_CLASS_GROUP          # NLA_FLAG: no payload
+LEN = {"u32": 4, "u64": 8, "flag": 0}
 
 EDGE64 = [0, 1, 2, 7, 100, 1000, 125_000, 1_250_000, 12_500_000, 125_000_000, 10**9, 10**9 + 1,
           2**32 - 1, 2**32,
@@ -98,9 +99,11 @@ def strict_parse(payload: bytes, policy: Dict[int, str]) -> Tuple[int, Dict[int,
             return errno.EINVAL, {}
         if typ & NESTED:                    # "NLA_F_NESTED not expected"
             return errno.EINVAL, {}
+        if kind == "flag" and ln > 4:       # NLA_FLAG with a payload: "Attribute failed
+            return errno.ERANGE, {}         # policy validation", ERANGE (6.1, 6.12)
         if ln - 4 != LEN[kind]:             # "invalid attribute length"
             return errno.EINVAL, {}
-        tb[t] = int.from_bytes(payload[off + 4:off + ln], "little")
+        tb[t] = int.from_bytes(payload[off + 4:off + ln], "little") if ln > 4 else 1
         step = (ln + 3) & ~3
         off += step
         rem -= step
@@ -123,8 +126,10 @@ def estimator_ok(raw: Optional[bytes]) -> bool:
 @dataclasses.dataclass
 class Cls:
     rate: int
-    ceil: int
-    limit: int
+    ceil: Optional[int]              # None for groups (no ceil, no limit in their dumps)
+    limit: Optional[int]
+    group: bool = False
+    parent: int = 0                  # its group's minor, 0: the qdisc
 
 
 @dataclasses.dataclass
@@ -142,8 +147,12 @@ class Model:
             return None
         return ((self.q["link"], self.q["defcls"], self.q["overhead"], self.q["limit"],
                  self.q["catchup"]),
-                {m: (c.rate, c.ceil, c.limit, c.rate == 0, m == self.q["defcls"])
+                {m: (c.rate, c.ceil, c.limit, c.rate == 0 and not c.group,
+                     m == self.q["defcls"], c.group, c.parent)
                  for m, c in self.classes.items()})
+
+    def members(self, minor: int) -> List[int]:
+        return [m for m, c in self.classes.items() if c.parent == minor]
 
 
 def kernel_view(sock: PspNl, dev: str):
@@ -154,8 +163,13 @@ def kernel_view(sock: PspNl, dev: str):
     for m, c in sock.classes(dev).items():
         fl = c.xstats["flags"] if c.xstats else -1
         cls[m] = (c.rate, c.ceil, c.limit, bool(fl & enc.PSP_CLASS_F_UNPACED),
-                  bool(fl & enc.PSP_CLASS_F_DEFAULT))
+                  bool(fl & enc.PSP_CLASS_F_DEFAULT), bool(fl & enc.PSP_CLASS_F_GROUP),
+                  _parent_minor(c.parent))
     return (q.link_rate, q.defcls, q.overhead, q.limit, q.catchup_ns), cls
+
+
+def _parent_minor(parent: int) -> int:
+    return 0 if parent in (TC_H_ROOT, QDISC) else parent & 0xFFFF
 
 
 def model_from_kernel(sock: PspNl, dev: str, filters: Dict[int, Tuple[int, bool]]) -> Model:
@@ -166,7 +180,13 @@ def model_from_kernel(sock: PspNl, dev: str, filters: Dict[int, Tuple[int, bool]
         return m
     m.q = dict(link=q.link_rate, defcls=q.defcls, overhead=q.overhead, limit=q.limit,
                catchup=q.catchup_ns)
-    m.classes = {mi: Cls(c.rate or 0, c.ceil or 0, c.limit) for mi, c in sock.classes(dev).items()}
+    m.classes = {}
+    for mi, c in sock.classes(dev).items():
+        if c.xstats and c.xstats["flags"] & enc.PSP_CLASS_F_GROUP:
+            m.classes[mi] = Cls(c.rate, None, None, True, _parent_minor(c.parent))
+        else:
+            m.classes[mi] = Cls(c.rate or 0, c.ceil or 0, c.limit, False,
+                                _parent_minor(c.parent))
     return m
 
 
@@ -266,6 +286,9 @@ class Gen:
             n_random = r.choice((0, 1, 1, 2, 2, 3, 4, 6))
         for _ in range(n_random):
             t = r.choice(allowed) if r.random() < 0.85 else r.choice(other)
+            if t == GROUP:
+                out.append(Attr(t, b"" if r.random() < 0.8 else os.urandom(4)))
+                continue
             size = 8 if t in U64_ATTRS else 4
             if t == 3 and r.random() < 0.5:                 # a default class: real minors
                 val = r.choice([self.minor(model), h(self.minor(model)),
@@ -308,6 +331,11 @@ class Gen:
             rate = r.choice((r.randint(1000, 5_000_000), r.randint(1, 1000), MAX))
             if r.random() < 0.8:
                 out.append(Attr(6, struct.pack("=Q", rate)))
+            if r.random() < 0.25:             # a group (then a ceil or limit is refused)
+                out.append(Attr(GROUP, b""))
+                if r.random() < 0.7:
+                    r.shuffle(out)
+                    return out
             if r.random() < 0.4:
                 out.append(Attr(7, struct.pack("=Q", min(MAX, rate * r.choice((1, 2, 3, 10))))))
             if r.random() < 0.3:
@@ -358,11 +386,19 @@ class Gen:
                  "class-change": r.choice([0, 0, NLM_F_CREATE]), "class-delete": 0}[op]
         mi = self.minor(model)
         handle = r.choices([h(mi), mi, h(mi, 0x1234), 0], weights=[85, 6, 5, 4])[0]
-        parent = r.choices([QDISC, TC_H_ROOT, 0, h(self.minor(model)), h(0, 0x1234)],
-                           weights=[70, 12, 8, 6, 4])[0]
+        groups = [m for m, c in model.classes.items() if c.group]
+        parent = r.choices([QDISC, TC_H_ROOT, 0, h(self.minor(model)), h(0, 0x1234),
+                            h(r.choice(groups)) if groups else QDISC],
+                           weights=[50, 10, 8, 6, 4, 22])[0]
         if mtype == RTM_DELTCLASS:
             return Req(op, mtype, flags, handle, parent, None, None)
-        payload, bad = self.attrs([6, 7, 8], [1, 2, 3, 4, 5, 9], model)
+        payload, bad = self.attrs([6, 7, 8, GROUP], [1, 2, 3, 4, 5, 9], model)
+        tops = [g for g in groups if not model.classes[g].parent]
+        if op == "class-add" and tops and r.random() < 0.15:
+            # a client group under a rule group (two levels), or a class in one
+            parent = h(r.choice(tops))
+            payload, bad = Attr(6, struct.pack("=Q", r.randint(1000, 5_000_000))).encode() + \
+                (Attr(GROUP, b"").encode() if r.random() < 0.5 else b""), False
         opts = payload if r.random() < 0.95 else None
         return Req(op, mtype, flags, handle, parent, "psp", opts, nested=r.random() < 0.95,
                    estimator=self.estimator(), malformed=bad)
@@ -406,6 +442,8 @@ def _predict_qdisc(req: Req, m: Model) -> Tuple[int, Optional[Model]]:
     err = err or check_qopt(tb)
     if err:
         return err, None
+    if 3 in tb and tb[3] & 0xFFFF in m.classes and m.classes[tb[3] & 0xFFFF].group:
+        return errno.EINVAL, None            # "the default class cannot be a group"
     if 3 in tb and tb[3] & 0xFFFF not in m.classes:
         return errno.ENOENT, None            # "unknown default class"
     n = Model(q=dict(m.q), classes={k: dataclasses.replace(v) for k, v in m.classes.items()},
@@ -459,36 +497,52 @@ def _predict_class(req: Req, m: Model) -> Tuple[int, Optional[Model]]:
         if req.mtype == RTM_DELTCLASS:
             if minor == m.q["defcls"] or (minor, True) in m.filters.values():
                 return errno.EBUSY, None
+            if m.members(minor):
+                return errno.EBUSY, None     # a group with members
             n = _copy(m)
             del n.classes[minor]
             return 0, n
-    # psp_change_class
-    if portid not in (TC_H_ROOT, 0, qh):
-        return errno.EINVAL, None            # flat classes
+    # psp_change_class: options, strict parsing, the parent, then the values (sch_psp.c)
     if req.options is None:
         return errno.EINVAL, None            # options missing
     err, tb = _parsed(req, CLASS_POLICY)
     if err:
         return err, None
+    pg = 0                                   # the parent group's minor, 0: the qdisc
+    if portid not in (TC_H_ROOT, 0, qh):
+        pm = portid & 0xFFFF
+        if pm not in m.classes:
+            return errno.ENOENT, None        # neither the qdisc nor one of its groups
+        if not m.classes[pm].group:
+            return errno.EINVAL, None        # only groups have members
+        pg = pm
+    if found and portid != 0 and pg != m.classes[minor].parent:
+        return errno.EINVAL, None            # parents are fixed at creation
+    if not found and (minor == 0 or clid & 0xFFFF0000 != qh):
+        return errno.EINVAL, None
+    cl = m.classes.get(minor) if found else None
+    group = cl.group if found else GROUP in tb
+    if found and not cl.group and GROUP in tb:
+        return errno.EINVAL, None            # a class cannot become a group
+    if group and (7 in tb or 8 in tb):
+        return errno.EINVAL, None            # a group has no ceil and no limit
     limit_only = False
     if found:
-        cl = m.classes[minor]
-        if cl.rate == 0 and (6 in tb or 7 in tb):
+        if not cl.group and cl.rate == 0 and (6 in tb or 7 in tb):
             return errno.EINVAL, None        # the unpaced class: only its limit
-        rate, ceil = cl.rate, cl.ceil
+        rate = cl.rate
+        ceil = cl.rate if cl.group else cl.ceil
         if 6 in tb:
             rate = tb[6]
-            if cl.ceil == cl.rate:
+            if cl.group or cl.ceil == cl.rate:
                 ceil = rate
         limit = cl.limit
-        limit_only = cl.rate == 0
+        limit_only = not cl.group and cl.rate == 0
     else:
-        if minor == 0 or clid & 0xFFFF0000 != qh:
-            return errno.EINVAL, None
         if 6 not in tb:
             return errno.EINVAL, None
         rate = ceil = tb[6]
-        limit = m.q["limit"]
+        limit = None if group else m.q["limit"]
     ceil = tb.get(7, ceil)
     limit = tb.get(8, limit)
     if not limit_only:
@@ -500,12 +554,20 @@ def _predict_class(req: Req, m: Model) -> Tuple[int, Optional[Model]]:
             return errno.EINVAL, None
         if ceil > MAX:
             return errno.ERANGE, None
-    if not 1 <= limit <= LIMIT_MAX:
+    if not group and not 1 <= limit <= LIMIT_MAX:
         return errno.EINVAL, None
+    if not found and group and pg and m.classes[pg].parent:
+        return errno.EINVAL, None            # two group levels at most
     if not estimator_ok(req.estimator):
         return errno.EINVAL, None
     n = _copy(m)
-    n.classes[minor] = Cls(rate, ceil, limit) if not limit_only else Cls(0, 0, limit)
+    parent = cl.parent if found else pg
+    if group:
+        n.classes[minor] = Cls(rate, None, None, True, parent)
+    elif limit_only:
+        n.classes[minor] = Cls(0, 0, limit, False, parent)
+    else:
+        n.classes[minor] = Cls(rate, ceil, limit, False, parent)
     return 0, n
 
 
@@ -684,6 +746,9 @@ class Fuzzer:
         self.stat_checks = 0
         self.stat_skipped = 0
         self.filter_ops = 0
+        self.groups_seen = 0         # accepted requests after which a group / a class in a
+        self.grouped_seen = 0        # group / a member of a client group existed
+        self.two_levels_seen = 0
         self._next_prio = 10
 
     def minors(self) -> List[int]:
@@ -738,12 +803,20 @@ class Fuzzer:
         if got == 0:
             self.accepted += 1
             self.model = after
+            for c in after.classes.values():
+                if c.group:
+                    self.groups_seen += 1
+                if c.parent:
+                    self.grouped_seen += 1
+                    if self.model.classes.get(c.parent) and self.model.classes[c.parent].parent:
+                        self.two_levels_seen += 1
             kv = kernel_view(self.sock, self.dev)
             if kv != self.model.view():
                 self._find(f"{req.op} accepted, but the dump differs from the model:\n"
                            f"    kernel {kv}\n    model  {self.model.view()}", req.describe())
         else:
-            ours = req.parent in (QDISC, TC_H_ROOT, 0) and req.handle >> 16 in (0, psplib.MAJOR)
+            ours = (req.parent in (QDISC, TC_H_ROOT, 0) or req.parent >> 16 == psplib.MAJOR) \
+                and req.handle >> 16 in (0, psplib.MAJOR)
             if ext is None and got not in (errno.ENOENT, errno.EEXIST) and ours \
                     and req.estimator is None and not req.malformed and req.nested:
                 # psp's own refusals carry a reason (the generic layer's may not)
@@ -789,7 +862,9 @@ class Fuzzer:
                 return
             self.stat_checks += 1
             q, cls = snap["q"], snap["cls"]
-            act = [c for c in cls.values() if c.xstats["flags"] & enc.PSP_CLASS_F_ACTIVE]
+            groups = {m: c for m, c in cls.items() if c.xstats["flags"] & enc.PSP_CLASS_F_GROUP}
+            plain = {m: c for m, c in cls.items() if m not in groups}
+            act = [c for c in plain.values() if c.xstats["flags"] & enc.PSP_CLASS_F_ACTIVE]
             problems = []
             if q.stats["qlen"] != sum(c.stats["qlen"] for c in cls.values()):
                 problems.append(f"qdisc qlen {q.stats['qlen']} != sum of class qlen "
@@ -798,13 +873,35 @@ class Fuzzer:
                 problems.append(f"qdisc backlog {q.stats['backlog_bytes']} != sum of class "
                                 f"backlogs {sum(c.stats['backlog_bytes'] for c in cls.values())}")
             if any((c.stats["qlen"] > 0) != bool(c.xstats["flags"] & enc.PSP_CLASS_F_ACTIVE)
-                   for c in cls.values()):
+                   for c in plain.values()):
                 problems.append("a class's active flag disagrees with its queue")
             if q.xstats["active"] != len(act):
                 problems.append(f"qdisc active {q.xstats['active']} != {len(act)} active classes")
-            if q.xstats["rate_sum"] != sum(c.xstats["rate"] for c in act):
-                problems.append(f"rate_sum {q.xstats['rate_sum']} != "
-                                f"{sum(c.xstats['rate'] for c in act)}")
+            # demands (psp_sched.h, "Groups"): a group's sum is its busy members' demands, its
+            # own demand min(rate, sum); the link's rate_sum adds up the top-level demands
+            demand = {}
+
+            def dem(m):
+                if m not in demand:
+                    c = cls[m]
+                    if m in groups:
+                        kids = [k for k, x in cls.items() if _parent_minor(x.parent) == m]
+                        s_ = sum(dem(k) for k in kids)
+                        if c.xstats["group_sum"] != s_:
+                            problems.append(f"group {m:x}: sum {c.xstats['group_sum']} != {s_}")
+                        if bool(c.xstats["flags"] & enc.PSP_CLASS_F_ACTIVE) != (s_ > 0):
+                            problems.append(f"group {m:x}: active flag with demand {s_}")
+                        if c.xstats["members"] != len(kids):
+                            problems.append(f"group {m:x}: {c.xstats['members']} members, "
+                                            f"{len(kids)} dumped")
+                        demand[m] = min(c.rate, s_)
+                    else:
+                        active = c.xstats["flags"] & enc.PSP_CLASS_F_ACTIVE
+                        demand[m] = c.xstats["rate"] if active else 0
+                return demand[m]
+            want_sum = sum(dem(m) for m, c in cls.items() if _parent_minor(c.parent) == 0)
+            if q.xstats["rate_sum"] != want_sum:
+                problems.append(f"rate_sum {q.xstats['rate_sum']} != {want_sum}")
             if q.xstats["classes"] != len(cls):
                 problems.append(f"classes {q.xstats['classes']} != {len(cls)} dumped")
             for p in problems:
@@ -817,6 +914,8 @@ class Fuzzer:
                 "accepted": self.accepted, "malformed_requests": self.malformed,
                 "requests_by_op": self.counts, "outcomes": self.errnos,
                 "filter_ops": self.filter_ops, "stat_checks": self.stat_checks,
+                "groups_seen": self.groups_seen, "grouped_seen": self.grouped_seen,
+                "two_levels_seen": self.two_levels_seen,
                 "stat_checks_skipped": self.stat_skipped,
                 "traffic": dict(traffic.sent) if traffic else {},
                 "traffic_errors": traffic.errors if traffic else [],

@@ -282,10 +282,17 @@ class PspNl:
         return self.send(mtype, flags, nl.tcmsg(self.ifindex(dev), handle, parent) + options)
 
     def add_class(self, dev: str, minor: int, rate_bps: int, ceil_bps: Optional[int] = None,
-                  limit: Optional[int] = None) -> None:
+                  limit: Optional[int] = None, parent: int = 0) -> None:
+        """``parent``: the minor of its group (0: the qdisc)."""
         self.must(RTM_NEWTCLASS, NLM_F_CREATE | NLM_F_EXCL,
-                  nl.tcmsg(self.ifindex(dev), h(minor), QDISC)
+                  nl.tcmsg(self.ifindex(dev), h(minor), h(parent) if parent else QDISC)
                   + self.class_opts(rate_bps, ceil_bps, limit), f"add class {minor:x} on {dev}")
+
+    def add_group(self, dev: str, minor: int, rate_bps: int, parent: int = 0) -> None:
+        """A psp group (aggregate cap ``rate_bps``) under group ``parent`` (0: the qdisc)."""
+        self.must(RTM_NEWTCLASS, NLM_F_CREATE | NLM_F_EXCL,
+                  nl.tcmsg(self.ifindex(dev), h(minor), h(parent) if parent else QDISC)
+                  + enc.group_options(rate_bps), f"add group {minor:x} on {dev}")
 
     def change_class(self, dev: str, minor: int, rate_bps: Optional[int] = None,
                      ceil_bps: Optional[int] = None, limit: Optional[int] = None) -> None:

@@ -31,7 +31,9 @@ def test_netlink_fuzz(psp_module):
     psplib.record(f"psp fuzz: seed {seed}, {out['iterations']} requests in {out['seconds']} s, "
                   f"{out['accepted']} accepted, {out['malformed_requests']} malformed, "
                   f"outcomes {out['outcomes']}, {out['filter_ops']} filter ops, "
-                  f"{out['stat_checks']} statistics checks, traffic {out['traffic']}, "
+                  f"{out['stat_checks']} statistics checks, groups in {out['groups_seen']} / "
+                  f"members in {out['grouped_seen']} / two levels in {out['two_levels_seen']} "
+                  f"states, traffic {out['traffic']}, "
                   f"{len(out['findings'])} findings")
     assert not out["findings"], f"seed {seed}:\n" + "\n".join(out["findings"][:10])
     assert not out["traffic_errors"], out["traffic_errors"]
@@ -46,6 +48,8 @@ def test_netlink_fuzz(psp_module):
     assert out["malformed_requests"] >= out["iterations"] // 20
     assert out["stat_checks"] >= 3 and out["stat_checks_skipped"] <= out["stat_checks"]
     assert out["traffic"]["udp"] > 100 and out["traffic"]["tcp_bytes"] > 0
+    # groups (issue 15): made, given members, and nested two levels during the run
+    assert out["groups_seen"] > 0 and out["grouped_seen"] > 0 and out["two_levels_seen"] > 0
     # the module still unloads, and loads again
     wait_for(lambda: psplib.refcnt() == 0, 15, "the fuzzed qdiscs to be freed")
     psplib.unload()

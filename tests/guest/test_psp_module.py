@@ -236,7 +236,7 @@ def _class_cases():
          opts(a64(R, 1000), a64(enc.TCA_PSP_CATCHUP, 1000)), errno.EINVAL,
          "catch-up window given in class options"),
         ("parent-is-a-class", RTM_NEWTCLASS, NEW, h(0x20), h(0x10), opts(a64(R, 1000)),
-         errno.EINVAL, "psp classes are flat: the parent must be the qdisc"),
+         errno.EINVAL, "parent class is not a group: only groups have members"),
         ("minor-0", RTM_NEWTCLASS, NEW, h(0), QDISC, opts(a64(R, 1000)), errno.EINVAL,
          "class id must be MAJOR:MINOR of this qdisc, MINOR > 0"),
         ("not-nested", RTM_NEWTCLASS, NEW, h(0x20), QDISC, opts(a64(R, 1000), nested=False),
@@ -428,3 +428,84 @@ def test_qdisc_deleted_under_traffic(bed):
         rep = ip.wait()[IPERF_PORT]
     assert rep["end"]["sum_received"]["bytes"] > 0
     wait_for(lambda: psplib.refcnt() == 0, 15, "the deleted qdisc to be freed")
+
+
+# ------------------------------------------------------------------ groups (issue 15)
+
+def _group_cases():
+    """(id, message type, flags, classid, parent, options, errno, extack text) against rule
+    group 30, client group 31 under it, class 32 in 31, class 10 at the qdisc."""
+    R, C, LI, G = (enc.TCA_PSP_CLASS_RATE, enc.TCA_PSP_CLASS_CEIL, enc.TCA_PSP_CLASS_LIMIT,
+                   enc.TCA_PSP_CLASS_GROUP)
+    NEW = NLM_F_CREATE | NLM_F_EXCL
+    flag = N.nla(G, b"")
+    return [
+        ("group-with-ceil", RTM_NEWTCLASS, NEW, h(0x20), QDISC,
+         opts(a64(R, 1000), flag, a64(C, 2000)), errno.EINVAL,
+         "a group has no ceil: its rate is its cap"),
+        ("group-with-limit", RTM_NEWTCLASS, NEW, h(0x20), QDISC,
+         opts(a64(R, 1000), flag, a32(LI, 10)), errno.EINVAL, "a group holds no packets: no limit"),
+        ("group-rate-missing", RTM_NEWTCLASS, NEW, h(0x20), QDISC, opts(flag), errno.EINVAL,
+         "psp group rate missing"),
+        ("group-rate-0", RTM_NEWTCLASS, NEW, h(0x20), QDISC, opts(a64(R, 0), flag), errno.EINVAL,
+         "rate must be > 0"),
+        ("group-rate-above-range", RTM_NEWTCLASS, NEW, h(0x20), QDISC,
+         opts(a64(R, RATE_MAX + 1), flag), errno.ERANGE, "rate above 2^40 bytes/s"),
+        ("group-three-levels", RTM_NEWTCLASS, NEW, h(0x20), h(0x31), opts(a64(R, 1000), flag),
+         errno.EINVAL, "groups nest two levels deep at most"),
+        ("parent-unknown", RTM_NEWTCLASS, NEW, h(0x20), h(0x7F), opts(a64(R, 1000)),
+         errno.ENOENT, "parent is neither this qdisc nor one of its group classes"),
+        ("class-becomes-group", RTM_NEWTCLASS, 0, h(0x10), QDISC, opts(a64(R, 1000), flag),
+         errno.EINVAL, "a class cannot become a group: delete it and add the group"),
+        ("class-leaves-its-group", RTM_NEWTCLASS, 0, h(0x32), QDISC, opts(a64(R, 1000)),
+         errno.EINVAL, "a class cannot move to another parent: delete it and add it there"),
+        ("class-into-a-group", RTM_NEWTCLASS, 0, h(0x10), h(0x30), opts(a64(R, 1000)),
+         errno.EINVAL, "a class cannot move to another parent: delete it and add it there"),
+        ("group-moves", RTM_NEWTCLASS, 0, h(0x31), QDISC, opts(a64(R, 1000)),
+         errno.EINVAL, "a class cannot move to another parent: delete it and add it there"),
+        ("group-change-with-ceil", RTM_NEWTCLASS, 0, h(0x31), h(0x30), opts(a64(C, 10**6)),
+         errno.EINVAL, "a group has no ceil: its rate is its cap"),
+        ("group-flag-with-payload", RTM_NEWTCLASS, NEW, h(0x20), QDISC,
+         opts(a64(R, 1000), N.nla(G, U32(1))), errno.ERANGE, "Attribute failed policy validation"),
+        ("delete-client-group-with-members", RTM_DELTCLASS, 0, h(0x31), QDISC, b"", errno.EBUSY,
+         "group has member classes or groups: delete them first"),
+        ("delete-rule-group-with-a-client", RTM_DELTCLASS, 0, h(0x30), QDISC, b"", errno.EBUSY,
+         "group has member classes or groups: delete them first"),
+    ]
+
+
+def _group_snapshot(sock: PspNl, dev: str):
+    q, cls = snapshot(sock, dev)
+    par = {m: c.parent for m, c in sock.classes(dev).items()}
+    return q, cls, par
+
+
+def test_group_requests_refused_with_extack(bed):
+    """Every bad group request is refused with its errno and extack and changes nothing; the
+    default class cannot be a group; a group flag in qdisc options is refused."""
+    tb, sock = bed
+    dev = tb.sender_dev
+    sock.add_qdisc(dev, link_rate_bps=mbit(100))
+    sock.add_class(dev, 0x10, mbit(1))
+    sock.add_group(dev, 0x30, mbit(9))
+    sock.add_group(dev, 0x31, mbit(6), parent=0x30)
+    sock.add_class(dev, 0x32, mbit(4), parent=0x31)
+    before = _group_snapshot(sock, dev)
+    for cid, mtype, flags, classid, parent, body, code, text in _group_cases():
+        try:
+            expect_refused(sock, mtype, flags, N.tcmsg(sock.ifindex(dev), classid, parent) + body,
+                           code, text)
+        except AssertionError as e:
+            raise AssertionError(f"group case {cid}: {e}") from None
+        assert _group_snapshot(sock, dev) == before, f"group case {cid} changed the configuration"
+    qbody = N.tcmsg(sock.ifindex(dev), QDISC, TC_H_ROOT)
+    expect_refused(sock, RTM_NEWQDISC, 0, qbody + opts(a32(enc.TCA_PSP_DEFCLS, 0x30)),
+                   errno.EINVAL, "the default class cannot be a group")
+    expect_refused(sock, RTM_NEWQDISC, 0, qbody + opts(N.nla(enc.TCA_PSP_CLASS_GROUP, b"")),
+                   errno.EINVAL, "group flag given in qdisc options")
+    assert _group_snapshot(sock, dev) == before
+    # and in the right order they go: the class, then the client group, then the rule group
+    for m in (0x32, 0x31, 0x30):
+        assert sock.del_class(dev, m) == (0, None)
+    assert sorted(sock.classes(dev)) == [2, 0x10]
+    psplib.record(f"psp group requests: {len(_group_cases()) + 2} refused with their extack")

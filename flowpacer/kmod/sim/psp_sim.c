@@ -93,6 +93,8 @@ struct psp_sim {
 	struct psp_sched	s;
 	struct sim_class	**cls;		/* ncls classes, cap slots */
 	u32			ncls, cap;
+	struct psp_sgroup	**grp;		/* ngrp groups, gcap slots */
+	u32			ngrp, gcap;
 	u64			armed;		/* last wake time handed out */
 	u64			timer_fires;
 	u64			timer_late_ns_max;
@@ -125,6 +127,11 @@ int psp_sim_class_xstats(struct psp_sim *sim, int cls, u64 now,
 			 struct tc_psp_class_xstats *xs);
 int psp_sim_class_counts(struct psp_sim *sim, int cls, u64 out[4]);
 u32 psp_sim_sizeof(int which);
+int psp_sim_add_group(struct psp_sim *sim, int parent, u64 rate);
+int psp_sim_set_group_rate(struct psp_sim *sim, int grp, u64 rate);
+int psp_sim_del_group(struct psp_sim *sim, int grp);
+int psp_sim_set_class_group(struct psp_sim *sim, int cls, int grp, u64 now);
+int psp_sim_group_stats(struct psp_sim *sim, int grp, u64 now, u64 out[7]);
 long psp_sim_tree_check(u64 seed, u32 nodes, u32 ops);
 
 static struct sim_class *sim_get(struct psp_sim *sim, int cls)
@@ -158,6 +165,9 @@ void psp_sim_free(struct psp_sim *sim)
 		free(sim->cls[i]);
 	}
 	free(sim->cls);
+	for (i = 0; i < sim->ngrp; i++)
+		free(sim->grp[i]);
+	free(sim->grp);
 	free(sim);
 }
 
@@ -219,6 +229,7 @@ int psp_sim_del_class(struct psp_sim *sim, int cls)
 
 	if (!c)
 		return -1;
+	psp_class_set_group(&sim->s, &c->sc, NULL, 0);
 	psp_class_deactivate(&sim->s, &c->sc);
 	c->drops += c->qlen;
 	c->qlen = 0;
@@ -406,6 +417,109 @@ u32 psp_sim_sizeof(int which)
 	case 3: return sizeof(struct sim_class);
 	default: return 0;
 	}
+}
+
+/* ---------------------------------------------------------------- groups */
+
+static struct psp_sgroup *sim_group(struct psp_sim *sim, int grp)
+{
+	if (grp < 0 || (u32)grp >= sim->ngrp || !sim->grp[grp]->rate)
+		return NULL;
+	return sim->grp[grp];
+}
+
+static int sim_depth(const struct psp_sgroup *g)
+{
+	int d = 0;
+
+	for (; g; g = g->parent)
+		d++;
+	return d;
+}
+
+/* A group under group @parent (-1: the link) with cap @rate; its id, or -1. */
+int psp_sim_add_group(struct psp_sim *sim, int parent, u64 rate)
+{
+	struct psp_sgroup *p = NULL, *g;
+
+	if (!rate || rate > PSP_RATE_MAX)
+		return -1;
+	if (parent >= 0) {
+		p = sim_group(sim, parent);
+		if (!p || sim_depth(p) >= PSP_GROUP_DEPTH)
+			return -1;
+	}
+	if (sim->ngrp == sim->gcap) {
+		u32 cap = sim->gcap ? 2 * sim->gcap : 16;
+		struct psp_sgroup **a = realloc(sim->grp, (size_t)cap * sizeof(*a));
+
+		if (!a)
+			return -1;
+		sim->grp = a;
+		sim->gcap = cap;
+	}
+	g = calloc(1, sizeof(*g));
+	if (!g)
+		return -1;
+	psp_group_init(g, p, rate);
+	sim->grp[sim->ngrp] = g;
+	return (int)sim->ngrp++;
+}
+
+int psp_sim_set_group_rate(struct psp_sim *sim, int grp, u64 rate)
+{
+	struct psp_sgroup *g = sim_group(sim, grp);
+
+	if (!g || !rate || rate > PSP_RATE_MAX)
+		return -1;
+	psp_group_set_rate(&sim->s, g, rate);
+	return 0;
+}
+
+/* Refused (-1) while the group has members, as the module refuses it. */
+int psp_sim_del_group(struct psp_sim *sim, int grp)
+{
+	struct psp_sgroup *g = sim_group(sim, grp);
+
+	if (!g || g->members)
+		return -1;
+	psp_group_release(g);
+	g->rate = 0;		/* the slot is marked unused */
+	return 0;
+}
+
+/* Class @cls into group @grp (-1: at the link); paced classes only. */
+int psp_sim_set_class_group(struct psp_sim *sim, int cls, int grp, u64 now)
+{
+	struct sim_class *c = sim_get(sim, cls);
+	struct psp_sgroup *g = NULL;
+
+	if (!c || !c->sc.rate)
+		return -1;
+	if (grp >= 0) {
+		g = sim_group(sim, grp);
+		if (!g)
+			return -1;
+	}
+	psp_class_set_group(&sim->s, &c->sc, g, now);
+	return 0;
+}
+
+/* rate, sum, active, members, clock - now, rate_est, held */
+int psp_sim_group_stats(struct psp_sim *sim, int grp, u64 now, u64 out[7])
+{
+	struct psp_sgroup *g = sim_group(sim, grp);
+
+	if (!g)
+		return -1;
+	out[0] = g->rate;
+	out[1] = g->sum;
+	out[2] = g->active;
+	out[3] = g->members;
+	out[4] = g->t_clk - now;
+	out[5] = psp_group_est_read(g, now);
+	out[6] = g->held;
+	return 0;
 }
 
 /* ------------------------------------------------------ tree self-test */

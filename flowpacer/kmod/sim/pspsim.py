@@ -62,7 +62,9 @@ class ClassXStats(ctypes.Structure):
     _fields_ = [(n, ctypes.c_uint64) for n in (
         "rate", "ceil", "eff_rate", "rate_est", "borrowed_bytes", "borrowed_pkts", "clamps",
         "late_ns_max")] + [("clock_ns", ctypes.c_int64), ("limit", ctypes.c_uint32),
-                           ("flags", ctypes.c_uint32)]
+                           ("flags", ctypes.c_uint32), ("group_sum", ctypes.c_uint64),
+                           ("group_held", ctypes.c_uint64), ("members", ctypes.c_uint32),
+                           ("pad", ctypes.c_uint32)]
 
 
 def _stale() -> bool:
@@ -123,6 +125,11 @@ def load() -> ctypes.CDLL:
         "psp_sim_class_counts": (ip, [vp, ip, ctypes.POINTER(u64 * 4)]),
         "psp_sim_sizeof": (u32, [ip]),
         "psp_sim_tree_check": (lp, [u64, u32, u32]),
+        "psp_sim_add_group": (ip, [vp, ip, u64]),
+        "psp_sim_set_group_rate": (ip, [vp, ip, u64]),
+        "psp_sim_del_group": (ip, [vp, ip]),
+        "psp_sim_set_class_group": (ip, [vp, ip, ip, u64]),
+        "psp_sim_group_stats": (ip, [vp, ip, u64, ctypes.POINTER(u64 * 7)]),
     }
     for name, (res, args) in sig.items():
         f = getattr(lib, name)
@@ -197,6 +204,40 @@ class Sim:
     def del_class(self, cls: int) -> None:
         if self._lib.psp_sim_del_class(self._h, cls):
             raise SimError(f"no class {cls}")
+
+    # ------------------------------------------------------------- groups
+    def add_group(self, rate: int, parent: Optional[int] = None) -> int:
+        """A group (aggregate cap ``rate``) under group ``parent`` (None: the link); its id.
+        Groups are numbered 0, 1, ... apart from the classes."""
+        g = self._lib.psp_sim_add_group(self._h, -1 if parent is None else parent, rate)
+        if g < 0:
+            raise SimError(f"cannot add group rate={rate} parent={parent}")
+        return g
+
+    def set_group_rate(self, grp: int, rate: int) -> None:
+        if self._lib.psp_sim_set_group_rate(self._h, grp, rate):
+            raise SimError(f"cannot set group {grp}'s rate to {rate}")
+
+    def del_group(self, grp: int) -> None:
+        """Refused (SimError) while it has members, as in the module."""
+        if self._lib.psp_sim_del_group(self._h, grp):
+            raise SimError(f"cannot delete group {grp}")
+
+    def set_class_group(self, cls: int, grp: Optional[int], now: Optional[int] = None) -> None:
+        if self._lib.psp_sim_set_class_group(self._h, cls, -1 if grp is None else grp,
+                                             self.now if now is None else now):
+            raise SimError(f"cannot put class {cls} into group {grp}")
+
+    def group_stats(self, grp: int, now: Optional[int] = None) -> dict:
+        """rate, sum (demand of its busy members), active, members, clock_ns (clock - now),
+        rate_est, held (times a member waited for the group's clock)."""
+        out = (ctypes.c_uint64 * 7)()
+        now = self.now if now is None else now
+        if self._lib.psp_sim_group_stats(self._h, grp, now, ctypes.byref(out)):
+            raise SimError(f"no group {grp}")
+        d = dict(zip(("rate", "sum", "active", "members", "clock_ns", "rate_est", "held"), out))
+        d["clock_ns"] = ctypes.c_int64(d["clock_ns"]).value
+        return d
 
     # ------------------------------------------------------------ traffic
     def enqueue(self, cls: int, length: int, now: Optional[int] = None) -> bool:

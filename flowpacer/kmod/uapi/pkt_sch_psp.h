@@ -11,7 +11,17 @@
  * Objects:
  *   qdisc  "psp", root, handle MAJ:.  At creation it makes its own default
  *          class MAJ:DEFCLS (unpaced: unmatched traffic, within the link rate).
- *   class  MAJ:MIN, flat (parent is the qdisc), one per paced flow or group.
+ *   class  MAJ:MIN, one per paced flow, with parent the qdisc (MAJ: or root)
+ *          or a group class of the same qdisc.
+ *   group  MAJ:MIN with TCA_PSP_CLASS_GROUP at creation: a class that holds no
+ *          packets but caps its members (classes and, one level down, groups)
+ *          together at its TCA_PSP_CLASS_RATE, sharing it in proportion to
+ *          their rates while they want more.  Parent: the qdisc, or a group
+ *          whose parent is the qdisc (two levels: rule group, client group).
+ *          Same handle space as classes; filters should not point at groups
+ *          (their packets go to the default class).  A class's or group's
+ *          parent is fixed at creation (change requests may repeat it); a
+ *          group with members cannot be deleted (EBUSY).
  *
  * All attributes of both objects share one enum; the kernel refuses qdisc
  * attributes in class options and the other way round.
@@ -37,6 +47,11 @@ enum {
 	TCA_PSP_CATCHUP,	/* u64 ns a paced class may fall behind and make up
 				 * (at <= 2x its rate); default PSP_DEFAULT_CATCHUP_NS
 				 */
+	/* class options added later */
+	TCA_PSP_CLASS_GROUP,	/* flag: the class is a group (at creation; in dumps
+				 * of groups).  A group takes TCA_PSP_CLASS_RATE (its
+				 * cap) only: no ceil, no limit.
+				 */
 	__TCA_PSP_MAX
 };
 
@@ -53,7 +68,10 @@ enum {
 /* tc_psp_class_xstats.flags */
 #define PSP_CLASS_F_UNPACED	0x1	/* no rate: served from idle link time */
 #define PSP_CLASS_F_DEFAULT	0x2	/* receives unclassified traffic */
-#define PSP_CLASS_F_ACTIVE	0x4	/* has packets queued */
+#define PSP_CLASS_F_ACTIVE	0x4	/* has packets queued (group: a member has) */
+#define PSP_CLASS_F_GROUP	0x8	/* a group (aggregate cap), holds no packets */
+
+#define PSP_GROUP_LEVELS	2	/* group levels above a class */
 
 /* Qdisc statistics (TCA_XSTATS / TCA_STATS_APP of the qdisc). */
 struct tc_psp_xstats {
@@ -79,15 +97,22 @@ struct tc_psp_xstats {
 struct tc_psp_class_xstats {
 	__u64	rate;		/* configured, bytes/s (0: unpaced) */
 	__u64	ceil;		/* configured, bytes/s */
-	__u64	eff_rate;	/* rate in effect (lower when oversubscribed) */
+	__u64	eff_rate;	/* rate in effect (lower when the link or a group
+			 * is oversubscribed; group: its share of its parent)
+			 */
 	__u64	rate_est;	/* bytes/s sent, moving average (~0.4 s) */
 	__u64	borrowed_bytes;
 	__u64	borrowed_pkts;
 	__u64	clamps;
 	__u64	late_ns_max;
-	__s64	clock_ns;	/* rate clock minus now at dump time */
-	__u32	limit;		/* packets */
+	__s64	clock_ns;	/* rate clock minus now at dump time (group: its clock) */
+	__u32	limit;		/* packets (0 for groups) */
 	__u32	flags;		/* PSP_CLASS_F_* */
+	/* groups (0 for other classes) */
+	__u64	group_sum;	/* demand of the backlogged members, bytes/s */
+	__u64	group_held;	/* times a member waited for the group's clock */
+	__u32	members;	/* member classes and groups */
+	__u32	pad;
 };
 
 #endif /* _UAPI_PKT_SCH_PSP_H */
