@@ -1,0 +1,173 @@
+"""Where the guest's CPU goes while a qdisc paces pktgen's packets (issue 14: psp's per-packet cost).
+
+One VM boot in virtual time (one instruction per ns, so CPU time is instructions). For each
+qdisc (psp, htb, tbf, fq) at ``--rate``: pktgen (queue_xmit, 1514-byte frames at 1.1x the rate)
+through the qdisc for ``--seconds`` while ``perf record -a -e cpu-clock`` samples the one vCPU
+(no capture running: the sampling is the measurement here). Figures per qdisc: packets sent,
+the share of samples in the qdisc's own functions (its module's symbols, plus the kernel's
+qdisc watchdog), in pktgen's busy wait (``spin``/``ktime_get`` in kpktgend: the idle time of this
+set-up), and the top symbols; the qdisc's CPU per packet = its share x the run's time / packets.
+
+Writes bench/results/vm_profile.json. Run: ``.venv/bin/python -m bench.vm_profile``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.vm_gaps import make_setup, psp_xstats, sched_delta, sched_snapshot
+from bench.vm_sharing import Bed, guest_tools, run_guest, vm_unavailable
+
+log = logging.getLogger("bench.vm_profile")
+
+QDISCS = ("psp", "htb", "tbf", "fq")
+# a qdisc's own code: its module's functions (perf shows the kernel's and the modules' symbols)
+OWN = {"psp": ("psp_",), "htb": ("htb_",), "tbf": ("tbf_",), "fq": ("fq_",)}
+SHARED_QDISC = ("qdisc_watchdog", "qdisc_peek_dequeued", "__qdisc_run", "qdisc_restart",
+                "dequeue_skb", "sch_direct_xmit", "qdisc_pkt_len_init", "__dev_xmit_skb")
+
+
+def parse_report(text: str) -> list:
+    """(share, comm, dso, symbol) rows of ``perf report --stdio --sort comm,dso,sym``."""
+    rows = []
+    for ln in text.splitlines():
+        ln = ln.strip()
+        if not ln or ln.startswith("#") or "%" not in ln.split()[0]:
+            continue
+        parts = ln.split(None, 3)
+        if len(parts) < 4:
+            continue
+        try:
+            share = float(parts[0].rstrip("%")) / 100
+        except ValueError:
+            continue
+        sym = parts[3].split("] ", 1)[-1].strip()
+        rows.append((share, parts[1], parts[2], sym))
+    return rows
+
+
+def profile_run(bed: Bed, qdisc: str, rate_mbit: float, seconds: int, freq: int) -> dict:
+    pacing = guest_tools()
+    target = pacing.mbit(rate_mbit)
+    bed.clear_qdisc()
+    make_setup(pacing, qdisc, target)(bed)
+    data = f"/tmp/fp-perf-{qdisc}.data"
+    s0 = bed.s("cat", f"/sys/class/net/{bed.sender_dev}/statistics/tx_packets").stdout
+    perf = subprocess.Popen(["perf", "record", "-a", "-e", "cpu-clock", "-F", str(freq), "-o", data,
+                             "--", "sleep", str(seconds + 2)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    sch0 = sched_snapshot()
+    t0 = time.monotonic_ns()
+    with pacing.Pktgen(bed, int(target * 1.1), seconds) as pg:
+        pg.wait()
+    t1 = time.monotonic_ns()
+    sch1 = sched_snapshot()
+    _, err = perf.communicate(timeout=pacing.guest_timeout(120))
+    s1 = bed.s("cat", f"/sys/class/net/{bed.sender_dev}/statistics/tx_packets").stdout
+    xs = psp_xstats(bed) if qdisc == "psp" else None
+    bed.clear_qdisc()
+    rep = subprocess.run(["perf", "report", "-i", data, "--stdio", "--no-children",
+                          "--sort", "comm,dso,sym", "--percent-limit", "0.05"],
+                         capture_output=True, text=True, timeout=pacing.guest_timeout(600))
+    os.unlink(data)
+    rows = parse_report(rep.stdout)
+    if not rows:
+        raise RuntimeError(f"perf gave no samples: {err[-500:]} {rep.stderr[-500:]}")
+    pkts = int(s1) - int(s0)
+    # the profile covers seconds + 2 s of sleep: shares are of that window, the pktgen part
+    # is (t1 - t0); samples outside it are idle (the vCPU halts, cpu-clock samples swapper)
+    window_ns = (seconds + 2) * 1e9
+    own = sum(r[0] for r in rows if r[3].startswith(OWN[qdisc]))
+    shared = sum(r[0] for r in rows if r[3] in SHARED_QDISC)
+    spin = sum(r[0] for r in rows if r[1].startswith("kpktgend") and
+               ("spin" in r[3] or "ktime_get" in r[3] or "read_tsc" in r[3]))
+    idle = sum(r[0] for r in rows if r[1] == "swapper")
+    out = {"qdisc": qdisc, "rate_mbit": rate_mbit, "seconds": seconds, "packets": pkts,
+           "run_ns": t1 - t0, "window_ns": window_ns, "perf_freq": freq,
+           "own_share": round(own, 5), "shared_qdisc_share": round(shared, 5),
+           "pktgen_spin_share": round(spin, 5), "idle_share": round(idle, 5),
+           "own_ns_per_pkt": round(own * window_ns / max(1, pkts), 1),
+           "qdisc_ns_per_pkt": round((own + shared) * window_ns / max(1, pkts), 1),
+           "busy_ns_per_pkt": round((1 - idle - spin) * window_ns / max(1, pkts), 1),
+           "sched": sched_delta(sch0, sch1),
+           "top": [{"share": round(r[0], 5), "comm": r[1], "dso": r[2], "sym": r[3]} for r in rows[:40]]}
+    if xs is not None:
+        out["psp"] = {k: xs[k] for k in ("paced_pkts", "late_ns_total", "late_ns_max", "clamps",
+                                         "longest_run", "timer_fires", "timer_late_ns_max") if k in xs}
+    return out
+
+
+def run_all(qdiscs, rate, seconds, freq) -> list:
+    from flowpacer.testbed import Testbed
+    out = []
+    with Testbed(tag="vprof") as tb:
+        bed = Bed(tb)
+        bed.set_gso(True)
+        for q in qdiscs:
+            try:
+                r = profile_run(bed, q, rate, seconds, freq)
+                log.info("%-4s %g Mbit: %d pkts, own %.1f %% (%.0f ns/pkt), +shared %.0f ns/pkt, "
+                         "busy %.0f ns/pkt, spin %.1f %%", q, rate, r["packets"], 100 * r["own_share"],
+                         r["own_ns_per_pkt"], r["qdisc_ns_per_pkt"], r["busy_ns_per_pkt"],
+                         100 * r["pktgen_spin_share"])
+            except Exception as e:
+                r = {"qdisc": q, "rate_mbit": rate, "error": f"{type(e).__name__}: {e}"}
+                log.info("%s: %s", q, r["error"])
+                bed.clear_qdisc()
+            out.append(r)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--qdiscs", default=",".join(QDISCS))
+    ap.add_argument("--rate", type=float, default=1000.0, help="Mbit/s")
+    ap.add_argument("--seconds", type=int, default=2)
+    ap.add_argument("--freq", type=int, default=4000, help="perf samples per second")
+    ap.add_argument("--name", default="vm_profile")
+    ap.add_argument("--guest", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    qdiscs = args.qdiscs.split(",")
+    if args.guest:
+        runs = run_all(qdiscs, args.rate, args.seconds, args.freq)
+        Path(args.out).write_text(json.dumps({"guest_kernel": os.uname().release, "runs": runs}))
+        return 0
+    if os.geteuid() != 0:
+        print("vm_profile: needs root", file=sys.stderr)
+        return 2
+    from .common import write
+    t0 = time.monotonic()
+    fig = {"setup": {"qdiscs": qdiscs, "rate_mbit": args.rate, "seconds": args.seconds,
+                     "perf_freq": args.freq, "clock": "virtual", "source": "pktgen queue_xmit 1.1x",
+                     "description": __doc__.split("\n\n")[1].replace("\n", " ")}}
+    rc = 0
+    why = vm_unavailable()
+    if why:
+        fig["unavailable"] = why
+        rc = 3
+    else:
+        try:
+            doc = run_guest("bench.vm_profile", ["--qdiscs", args.qdiscs, "--rate", str(args.rate),
+                                                 "--seconds", str(args.seconds), "--freq", str(args.freq)],
+                            len(qdiscs) * 400 + 300)
+            fig.update({"vm": doc["vm"], "runs": doc["runs"]})
+        except RuntimeError as e:
+            fig["failed"] = str(e)[-4000:]
+            rc = 1
+    fig["duration_s"] = round(time.monotonic() - t0, 1)
+    path = write(args.name, fig, {})
+    print(f"wrote {path}", file=sys.stderr)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
