@@ -367,12 +367,17 @@ def _show14(v, fmt):
 
 
 def _share_1g(R):
+    f = R.fig("vm_share_pktgen")
+    if f.get("runs"):
+        err = lambda q: g(f, "runs", q, "max_abs_share_error") if g(f, "runs", q, "valid") else None
+        return {"psp": err("psp"), "htb": err("htb"), "unit": g(f, "setup", "link_bit_s", default=0) / 1e7,
+                "src": "pktgen"}
     f = R.fig("vm_sharing")
     unit = g(f, "setup", "unit_mbit")
     if not unit or unit * 10 < 1000:
         return None
     err = lambda q: g(f, "vm", "runs", q, "all_running", "max_abs_error")
-    return {"psp": err("psp"), "htb": err("htb"), "unit": unit}
+    return {"psp": err("psp"), "htb": err("htb"), "unit": unit, "src": "TCP"}
 
 
 def _issue14_cpu(R):
@@ -381,6 +386,13 @@ def _issue14_cpu(R):
         if r.get("error") or r.get("cpu_ns_per_pkt") is None or float(r["rate_mbit"]) not in (100, 1000):
             continue
         out.setdefault((float(r["rate_mbit"]), "on" if r["gso"] else "off"), {})[r["qdisc"]] = r["cpu_ns_per_pkt"]
+    return out or None
+
+
+def _profile_cost(R):
+    f = R.fig("vm_profile")
+    out = {r["qdisc"]: (r["own_ns_per_pkt"], r["qdisc_ns_per_pkt"] - r["own_ns_per_pkt"])
+           for r in f.get("runs", []) or [] if not r.get("error")}
     return out or None
 
 
@@ -449,7 +461,12 @@ def goals() -> List[Goal]:
         Goal(14, "VM, virtual time: 4,4,4,2,2 on a 1 Gbit/s psp link, every flow within 1 % of 2:2:2:1:1 (all running)",
              "vm_sharing", "vm_sharing", _share_1g, lambda v: v["psp"] is not None and v["psp"] <= 0.01,
              lambda v: f"psp worst {pct(v['psp'], 2) if v['psp'] is not None else '—'}, htb worst "
-                       f"{pct(v['htb'], 2) if v['htb'] is not None else '—'} (unit {v['unit']:g} Mbit/s)", "2"),
+                       f"{pct(v['htb'], 2) if v['htb'] is not None else '—'} (unit {v['unit']:g} Mbit/s, "
+                       f"{v['src']})", "2"),
+        Goal(14, "VM: the qdisc's own CPU per packet at 1 Gbit/s (perf, pktgen; report)",
+             "vm_profile", "vm_profile", _profile_cost, None,
+             lambda v: ", ".join(f"{q} {num(own, 'ns')} (+ {num(sh, 'ns')} kernel qdisc code)"
+                                 for q, (own, sh) in v.items()), "1"),
         Goal(14, "VM: psp per-packet guest CPU beside htb's and fq's at 100 Mbit and 1 Gbit (report)",
              "vm_gaps", "vm_gaps", _issue14_cpu, None,
              lambda v: "; ".join(f"{r:g} Mbit GSO {g}: " + ", ".join(
@@ -543,6 +560,7 @@ def section_pacing(R: Results) -> str:
                "gap for that packet. Back-to-back: a gap under a quarter of the ideal.\n")
     out.append(pacing_plots(rows))
     out.append(section_pktgen(R))
+    out.append(section_profile(R))
     out.append(vp)
     return "\n".join(out)
 
@@ -552,22 +570,64 @@ def section_pktgen(R: Results) -> str:
     f = R.fig("vm_gaps_pktgen")
     if not f or not f.get("runs"):
         return ""
+    cap = g(f, "setup", "capture", default="pcap")
+    how = ("a BPF program on the `net_dev_start_xmit` tracepoint (`harness/xmitstamp.py`: no user "
+           "space per packet) stamps them where they leave the sender's veth" if cap == "bpf" else
+           "tcpdump where they leave the sender's veth")
     out = ["### A cheap source: pktgen through the qdisc (`bench/vm_gaps.py --source pktgen`)\n",
            R.provenance("vm_gaps_pktgen", "vm_gaps_pktgen") + "\n",
-           "The kernel's pktgen in `queue_xmit` mode sends 1514-byte UDP frames at 1.1x the rate "
-           "through the qdisc under test; the receiver drops them at its ingress; tcpdump where they "
-           "leave the sender's veth (a run with capture drops is not a result). pktgen busy-waits "
-           "between packets, so the guest's CPU is not a per-packet cost here.\n"]
+           f"The kernel's pktgen in `queue_xmit` mode sends 1514-byte UDP frames at "
+           f"{g(f, 'setup', 'overload', default=1.1):g}x the rate through the qdisc under test; the "
+           f"receiver drops them at its ingress; {how} (a run with capture drops is not a result). "
+           f"Guest kernel {g(f, 'vm', 'kernel', default='?')}"
+           + (", ksoftirqd made SCHED_FIFO (`pacing.ksoftirqd_realtime`)" if g(f, "setup", "ksoftirqd_rt") else "")
+           + ". pktgen busy-waits between packets, so the guest's CPU is not a per-packet cost here "
+           "(§ CPU per packet has the profile). Mean lateness: psp's own (xstats late_ns_total / "
+           "paced packets): how far behind its byte clock it sent.\n"]
     rows = []
     for r in f["runs"]:
         if r.get("error"):
-            rows.append([r["qdisc"], f"{r['rate_mbit']:g} Mbit", f"failed: {r['error'][:80]}", "", "", "", "", ""])
+            rows.append([r["qdisc"], f"{r['rate_mbit']:g} Mbit", f"failed: {r['error'][:80]}", "", "", "", "", "", "", ""])
             continue
+        pc = r.get("gap_pct_us") or {}
+        x = r.get("psp") or {}
+        late = (num(x["late_ns_total"] / max(1, x["paced_pkts"]) / 1e3, "us", 1)
+                if x.get("paced_pkts") else "—")
         rows.append([r["qdisc"], f"{r['rate_mbit']:g} Mbit", mbit(r["rate_bit_s"]), pct(r["rate_error"], 2),
-                     share(r["within10"]), share(r["within25"]), r["longest_run"],
+                     share(r["within10"]), share(r["within25"]),
+                     " / ".join(num(pc.get(k), "", 1) for k in ("p5", "p50", "p95")) if pc else "—",
+                     r["longest_run"], late,
                      f"{r['capture_drops']}" + (" ⚠" if r["capture_drops"] else "")])
     out.append(table(["qdisc", "rate", "frame rate", "rate error", "within ±10 %", "within ±25 %",
-                      "longest b2b run", "capture drops"], rows))
+                      "gap p5 / p50 / p95 (us)", "longest b2b run", "psp mean lateness", "capture drops"], rows))
+    return "\n".join(out)
+
+
+def section_profile(R: Results) -> str:
+    """Where the guest's CPU goes while each qdisc paces pktgen (bench/vm_profile.py)."""
+    f = R.fig("vm_profile")
+    if not f or not f.get("runs"):
+        return ""
+    out = ["### CPU per packet: a profile (`bench/vm_profile.py`)\n",
+           R.provenance("vm_profile", "vm_profile") + "\n",
+           f"pktgen through each qdisc at {g(f, 'setup', 'rate_mbit', default=0):g} Mbit/s (1.1x offered), "
+           f"`perf record -a -e cpu-clock -F {g(f, 'setup', 'perf_freq')}` over "
+           f"{g(f, 'setup', 'seconds')} s of it, no capture; guest kernel {g(f, 'vm', 'kernel', default='?')}, "
+           "virtual time (1 instruction = 1 ns). Own: samples in the qdisc module's functions; kernel "
+           "qdisc code: the watchdog, `__qdisc_run`/`dequeue_skb`/`sch_direct_xmit` and `__dev_xmit_skb` "
+           "(every qdisc runs them); busy: everything but idle and pktgen's busy wait, per packet sent.\n"]
+    rows = []
+    for r in f["runs"]:
+        if r.get("error"):
+            rows.append([r["qdisc"], f"failed: {r['error'][:80]}", "", "", "", "", "", ""])
+            continue
+        top = ", ".join(f"{t['sym']} {share(t['share'])}" for t in r.get("top", [])[:4])
+        ks = g(r, "sched", "ksoftirqd", "se.sum_exec_runtime")
+        rows.append([r["qdisc"], f"{r['packets']:,}".replace(",", " "), num(r["own_ns_per_pkt"], "ns"),
+                     num(r["qdisc_ns_per_pkt"] - r["own_ns_per_pkt"], "ns"), num(r["busy_ns_per_pkt"], "ns"),
+                     share(r["pktgen_spin_share"]), num(ks, "ms", 1) if ks is not None else "—", top])
+    out.append(table(["qdisc", "packets", "own CPU per packet", "+ kernel qdisc code", "busy CPU per packet",
+                      "pktgen busy wait", "ksoftirqd run time", "top symbols"], rows))
     return "\n".join(out)
 
 
@@ -627,9 +687,41 @@ def pacing_plots(rows: List[dict]) -> str:
     return "\n".join(md)
 
 
+def section_share_pktgen(R: Results) -> str:
+    """4,4,4,2,2 on a 1 Gbit/s link with every class backlogged by pktgen."""
+    f = R.fig("vm_share_pktgen")
+    if not f or not f.get("runs"):
+        return ""
+    out = ["### Every class backlogged: pktgen to five ports (`bench/vm_share_pktgen.py`)\n",
+           R.provenance("vm_share_pktgen", "vm_share_pktgen") + "\n",
+           f"pktgen (queue_xmit, 1514-byte UDP frames) walks five destination ports packet by packet, "
+           f"one class each, offering every class the same load ({g(f, 'setup', 'offered'):g}x the largest "
+           f"ideal share); link {mbit(g(f, 'setup', 'link_bit_s'))}, classes 4, 4, 4, 2, 2 tenths of it; "
+           f"rates counted where the packets leave the sender's veth (BPF tracepoint) after "
+           f"{g(f, 'setup', 'warmup_s'):g} s, guest kernel {g(f, 'vm', 'kernel', default='?')}, virtual time. "
+           "Share error: a class's part of what was sent against 2:2:2:1:1; rate error: against "
+           "2:2:2:1:1 of the link.\n"]
+    rows = []
+    for q, r in f["runs"].items():
+        if r.get("error"):
+            rows.append([q, f"failed: {r['error'][:80]}", "", "", "", ""])
+            continue
+        rows.append([q, " / ".join(num(x["measured_bit_s"] / 1e6, "", 1) for x in r["flows"]),
+                     " / ".join(num(x["ideal_bit_s"] / 1e6, "", 1) for x in r["flows"]),
+                     mbit(r["total_bit_s"]), pct(r["max_abs_share_error"], 2), pct(r["max_abs_error"], 2)
+                     + ("" if r.get("valid") else " (capture drops ⚠)")])
+    out.append(table(["qdisc", "measured Mbit/s", "ideal Mbit/s", "total", "max share error",
+                      "max rate error"], rows))
+    return "\n".join(out) + "\n"
+
+
 def section_sharing(R: Results) -> str:
-    out = ["## 2. Sharing an oversubscribed link: 4, 4, 4, 2, 2 on 10\n",
-           R.provenance("vm_sharing", "vm_sharing") + "\n"]
+    out = ["## 2. Sharing an oversubscribed link: 4, 4, 4, 2, 2 on 10\n"]
+    sp = section_share_pktgen(R)
+    if sp:
+        out.append(sp)
+        out.append("### TCP flows started one after another (`bench/vm_sharing.py`)\n")
+    out.append(R.provenance("vm_sharing", "vm_sharing") + "\n")
     f = R.fig("vm_sharing")
     if not f:
         return "\n".join(out)

@@ -246,6 +246,8 @@ def main(argv=None) -> int:
     ap.add_argument("--clock", choices=("virtual", "real"), default="virtual",
                     help="the VM's clock (virtual: exact guest time, vm/README.md)")
     ap.add_argument("--overload", type=float, default=1.1, help="pktgen's rate over the target")
+    ap.add_argument("--ksoftirqd-rt", action="store_true",
+                    help="ksoftirqd as SCHED_FIFO in the guest (pacing.ksoftirqd_realtime)")
     ap.add_argument("--name", default=None, help="results file name (default vm_gaps or vm_gaps_pktgen)")
     ap.add_argument("--guest", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -256,6 +258,8 @@ def main(argv=None) -> int:
     qdiscs = args.qdiscs.split(",")
     gsos = [x == "on" for x in args.gso.split(",")]
     if args.guest:
+        if args.ksoftirqd_rt:
+            guest_tools().ksoftirqd_realtime()
         runs = run_all(rates, qdiscs, gsos, seconds, args.gap_sample, args.window_ms, args.capture,
                        args.source, args.overload)
         Path(args.out).write_text(json.dumps({"guest_kernel": os.uname().release, "runs": runs}))
@@ -286,7 +290,7 @@ def main(argv=None) -> int:
         budget = len(rates) * len(gsos) * len(qdiscs) * per_run + 300
         ga = ["--rates", ",".join(map(str, rates)), "--qdiscs", args.qdiscs, "--gso", args.gso,
               "--seconds", str(seconds), "--gap-sample", str(args.gap_sample), "--window-ms", str(args.window_ms),
-              "--capture", args.capture, "--source", args.source, "--overload", str(args.overload)]
+              "--capture", args.capture, "--source", args.source, "--overload", str(args.overload)] + (["--ksoftirqd-rt"] if args.ksoftirqd_rt else [])
         try:
             doc = run_guest("bench.vm_gaps", ga, budget, clock=args.clock)
             fig.update({"vm": doc["vm"], "runs": doc["runs"]})
@@ -295,6 +299,8 @@ def main(argv=None) -> int:
             rc = 1
     fig["duration_s"] = round(time.monotonic() - t0, 1)
     fig["setup"]["source"] = args.source
+    fig["setup"]["ksoftirqd_rt"] = args.ksoftirqd_rt
+    fig["setup"]["overload"] = args.overload
     name = "vm_gaps" if args.source == "iperf3" else "vm_gaps_pktgen"
     path = write(args.name or name, fig, {})
     print(f"wrote {path}", file=sys.stderr)

@@ -6,7 +6,8 @@ through the qdisc for ``--seconds`` while ``perf record -a -e cpu-clock`` sample
 (no capture running: the sampling is the measurement here). Figures per qdisc: packets sent,
 the share of samples in the qdisc's own functions (its module's symbols, plus the kernel's
 qdisc watchdog), in pktgen's busy wait (``spin``/``ktime_get`` in kpktgend: the idle time of this
-set-up), and the top symbols; the qdisc's CPU per packet = its share x the run's time / packets.
+set-up), and the top symbols; the qdisc's CPU per packet = its share x the sampled CPU time
+(cpu-clock's event count) / packets sent.
 
 Writes bench/results/vm_profile.json. Run: ``.venv/bin/python -m bench.vm_profile``.
 """
@@ -16,6 +17,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -33,71 +35,84 @@ SHARED_QDISC = ("qdisc_watchdog", "qdisc_peek_dequeued", "__qdisc_run", "qdisc_r
                 "dequeue_skb", "sch_direct_xmit", "qdisc_pkt_len_init", "__dev_xmit_skb")
 
 
-def parse_report(text: str) -> list:
-    """(share, comm, dso, symbol) rows of ``perf report --stdio --sort comm,dso,sym``."""
-    rows = []
+_SYM_MARK = re.compile(r"\s\[[k.ugH]\]\s")
+
+
+def parse_report(text: str) -> tuple:
+    """(event count in ns, [(share, comm, dso, symbol)]) of ``perf report --stdio --sort
+    comm,dso,sym``; the event count of cpu-clock is the sampled CPU time."""
+    rows, total = [], 0
     for ln in text.splitlines():
-        ln = ln.strip()
-        if not ln or ln.startswith("#") or "%" not in ln.split()[0]:
+        s = ln.strip()
+        if s.startswith("# Event count (approx.):"):
+            total = int(s.split(":", 1)[1])
             continue
-        parts = ln.split(None, 3)
-        if len(parts) < 4:
+        if not s or s.startswith("#") or not s.split()[0].endswith("%"):
             continue
+        share_s, rest = s.split(None, 1)
+        m = _SYM_MARK.search(rest)               # the symbol column starts with [k] or [.]
+        if m is None:
+            continue
+        head, sym = rest[:m.start()], rest[m.end():].strip()
+        words = head.split()
+        comm = words[0] if words else ""
+        dso = " ".join(words[1:])
         try:
-            share = float(parts[0].rstrip("%")) / 100
+            rows.append((float(share_s.rstrip("%")) / 100, comm, dso, sym))
         except ValueError:
             continue
-        sym = parts[3].split("] ", 1)[-1].strip()
-        rows.append((share, parts[1], parts[2], sym))
-    return rows
+    return total, rows
+
+
+def tx_packets(bed: Bed) -> int:
+    return int(bed.s("cat", f"/sys/class/net/{bed.sender_dev}/statistics/tx_packets").stdout)
 
 
 def profile_run(bed: Bed, qdisc: str, rate_mbit: float, seconds: int, freq: int) -> dict:
+    """perf samples the whole pktgen run (started before it, stopped after); CPU time per
+    symbol = its share x the samples' total (cpu-clock's event count), per packet sent."""
     pacing = guest_tools()
     target = pacing.mbit(rate_mbit)
     bed.clear_qdisc()
     make_setup(pacing, qdisc, target)(bed)
     data = f"/tmp/fp-perf-{qdisc}.data"
-    s0 = bed.s("cat", f"/sys/class/net/{bed.sender_dev}/statistics/tx_packets").stdout
-    perf = subprocess.Popen(["perf", "record", "-a", "-e", "cpu-clock", "-F", str(freq), "-o", data,
-                             "--", "sleep", str(seconds + 2)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    time.sleep(0.5)
+    p0 = tx_packets(bed)
     sch0 = sched_snapshot()
+    perf = subprocess.Popen(["perf", "record", "-a", "-e", "cpu-clock", "-F", str(freq), "-o", data,
+                             "--", "sleep", str(seconds + 6)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(2)
     t0 = time.monotonic_ns()
     with pacing.Pktgen(bed, int(target * 1.1), seconds) as pg:
         pg.wait()
     t1 = time.monotonic_ns()
-    sch1 = sched_snapshot()
     _, err = perf.communicate(timeout=pacing.guest_timeout(120))
-    s1 = bed.s("cat", f"/sys/class/net/{bed.sender_dev}/statistics/tx_packets").stdout
+    sch1 = sched_snapshot()
+    pkts = tx_packets(bed) - p0
     xs = psp_xstats(bed) if qdisc == "psp" else None
     bed.clear_qdisc()
     rep = subprocess.run(["perf", "report", "-i", data, "--stdio", "--no-children",
-                          "--sort", "comm,dso,sym", "--percent-limit", "0.05"],
+                          "--sort", "comm,dso,sym", "--percent-limit", "0.02"],
                          capture_output=True, text=True, timeout=pacing.guest_timeout(600))
     os.unlink(data)
-    rows = parse_report(rep.stdout)
-    if not rows:
-        raise RuntimeError(f"perf gave no samples: {err[-500:]} {rep.stderr[-500:]}")
-    pkts = int(s1) - int(s0)
-    # the profile covers seconds + 2 s of sleep: shares are of that window, the pktgen part
-    # is (t1 - t0); samples outside it are idle (the vCPU halts, cpu-clock samples swapper)
-    window_ns = (seconds + 2) * 1e9
+    total, rows = parse_report(rep.stdout)
+    if not rows or not total:
+        raise RuntimeError(f"perf gave no samples: {err[-500:]} {rep.stderr[-500:]} {rep.stdout[:500]}")
     own = sum(r[0] for r in rows if r[3].startswith(OWN[qdisc]))
     shared = sum(r[0] for r in rows if r[3] in SHARED_QDISC)
     spin = sum(r[0] for r in rows if r[1].startswith("kpktgend") and
                ("spin" in r[3] or "ktime_get" in r[3] or "read_tsc" in r[3]))
     idle = sum(r[0] for r in rows if r[1] == "swapper")
+    per = lambda x: round(x * total / max(1, pkts), 1)
     out = {"qdisc": qdisc, "rate_mbit": rate_mbit, "seconds": seconds, "packets": pkts,
-           "run_ns": t1 - t0, "window_ns": window_ns, "perf_freq": freq,
+           "pktgen_ns": t1 - t0, "sampled_ns": total, "perf_freq": freq,
            "own_share": round(own, 5), "shared_qdisc_share": round(shared, 5),
            "pktgen_spin_share": round(spin, 5), "idle_share": round(idle, 5),
-           "own_ns_per_pkt": round(own * window_ns / max(1, pkts), 1),
-           "qdisc_ns_per_pkt": round((own + shared) * window_ns / max(1, pkts), 1),
-           "busy_ns_per_pkt": round((1 - idle - spin) * window_ns / max(1, pkts), 1),
+           "own_ns_per_pkt": per(own), "qdisc_ns_per_pkt": per(own + shared),
+           "busy_ns_per_pkt": per(1 - idle - spin),
            "sched": sched_delta(sch0, sch1),
-           "top": [{"share": round(r[0], 5), "comm": r[1], "dso": r[2], "sym": r[3]} for r in rows[:40]]}
+           "top": [{"share": round(r[0], 5), "comm": r[1], "dso": r[2], "sym": r[3]} for r in rows[:40]],
+           "own_syms": [{"share": round(r[0], 5), "sym": r[3]} for r in rows if r[3].startswith(OWN[qdisc])][:15]}
     if xs is not None:
         out["psp"] = {k: xs[k] for k in ("paced_pkts", "late_ns_total", "late_ns_max", "clamps",
                                          "longest_run", "timer_fires", "timer_late_ns_max") if k in xs}

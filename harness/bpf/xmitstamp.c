@@ -4,14 +4,17 @@
  *
  * A raw tracepoint on net_dev_start_xmit (the moment a qdisc's output reaches the driver, where
  * tcpdump's egress tap stamps too) records ktime_get_ns() and a few header fields of every skb
- * sent by the device XS_IFINDEX in the network namespace XS_NETNS_INO into an array; a full
- * array counts drops instead. No user space runs per packet, so the capture does not compete
+ * sent by one device (xs_conf: its ifindex, 0: record nothing) into an array; a full array counts drops instead. User space sets xs_conf and
+ * clears xs_count between runs, so one compiled program serves them all. No user space runs per packet, so the capture does not compete
  * with the traffic for the CPU the way tcpdump does.
+ *
+ * The ifindex alone picks the device: an index is unique within a namespace, and the test's
+ * namespaces are the only traffic in the guest (a namespace's inode, read through struct net,
+ * would hang on the kernel's struct layout); user space keeps only its own ports' packets.
  *
  * A tc program on the sender's clsact egress would see packets before the root qdisc (when
  * they are enqueued, not when they leave), and one on the receiver's ingress after the
- * backlog pass, so the tracepoint is the place. Compiled by bcc with -DXS_IFINDEX,
- * -DXS_NETNS_INO, -DXS_SLOTS.
+ * backlog pass, so the tracepoint is the place. Compiled by bcc with -DXS_SLOTS.
  */
 #include <linux/skbuff.h>
 #include <linux/netdevice.h>
@@ -31,6 +34,7 @@ struct xs_rec {
 
 BPF_ARRAY(xs_recs, struct xs_rec, XS_SLOTS);
 BPF_ARRAY(xs_count, u64, 2);	/* [0] records written, [1] dropped (array full) */
+BPF_ARRAY(xs_conf, u64, 1);	/* [0] ifindex */
 
 RAW_TRACEPOINT_PROBE(net_dev_start_xmit)
 {
@@ -39,19 +43,17 @@ RAW_TRACEPOINT_PROBE(net_dev_start_xmit)
 	struct xs_rec r = {};
 	unsigned char *head, *data, hdr[64];
 	unsigned int end;
-	struct net *net;
-	u32 ino, zero = 0, one = 1, slot;
+	u32 zero = 0, one = 1, slot;
 	int ifindex;
-	u64 *n, *drops;
+	u64 *n, *drops, *want_if;
 	u16 eth;
 	u8 ihl;
 
-	bpf_probe_read_kernel(&ifindex, sizeof(ifindex), &dev->ifindex);
-	if (ifindex != XS_IFINDEX)
+	want_if = xs_conf.lookup(&zero);
+	if (!want_if || !*want_if)
 		return 0;
-	bpf_probe_read_kernel(&net, sizeof(net), &dev->nd_net.net);
-	bpf_probe_read_kernel(&ino, sizeof(ino), &net->ns.inum);
-	if (ino != XS_NETNS_INO)
+	bpf_probe_read_kernel(&ifindex, sizeof(ifindex), &dev->ifindex);
+	if ((u64)ifindex != *want_if)
 		return 0;
 	r.ts_ns = bpf_ktime_get_ns();
 	bpf_probe_read_kernel(&r.len, sizeof(r.len), &skb->len);

@@ -113,6 +113,29 @@ def require_virtual_time() -> None:
                     pytrace=False)
 
 
+def ksoftirqd_realtime(prio: int = 1) -> List[int]:
+    """Make the guest's ksoftirqd threads SCHED_FIFO ``prio`` (their pids).
+
+    Linux 6.1 leaves pending softirqs to ksoftirqd once it is awake ("softirq: Let ksoftirqd do
+    its job", reverted in 6.5): an interrupt's exit then no longer runs NET_TX, and the qdisc
+    watchdog's softirq waits until the scheduler runs ksoftirqd, a normal thread competing with
+    iperf3, the capture or pktgen on the one vCPU. As a real-time thread it runs at once, as
+    the softirq would on 6.5 and later."""
+    pids = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if not f.read().startswith("ksoftirqd/"):
+                    continue
+        except OSError:
+            continue
+        os.sched_setscheduler(int(pid), os.SCHED_FIFO, os.sched_param(prio))
+        pids.append(int(pid))
+    return pids
+
+
 def sh(args: Sequence[str], ns: Optional[str] = None, timeout: float = 30,
        check: bool = True) -> subprocess.CompletedProcess:
     argv = (["ip", "netns", "exec", ns] if ns else []) + [str(a) for a in args]
