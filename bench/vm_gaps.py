@@ -24,14 +24,12 @@ Run: ``.venv/bin/python -m bench.vm_gaps [--quick]``.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 import time
-from pathlib import Path
 
-from bench.vm_sharing import Bed, guest_tools, run_guest, vm_unavailable
+from bench.vm_sharing import Bed, guest_result, guest_tools, vm_bench
 
 log = logging.getLogger("bench.vm_gaps")
 
@@ -260,10 +258,9 @@ def main(argv=None) -> int:
     if args.guest:
         if args.ksoftirqd_rt:
             guest_tools().ksoftirqd_realtime()
-        runs = run_all(rates, qdiscs, gsos, seconds, args.gap_sample, args.window_ms, args.capture,
-                       args.source, args.overload)
-        Path(args.out).write_text(json.dumps({"guest_kernel": os.uname().release, "runs": runs}))
-        return 0
+        return guest_result(args.out, runs=run_all(rates, qdiscs, gsos, seconds, args.gap_sample,
+                                                    args.window_ms, args.capture, args.source,
+                                                    args.overload))
     if os.geteuid() != 0:
         print("vm_gaps: needs root", file=sys.stderr)
         return 2
@@ -279,24 +276,14 @@ def main(argv=None) -> int:
                                     "sent, = instructions in virtual time; GSO skbs count as "
                                     "back-to-back wire packets. psp: one class, link 1 Gbit/s; htb: one "
                                     "class, tc's default burst; tbf: bucket of 2 frames; fq: maxrate."}}
-    rc = 0
-    why = vm_unavailable()
-    if why:
-        fig["unavailable"] = why
-        rc = 3
-    else:
-        # a BPF capture compiles its program (bcc) in the guest for every run: minutes under TCG
-        per_run = seconds + 20 + (150 if args.capture == "bpf" else 0)
-        budget = len(rates) * len(gsos) * len(qdiscs) * per_run + 300
-        ga = ["--rates", ",".join(map(str, rates)), "--qdiscs", args.qdiscs, "--gso", args.gso,
-              "--seconds", str(seconds), "--gap-sample", str(args.gap_sample), "--window-ms", str(args.window_ms),
-              "--capture", args.capture, "--source", args.source, "--overload", str(args.overload)] + (["--ksoftirqd-rt"] if args.ksoftirqd_rt else [])
-        try:
-            doc = run_guest("bench.vm_gaps", ga, budget, clock=args.clock)
-            fig.update({"vm": doc["vm"], "runs": doc["runs"]})
-        except RuntimeError as e:
-            fig["failed"] = str(e)[-4000:]
-            rc = 1
+    # a BPF capture compiles its program (bcc) in the guest once: minutes under TCG
+    budget = (len(rates) * len(gsos) * len(qdiscs) * (seconds + 20) + 300
+              + (400 if args.capture == "bpf" else 0))
+    ga = ["--rates", ",".join(map(str, rates)), "--qdiscs", args.qdiscs, "--gso", args.gso,
+          "--seconds", str(seconds), "--gap-sample", str(args.gap_sample), "--window-ms", str(args.window_ms),
+          "--capture", args.capture, "--source", args.source, "--overload", str(args.overload)] \
+        + (["--ksoftirqd-rt"] if args.ksoftirqd_rt else [])
+    rc = vm_bench(fig, "bench.vm_gaps", ga, budget, clock=args.clock)
     fig["duration_s"] = round(time.monotonic() - t0, 1)
     fig["setup"]["source"] = args.source
     fig["setup"]["ksoftirqd_rt"] = args.ksoftirqd_rt

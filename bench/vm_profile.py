@@ -14,17 +14,15 @@ Writes bench/results/vm_profile.json. Run: ``.venv/bin/python -m bench.vm_profil
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from bench.vm_gaps import make_setup, psp_xstats, sched_delta, sched_snapshot
-from bench.vm_sharing import Bed, guest_tools, run_guest, vm_unavailable
+from bench.vm_sharing import Bed, guest_result, guest_tools, vm_bench
 
 log = logging.getLogger("bench.vm_profile")
 
@@ -153,9 +151,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     qdiscs = args.qdiscs.split(",")
     if args.guest:
-        runs = run_all(qdiscs, args.rate, args.seconds, args.freq)
-        Path(args.out).write_text(json.dumps({"guest_kernel": os.uname().release, "runs": runs}))
-        return 0
+        return guest_result(args.out, runs=run_all(qdiscs, args.rate, args.seconds, args.freq))
     if os.geteuid() != 0:
         print("vm_profile: needs root", file=sys.stderr)
         return 2
@@ -164,20 +160,9 @@ def main(argv=None) -> int:
     fig = {"setup": {"qdiscs": qdiscs, "rate_mbit": args.rate, "seconds": args.seconds,
                      "perf_freq": args.freq, "clock": "virtual", "source": "pktgen queue_xmit 1.1x",
                      "description": __doc__.split("\n\n")[1].replace("\n", " ")}}
-    rc = 0
-    why = vm_unavailable()
-    if why:
-        fig["unavailable"] = why
-        rc = 3
-    else:
-        try:
-            doc = run_guest("bench.vm_profile", ["--qdiscs", args.qdiscs, "--rate", str(args.rate),
-                                                 "--seconds", str(args.seconds), "--freq", str(args.freq)],
-                            len(qdiscs) * 400 + 300)
-            fig.update({"vm": doc["vm"], "runs": doc["runs"]})
-        except RuntimeError as e:
-            fig["failed"] = str(e)[-4000:]
-            rc = 1
+    rc = vm_bench(fig, "bench.vm_profile", ["--qdiscs", args.qdiscs, "--rate", str(args.rate),
+                                            "--seconds", str(args.seconds), "--freq", str(args.freq)],
+                  len(qdiscs) * 400 + 300)
     fig["duration_s"] = round(time.monotonic() - t0, 1)
     path = write(args.name, fig, {})
     print(f"wrote {path}", file=sys.stderr)

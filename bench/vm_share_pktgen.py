@@ -21,15 +21,13 @@ Writes bench/results/vm_share_pktgen.json. Run: ``.venv/bin/python -m bench.vm_s
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 import time
-from pathlib import Path
 
-from bench.vm_sharing import (LINK_UNITS, RATES_UNITS, Bed, guest_tools, mbit, psp_stats, run_guest,
-                              setup_htb, setup_psp, vm_unavailable)
+from bench.vm_sharing import (LINK_UNITS, RATES_UNITS, Bed, guest_result, guest_tools, mbit, psp_stats,
+                              setup_htb, setup_psp, vm_bench)
 
 log = logging.getLogger("bench.vm_share_pktgen")
 
@@ -114,9 +112,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     qdiscs = args.qdiscs.split(",")
     if args.guest:
-        runs = run_all(qdiscs, args.link_mbit, args.seconds, args.warmup, args.offered, args.capture)
-        Path(args.out).write_text(json.dumps({"guest_kernel": os.uname().release, "runs": runs}))
-        return 0
+        return guest_result(args.out, runs=run_all(qdiscs, args.link_mbit, args.seconds, args.warmup,
+                                                    args.offered, args.capture))
     if os.geteuid() != 0:
         print("vm_share_pktgen: needs root", file=sys.stderr)
         return 2
@@ -128,21 +125,10 @@ def main(argv=None) -> int:
                      "ideal_all_running": "2:2:2:1:1 of the link",
                      "source": "pktgen queue_xmit, 1514-byte UDP frames, destination port walking 5 ports",
                      "measured": "frame bytes per class leaving the sender's veth"}}
-    rc = 0
-    why = vm_unavailable()
-    if why:
-        fig["unavailable"] = why
-        rc = 3
-    else:
-        try:
-            doc = run_guest("bench.vm_share_pktgen",
-                            ["--qdiscs", args.qdiscs, "--link-mbit", str(args.link_mbit), "--seconds",
-                             str(args.seconds), "--warmup", str(args.warmup), "--offered", str(args.offered),
-                             "--capture", args.capture], len(qdiscs) * 400 + 400)
-            fig.update({"vm": doc["vm"], "runs": doc["runs"]})
-        except RuntimeError as e:
-            fig["failed"] = str(e)[-4000:]
-            rc = 1
+    rc = vm_bench(fig, "bench.vm_share_pktgen",
+                  ["--qdiscs", args.qdiscs, "--link-mbit", str(args.link_mbit), "--seconds", str(args.seconds),
+                   "--warmup", str(args.warmup), "--offered", str(args.offered), "--capture", args.capture],
+                  len(qdiscs) * 400 + 400)
     fig["duration_s"] = round(time.monotonic() - t0, 1)
     goals = {f"{q}_max_share_error": round(r["max_abs_share_error"], 5)
              for q, r in fig.get("runs", {}).items() if "max_abs_share_error" in r}
