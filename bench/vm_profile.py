@@ -36,30 +36,28 @@ SHARED_QDISC = ("qdisc_watchdog", "qdisc_peek_dequeued", "__qdisc_run", "qdisc_r
 _SYM_MARK = re.compile(r"\s\[[k.ugH]\]\s")
 
 
-def parse_report(text: str) -> tuple:
-    """(event count in ns, [(share, comm, dso, symbol)]) of ``perf report --stdio --sort
-    comm,dso,sym``; the event count of cpu-clock is the sampled CPU time."""
-    rows, total = [], 0
+def parse_report(text: str, period_ns: int) -> tuple:
+    """(sampled CPU ns, [(share, comm, dso, symbol)]) of ``perf report --stdio -n --sort
+    comm,dso,sym`` over cpu-clock samples of a fixed ``period_ns``: shares are of the samples
+    counted (each is period_ns of CPU)."""
+    raw, total = [], 0
     for ln in text.splitlines():
         s = ln.strip()
-        if s.startswith("# Event count (approx.):"):
-            total = int(s.split(":", 1)[1])
-            continue
         if not s or s.startswith("#") or not s.split()[0].endswith("%"):
             continue
-        share_s, rest = s.split(None, 1)
-        m = _SYM_MARK.search(rest)               # the symbol column starts with [k] or [.]
+        parts = s.split(None, 2)
+        if len(parts) < 3 or not parts[1].isdigit():
+            continue
+        m = _SYM_MARK.search(parts[2])               # the symbol column starts with [k] or [.]
         if m is None:
             continue
-        head, sym = rest[:m.start()], rest[m.end():].strip()
+        head, sym = parts[2][:m.start()], parts[2][m.end():].strip()
         words = head.split()
-        comm = words[0] if words else ""
-        dso = " ".join(words[1:])
-        try:
-            rows.append((float(share_s.rstrip("%")) / 100, comm, dso, sym))
-        except ValueError:
-            continue
-    return total, rows
+        n = int(parts[1])
+        total += n
+        raw.append((n, words[0] if words else "", " ".join(words[1:]), sym))
+    rows = [(n / total, comm, dso, sym) for n, comm, dso, sym in raw] if total else []
+    return total * period_ns, rows
 
 
 def tx_packets(bed: Bed) -> int:
@@ -76,7 +74,8 @@ def profile_run(bed: Bed, qdisc: str, rate_mbit: float, seconds: int, freq: int)
     data = f"/tmp/fp-perf-{qdisc}.data"
     p0 = tx_packets(bed)
     sch0 = sched_snapshot()
-    perf = subprocess.Popen(["perf", "record", "-a", "-e", "cpu-clock", "-F", str(freq), "-o", data,
+    period_ns = int(1e9 / freq)       # a fixed period: each sample is period_ns of CPU time
+    perf = subprocess.Popen(["perf", "record", "-a", "-e", "cpu-clock", "-c", str(period_ns), "-o", data,
                              "--", "sleep", str(seconds + 6)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     time.sleep(2)
@@ -89,11 +88,11 @@ def profile_run(bed: Bed, qdisc: str, rate_mbit: float, seconds: int, freq: int)
     pkts = tx_packets(bed) - p0
     xs = psp_xstats(bed) if qdisc == "psp" else None
     bed.clear_qdisc()
-    rep = subprocess.run(["perf", "report", "-i", data, "--stdio", "--no-children",
+    rep = subprocess.run(["perf", "report", "-i", data, "--stdio", "--no-children", "-n",
                           "--sort", "comm,dso,sym", "--percent-limit", "0.02"],
                          capture_output=True, text=True, timeout=pacing.guest_timeout(600))
     os.unlink(data)
-    total, rows = parse_report(rep.stdout)
+    total, rows = parse_report(rep.stdout, period_ns)
     if not rows or not total:
         raise RuntimeError(f"perf gave no samples: {err[-500:]} {rep.stderr[-500:]} {rep.stdout[:500]}")
     own = sum(r[0] for r in rows if r[3].startswith(OWN[qdisc]))
@@ -109,6 +108,7 @@ def profile_run(bed: Bed, qdisc: str, rate_mbit: float, seconds: int, freq: int)
            "own_ns_per_pkt": per(own), "qdisc_ns_per_pkt": per(own + shared),
            "busy_ns_per_pkt": per(1 - idle - spin),
            "sched": sched_delta(sch0, sch1),
+           "report_head": rep.stdout.splitlines()[:25],
            "top": [{"share": round(r[0], 5), "comm": r[1], "dso": r[2], "sym": r[3]} for r in rows[:40]],
            "own_syms": [{"share": round(r[0], 5), "sym": r[3]} for r in rows if r[3].startswith(OWN[qdisc])][:15]}
     if xs is not None:
