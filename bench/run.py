@@ -76,8 +76,13 @@ BENCHES = [
           ["--source", "pktgen", "--capture", "bpf", "--rates", "100,1000,2500", "--gso", "on", "--seconds", "2"],
           ["--source", "pktgen", "--capture", "bpf", "--rates", "100,1000", "--gso", "on", "--seconds", "2"],
           1500, vm=True, what="pktgen through psp, htb, tbf and fq in the VM, gaps stamped by a BPF tracepoint"),
-    Bench("vm_profile", "bench.vm_profile", "vm_profile", [], ["--qdiscs", "psp,htb"], 900, vm=True,
-          what="perf profile of the guest while each qdisc paces pktgen at 1 Gbit/s: CPU per packet"),
+    Bench("vm_gaps_pktgen_sat", "bench.vm_gaps", "vm_gaps_pktgen_sat",
+          ["--source", "pktgen", "--capture", "pcap", "--rates", "2500", "--gso", "on", "--seconds", "2",
+           "--name", "vm_gaps_pktgen_sat"],
+          ["--source", "pktgen", "--capture", "pcap", "--rates", "2500", "--gso", "on", "--seconds", "2",
+           "--name", "vm_gaps_pktgen_sat"], 900, vm=True,
+          what="pktgen at 2.5 Gbit/s through each qdisc: every one CPU-bound, the carried rate is the "
+               "whole path's CPU per packet"),
     Bench("vm_share_pktgen", "bench.vm_share_pktgen", "vm_share_pktgen", [], [], 600, vm=True,
           what="4,4,4,2,2 on a 1 Gbit/s link, every class backlogged by pktgen: psp and htb"),
 ]
