@@ -838,7 +838,9 @@ class Pktgen:
         for cmd in ("xmit_mode queue_xmit", "clone_skb 0", "burst 1", f"count {count}",
                     f"pkt_size {self.frame_bytes}", f"delay {gap_ns}", f"dst {tb.receiver_addr}",
                     f"dst_mac {mac}", f"udp_dst_min {self.port}",
-                    f"udp_dst_max {self.port + self.ports - 1}",
+                    # pktgen wraps its sequential port when it reaches the maximum: the
+                    # range is [min, max) once min < max
+                    f"udp_dst_max {self.port + self.ports if self.ports > 1 else self.port}",
                     "udp_src_min 9", "udp_src_max 9"):
             self._pg(dev, cmd)
         self._proc = tb.popen(tb.sender_ns, ["sh", "-c", "echo start > /proc/net/pktgen/pgctrl"],
