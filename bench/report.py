@@ -367,12 +367,17 @@ def _show14(v, fmt):
 
 
 def _share_1g(R):
+    f = R.fig("vm_share_pktgen")
+    if f.get("runs"):
+        err = lambda q: g(f, "runs", q, "max_abs_share_error") if g(f, "runs", q, "valid") else None
+        return {"psp": err("psp"), "htb": err("htb"), "unit": g(f, "setup", "link_bit_s", default=0) / 1e7,
+                "src": "pktgen"}
     f = R.fig("vm_sharing")
     unit = g(f, "setup", "unit_mbit")
     if not unit or unit * 10 < 1000:
         return None
     err = lambda q: g(f, "vm", "runs", q, "all_running", "max_abs_error")
-    return {"psp": err("psp"), "htb": err("htb"), "unit": unit}
+    return {"psp": err("psp"), "htb": err("htb"), "unit": unit, "src": "TCP"}
 
 
 def _issue14_cpu(R):
@@ -381,6 +386,13 @@ def _issue14_cpu(R):
         if r.get("error") or r.get("cpu_ns_per_pkt") is None or float(r["rate_mbit"]) not in (100, 1000):
             continue
         out.setdefault((float(r["rate_mbit"]), "on" if r["gso"] else "off"), {})[r["qdisc"]] = r["cpu_ns_per_pkt"]
+    return out or None
+
+
+def _sat_cost(R):
+    f = R.fig("vm_gaps_pktgen_sat")
+    out = {r["qdisc"]: 1514 * 8 * 1e9 / r["rate_bit_s"]
+           for r in f.get("runs", []) or [] if not r.get("error") and r.get("rate_bit_s")}
     return out or None
 
 
@@ -449,7 +461,11 @@ def goals() -> List[Goal]:
         Goal(14, "VM, virtual time: 4,4,4,2,2 on a 1 Gbit/s psp link, every flow within 1 % of 2:2:2:1:1 (all running)",
              "vm_sharing", "vm_sharing", _share_1g, lambda v: v["psp"] is not None and v["psp"] <= 0.01,
              lambda v: f"psp worst {pct(v['psp'], 2) if v['psp'] is not None else '—'}, htb worst "
-                       f"{pct(v['htb'], 2) if v['htb'] is not None else '—'} (unit {v['unit']:g} Mbit/s)", "2"),
+                       f"{pct(v['htb'], 2) if v['htb'] is not None else '—'} (unit {v['unit']:g} Mbit/s, "
+                       f"{v['src']})", "2"),
+        Goal(14, "VM: CPU per packet with each qdisc, all CPU-bound (pktgen at 2.5 Gbit/s; report)",
+             "vm_gaps_pktgen_sat", "vm_gaps_pktgen_sat", _sat_cost, None,
+             lambda v: ", ".join(f"{q} {num(ns, 'ns')}" for q, ns in v.items()), "1"),
         Goal(14, "VM: psp per-packet guest CPU beside htb's and fq's at 100 Mbit and 1 Gbit (report)",
              "vm_gaps", "vm_gaps", _issue14_cpu, None,
              lambda v: "; ".join(f"{r:g} Mbit GSO {g}: " + ", ".join(
@@ -543,6 +559,7 @@ def section_pacing(R: Results) -> str:
                "gap for that packet. Back-to-back: a gap under a quarter of the ideal.\n")
     out.append(pacing_plots(rows))
     out.append(section_pktgen(R))
+    out.append(section_saturation(R))
     out.append(vp)
     return "\n".join(out)
 
@@ -552,22 +569,64 @@ def section_pktgen(R: Results) -> str:
     f = R.fig("vm_gaps_pktgen")
     if not f or not f.get("runs"):
         return ""
+    cap = g(f, "setup", "capture", default="pcap")
+    how = ("a BPF program on the `net_dev_start_xmit` tracepoint (`harness/xmitstamp.py`: no user "
+           "space per packet) stamps them where they leave the sender's veth" if cap == "bpf" else
+           "tcpdump where they leave the sender's veth")
     out = ["### A cheap source: pktgen through the qdisc (`bench/vm_gaps.py --source pktgen`)\n",
            R.provenance("vm_gaps_pktgen", "vm_gaps_pktgen") + "\n",
-           "The kernel's pktgen in `queue_xmit` mode sends 1514-byte UDP frames at 1.1x the rate "
-           "through the qdisc under test; the receiver drops them at its ingress; tcpdump where they "
-           "leave the sender's veth (a run with capture drops is not a result). pktgen busy-waits "
-           "between packets, so the guest's CPU is not a per-packet cost here.\n"]
+           f"The kernel's pktgen in `queue_xmit` mode sends 1514-byte UDP frames at "
+           f"{g(f, 'setup', 'overload', default=1.1):g}x the rate through the qdisc under test; the "
+           f"receiver drops them at its ingress; {how} (a run with capture drops is not a result). "
+           f"Guest kernel {g(f, 'vm', 'kernel', default='?')}"
+           + (", ksoftirqd made SCHED_FIFO (`pacing.ksoftirqd_realtime`)" if g(f, "setup", "ksoftirqd_rt") else "")
+           + ". pktgen busy-waits between packets, so the guest's CPU is not a per-packet cost here "
+           "(the 2.5 Gbit/s runs below give it). Mean lateness: psp's own (xstats late_ns_total / "
+           "paced packets): how far behind its byte clock it sent.\n"]
     rows = []
     for r in f["runs"]:
         if r.get("error"):
-            rows.append([r["qdisc"], f"{r['rate_mbit']:g} Mbit", f"failed: {r['error'][:80]}", "", "", "", "", ""])
+            rows.append([r["qdisc"], f"{r['rate_mbit']:g} Mbit", f"failed: {r['error'][:80]}", "", "", "", "", "", "", ""])
             continue
+        pc = r.get("gap_pct_us") or {}
+        x = r.get("psp") or {}
+        late = (num(x["late_ns_total"] / max(1, x["paced_pkts"]) / 1e3, "us", 1)
+                if x.get("paced_pkts") else "—")
         rows.append([r["qdisc"], f"{r['rate_mbit']:g} Mbit", mbit(r["rate_bit_s"]), pct(r["rate_error"], 2),
-                     share(r["within10"]), share(r["within25"]), r["longest_run"],
+                     share(r["within10"]), share(r["within25"]),
+                     " / ".join(num(pc.get(k), "", 1) for k in ("p5", "p50", "p95")) if pc else "—",
+                     r["longest_run"], late,
                      f"{r['capture_drops']}" + (" ⚠" if r["capture_drops"] else "")])
     out.append(table(["qdisc", "rate", "frame rate", "rate error", "within ±10 %", "within ±25 %",
-                      "longest b2b run", "capture drops"], rows))
+                      "gap p5 / p50 / p95 (us)", "longest b2b run", "psp mean lateness", "capture drops"], rows))
+    return "\n".join(out)
+
+
+def section_saturation(R: Results) -> str:
+    """pktgen at 2.5 Gbit/s: every qdisc CPU-bound, the carried rate is the path's CPU per packet."""
+    f = R.fig("vm_gaps_pktgen_sat")
+    if not f or not f.get("runs"):
+        return ""
+    out = ["### CPU per packet: every qdisc CPU-bound (`bench/vm_gaps.py --source pktgen --rates 2500`)\n",
+           R.provenance("vm_gaps_pktgen_sat", "vm_gaps_pktgen_sat") + "\n",
+           "pktgen offers 2.75 Gbit/s of 1514-byte frames to each qdisc set to 2.5 Gbit/s: no qdisc holds a "
+           "packet back, the one vCPU is busy all the time, and the carried frame rate is the whole path's "
+           "CPU time per packet (pktgen, the qdisc, veth, tcpdump's tap and process, the receiver's drop); "
+           "in virtual time 1 ns is one instruction. The difference to another qdisc is the difference of "
+           f"their own costs. Guest kernel {g(f, 'vm', 'kernel', default='?')}.\n"]
+    rows, base = [], {}
+    for r in f["runs"]:
+        if not r.get("error") and r.get("rate_bit_s"):
+            base[r["qdisc"]] = 1514 * 8 * 1e9 / r["rate_bit_s"]
+    for r in f["runs"]:
+        if r.get("error"):
+            rows.append([r["qdisc"], f"failed: {r['error'][:80]}", "", "", ""])
+            continue
+        ns = base[r["qdisc"]]
+        rows.append([r["qdisc"], mbit(r["rate_bit_s"]), num(ns, "ns"),
+                     num(ns - base["htb"], "ns") if "htb" in base else "—",
+                     num(ns - base["fq"], "ns") if "fq" in base else "—"])
+    out.append(table(["qdisc", "carried", "CPU per packet (whole path)", "vs htb", "vs fq"], rows))
     return "\n".join(out)
 
 
@@ -627,9 +686,41 @@ def pacing_plots(rows: List[dict]) -> str:
     return "\n".join(md)
 
 
+def section_share_pktgen(R: Results) -> str:
+    """4,4,4,2,2 on a 1 Gbit/s link with every class backlogged by pktgen."""
+    f = R.fig("vm_share_pktgen")
+    if not f or not f.get("runs"):
+        return ""
+    out = ["### Every class backlogged: pktgen to five ports (`bench/vm_share_pktgen.py`)\n",
+           R.provenance("vm_share_pktgen", "vm_share_pktgen") + "\n",
+           f"pktgen (queue_xmit, 1514-byte UDP frames) walks five destination ports packet by packet, "
+           f"one class each, offering every class the same load ({g(f, 'setup', 'offered'):g}x the largest "
+           f"ideal share); link {mbit(g(f, 'setup', 'link_bit_s'))}, classes 4, 4, 4, 2, 2 tenths of it; "
+           f"rates counted where the packets leave the sender's veth (BPF tracepoint) after "
+           f"{g(f, 'setup', 'warmup_s'):g} s, guest kernel {g(f, 'vm', 'kernel', default='?')}, virtual time. "
+           "Share error: a class's part of what was sent against 2:2:2:1:1; rate error: against "
+           "2:2:2:1:1 of the link.\n"]
+    rows = []
+    for q, r in f["runs"].items():
+        if r.get("error"):
+            rows.append([q, f"failed: {r['error'][:80]}", "", "", "", ""])
+            continue
+        rows.append([q, " / ".join(num(x["measured_bit_s"] / 1e6, "", 1) for x in r["flows"]),
+                     " / ".join(num(x["ideal_bit_s"] / 1e6, "", 1) for x in r["flows"]),
+                     mbit(r["total_bit_s"]), pct(r["max_abs_share_error"], 2), pct(r["max_abs_error"], 2)
+                     + ("" if r.get("valid") else " (capture drops ⚠)")])
+    out.append(table(["qdisc", "measured Mbit/s", "ideal Mbit/s", "total", "max share error",
+                      "max rate error"], rows))
+    return "\n".join(out) + "\n"
+
+
 def section_sharing(R: Results) -> str:
-    out = ["## 2. Sharing an oversubscribed link: 4, 4, 4, 2, 2 on 10\n",
-           R.provenance("vm_sharing", "vm_sharing") + "\n"]
+    out = ["## 2. Sharing an oversubscribed link: 4, 4, 4, 2, 2 on 10\n"]
+    sp = section_share_pktgen(R)
+    if sp:
+        out.append(sp)
+        out.append("### TCP flows started one after another (`bench/vm_sharing.py`)\n")
+    out.append(R.provenance("vm_sharing", "vm_sharing") + "\n")
     f = R.fig("vm_sharing")
     if not f:
         return "\n".join(out)

@@ -72,6 +72,19 @@ BENCHES = [
           what="5 flows at 4,4,4,2,2 on a link of 10: psp and htb in the VM, htb on the host"),
     Bench("vm_lfp", "bench.vm_lfp", "vm_lfp", [], ["--quick"], 750, vm=True,
           what="TCP over a long fat pipe with a small buffer: psp vs htb vs unpaced"),
+    Bench("vm_gaps_pktgen", "bench.vm_gaps", "vm_gaps_pktgen",
+          ["--source", "pktgen", "--capture", "bpf", "--rates", "100,1000,2500", "--gso", "on", "--seconds", "2"],
+          ["--source", "pktgen", "--capture", "bpf", "--rates", "100,1000", "--gso", "on", "--seconds", "2"],
+          1500, vm=True, what="pktgen through psp, htb, tbf and fq in the VM, gaps stamped by a BPF tracepoint"),
+    Bench("vm_gaps_pktgen_sat", "bench.vm_gaps", "vm_gaps_pktgen_sat",
+          ["--source", "pktgen", "--capture", "pcap", "--rates", "2500", "--gso", "on", "--seconds", "2",
+           "--name", "vm_gaps_pktgen_sat"],
+          ["--source", "pktgen", "--capture", "pcap", "--rates", "2500", "--gso", "on", "--seconds", "2",
+           "--name", "vm_gaps_pktgen_sat"], 900, vm=True,
+          what="pktgen at 2.5 Gbit/s through each qdisc: every one CPU-bound, the carried rate is the "
+               "whole path's CPU per packet"),
+    Bench("vm_share_pktgen", "bench.vm_share_pktgen", "vm_share_pktgen", [], [], 600, vm=True,
+          what="4,4,4,2,2 on a 1 Gbit/s link, every class backlogged by pktgen: psp and htb"),
 ]
 BY_NAME = {b.name: b for b in BENCHES}
 ALIASES = {b.module.split(".", 1)[1]: b.name for b in BENCHES}   # classify_bench -> classify

@@ -24,14 +24,12 @@ Run: ``.venv/bin/python -m bench.vm_gaps [--quick]``.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 import time
-from pathlib import Path
 
-from bench.vm_sharing import Bed, guest_tools, run_guest, vm_unavailable
+from bench.vm_sharing import Bed, guest_result, guest_tools, vm_bench
 
 log = logging.getLogger("bench.vm_gaps")
 
@@ -69,8 +67,7 @@ def one_run(bed: Bed, qdisc: str, rate_mbit: float, gso: bool, seconds: int, gap
     bed.clear_qdisc()
     bed.set_gso(gso)
     setup(bed)
-    cap = (pacing.PcapCapture(bed.sender_ns, bed.sender_dev, pacing.IPERF_PORT)
-           if capture == "pcap" else pacing.sender_capture(bed))
+    cap = pacing.make_capture(capture, bed.sender_ns, bed.sender_dev, pacing.IPERF_PORT)
     with cap:
         busy0 = cpu_busy_ns()
         with pacing.Iperf(bed, [pacing.IPERF_PORT], seconds) as ip:
@@ -116,19 +113,73 @@ def one_run(bed: Bed, qdisc: str, rate_mbit: float, gso: bool, seconds: int, gap
     return out
 
 
-def pktgen_run(bed: Bed, qdisc: str, rate_mbit: float, seconds: int) -> dict:
+SCHED_FIELDS = ("se.sum_exec_runtime", "nr_switches", "nr_voluntary_switches",
+                "nr_involuntary_switches", "se.nr_wakeups")
+
+
+def task_sched(comm_prefix: str) -> dict:
+    """/proc/PID/sched counters of the kernel threads whose name starts with ``comm_prefix``
+    (summed): run time (ms) and switches; where softirq work and pktgen's CPU time went."""
+    tot: dict = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if not f.read().startswith(comm_prefix):
+                    continue
+            with open(f"/proc/{pid}/sched") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            continue
+        for ln in lines:
+            k, _, v = ln.partition(":")
+            k = k.strip()
+            if k in SCHED_FIELDS:
+                tot[k] = tot.get(k, 0.0) + float(v.strip())
+    return tot
+
+
+def softirq_counts() -> dict:
+    """/proc/softirqs totals (all CPUs) of the classes the qdisc's path raises."""
+    out = {}
+    with open("/proc/softirqs") as f:
+        for ln in f.read().splitlines()[1:]:
+            words = ln.split()
+            if words and words[0].rstrip(":") in ("TIMER", "NET_TX", "NET_RX", "HRTIMER", "SCHED"):
+                out[words[0].rstrip(":")] = sum(int(x) for x in words[1:])
+    return out
+
+
+def sched_snapshot() -> dict:
+    return {"ksoftirqd": task_sched("ksoftirqd/"), "kpktgend": task_sched("kpktgend_"),
+            "softirqs": softirq_counts()}
+
+
+def sched_delta(a: dict, b: dict) -> dict:
+    return {g: {k: round(b[g].get(k, 0) - a[g].get(k, 0), 3) for k in b[g]} for g in b}
+
+
+def pktgen_run(bed: Bed, qdisc: str, rate_mbit: float, seconds: int, capture: str = "pcap",
+               overload: float = 1.1) -> dict:
     """pktgen (queue_xmit, 1514-byte UDP frames at 1.1x the rate) through the qdisc, dropped at
-    the receiver's ingress; tcpdump where the packets leave the sender's veth."""
+    the receiver's ingress; ``capture`` (tcpdump or the BPF tracepoint) where the packets leave
+    the sender's veth."""
     pacing = guest_tools()
     target = pacing.mbit(rate_mbit)
     setup = make_setup(pacing, qdisc, target)
     busy0 = cpu_busy_ns()
-    st = pacing.measure_pktgen(bed, setup, target, duration=seconds)
+    sched0 = sched_snapshot()
+    st = pacing.measure_pktgen(bed, setup, target, duration=seconds, capture=capture,
+                               overload=overload)
+    sched1 = sched_snapshot()
     busy1 = cpu_busy_ns()
     xs = psp_xstats(bed) if qdisc == "psp" else None
     bed.clear_qdisc()
     out = {"qdisc": qdisc, "rate_mbit": rate_mbit, "gso": False, "source": "pktgen", "seconds": seconds,
-           "capture": "pcap", "valid": st.capture_drops == 0,
+           "capture": capture, "overload": overload, "valid": st.capture_drops == 0,
+           "sched": sched_delta(sched0, sched1),
+           "gap_pct_us": st.gap_pct_us,
            "cpu_ns_per_pkt": round((busy1 - busy0) / max(1, st.packets) , 1),
            "within10": st.within10, "within25": st.within25, "fit_rate_error": st.fit_rate_error,
            "rate_error": st.rate_error, "rate_bit_s": st.rate_bps * 8, "goodput_bit_s": st.goodput_bps * 8,
@@ -142,7 +193,8 @@ def pktgen_run(bed: Bed, qdisc: str, rate_mbit: float, seconds: int) -> dict:
     return out
 
 
-def run_all(rates, qdiscs, gsos, seconds, gap_sample, window_ms, capture="pcap", source="iperf3") -> list:
+def run_all(rates, qdiscs, gsos, seconds, gap_sample, window_ms, capture="pcap", source="iperf3",
+            overload=1.1) -> list:
     from flowpacer.testbed import Testbed
     out = []
     with Testbed(tag="vgap") as tb:
@@ -155,7 +207,7 @@ def run_all(rates, qdiscs, gsos, seconds, gap_sample, window_ms, capture="pcap",
                         if source == "pktgen":
                             if not gso:
                                 continue          # pktgen's frames are never GSO: one pass
-                            r = pktgen_run(bed, q, rate, seconds)
+                            r = pktgen_run(bed, q, rate, seconds, capture, overload)
                         else:
                             r = one_run(bed, q, rate, gso, seconds, gap_sample, window_ms, capture)
                     except Exception as e:       # one failed run must not lose the others
@@ -184,12 +236,17 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=int, default=None, help="per run (4; quick 3)")
     ap.add_argument("--gap-sample", type=int, default=3000)
     ap.add_argument("--window-ms", type=int, default=200)
-    ap.add_argument("--capture", choices=("pcap", "packet"), default="pcap",
-                    help="pcap: tcpdump to tmpfs (keeps up at 1 Gbit/s); packet: Python AF_PACKET")
+    ap.add_argument("--capture", choices=("pcap", "bpf", "packet"), default="pcap",
+                    help="pcap: tcpdump to tmpfs (keeps up at 1 Gbit/s); bpf: a tracepoint program "
+                         "stamping into a map (harness/xmitstamp.py); packet: Python AF_PACKET")
     ap.add_argument("--source", choices=("iperf3", "pktgen"), default="iperf3",
                     help="pktgen: kernel pktgen through the qdisc, dropped at the receiver's ingress")
     ap.add_argument("--clock", choices=("virtual", "real"), default="virtual",
                     help="the VM's clock (virtual: exact guest time, vm/README.md)")
+    ap.add_argument("--overload", type=float, default=1.1, help="pktgen's rate over the target")
+    ap.add_argument("--ksoftirqd-rt", action="store_true",
+                    help="ksoftirqd as SCHED_FIFO in the guest (pacing.ksoftirqd_realtime)")
+    ap.add_argument("--name", default=None, help="results file name (default vm_gaps or vm_gaps_pktgen)")
     ap.add_argument("--guest", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -199,10 +256,11 @@ def main(argv=None) -> int:
     qdiscs = args.qdiscs.split(",")
     gsos = [x == "on" for x in args.gso.split(",")]
     if args.guest:
-        runs = run_all(rates, qdiscs, gsos, seconds, args.gap_sample, args.window_ms, args.capture,
-                       args.source)
-        Path(args.out).write_text(json.dumps({"guest_kernel": os.uname().release, "runs": runs}))
-        return 0
+        if args.ksoftirqd_rt:
+            guest_tools().ksoftirqd_realtime()
+        return guest_result(args.out, runs=run_all(rates, qdiscs, gsos, seconds, args.gap_sample,
+                                                    args.window_ms, args.capture, args.source,
+                                                    args.overload))
     if os.geteuid() != 0:
         print("vm_gaps: needs root", file=sys.stderr)
         return 2
@@ -218,25 +276,20 @@ def main(argv=None) -> int:
                                     "sent, = instructions in virtual time; GSO skbs count as "
                                     "back-to-back wire packets. psp: one class, link 1 Gbit/s; htb: one "
                                     "class, tc's default burst; tbf: bucket of 2 frames; fq: maxrate."}}
-    rc = 0
-    why = vm_unavailable()
-    if why:
-        fig["unavailable"] = why
-        rc = 3
-    else:
-        budget = len(rates) * len(gsos) * len(qdiscs) * (seconds + 20) + 300
-        ga = ["--rates", ",".join(map(str, rates)), "--qdiscs", args.qdiscs, "--gso", args.gso,
-              "--seconds", str(seconds), "--gap-sample", str(args.gap_sample), "--window-ms", str(args.window_ms),
-              "--capture", args.capture, "--source", args.source]
-        try:
-            doc = run_guest("bench.vm_gaps", ga, budget, clock=args.clock)
-            fig.update({"vm": doc["vm"], "runs": doc["runs"]})
-        except RuntimeError as e:
-            fig["failed"] = str(e)[-4000:]
-            rc = 1
+    # a BPF capture compiles its program (bcc) in the guest once: minutes under TCG
+    budget = (len(rates) * len(gsos) * len(qdiscs) * (seconds + 20) + 300
+              + (400 if args.capture == "bpf" else 0))
+    ga = ["--rates", ",".join(map(str, rates)), "--qdiscs", args.qdiscs, "--gso", args.gso,
+          "--seconds", str(seconds), "--gap-sample", str(args.gap_sample), "--window-ms", str(args.window_ms),
+          "--capture", args.capture, "--source", args.source, "--overload", str(args.overload)] \
+        + (["--ksoftirqd-rt"] if args.ksoftirqd_rt else [])
+    rc = vm_bench(fig, "bench.vm_gaps", ga, budget, clock=args.clock)
     fig["duration_s"] = round(time.monotonic() - t0, 1)
     fig["setup"]["source"] = args.source
-    path = write("vm_gaps" if args.source == "iperf3" else "vm_gaps_pktgen", fig, {})
+    fig["setup"]["ksoftirqd_rt"] = args.ksoftirqd_rt
+    fig["setup"]["overload"] = args.overload
+    name = "vm_gaps" if args.source == "iperf3" else "vm_gaps_pktgen"
+    path = write(args.name or name, fig, {})
     print(f"wrote {path}", file=sys.stderr)
     return rc
 

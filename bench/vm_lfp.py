@@ -34,8 +34,8 @@ import threading
 import time
 from pathlib import Path
 
-from bench.vm_sharing import (Bed, guest_tools, mbit, run_guest, setup_htb, setup_psp,
-                              vm_unavailable, wait_listening)
+from bench.vm_sharing import (Bed, guest_result, guest_tools, mbit, setup_htb, setup_psp, vm_bench,
+                              wait_listening)
 
 log = logging.getLogger("bench.vm_lfp")
 
@@ -270,33 +270,19 @@ def main(argv=None) -> int:
              "bottleneck": "tbf on an ifb fed by the receiver's ingress (mirred)",
              "seed": "003 (TCP over a long fat pipe, PSPacer vs unpaced, + UDP 1-2 Mbit/s)"}
     if args.guest:
-        res = run_all(rtts, mixes, pacers, args.bottleneck_mbit, args.buffer_kb, seconds,
-                      args.udp_mbit, args.margin)
-        Path(args.out).write_text(json.dumps({"guest_kernel": os.uname().release, **res}))
-        return 0
+        return guest_result(args.out, **run_all(rtts, mixes, pacers, args.bottleneck_mbit, args.buffer_kb,
+                                                 seconds, args.udp_mbit, args.margin))
     if os.geteuid() != 0:
         print("vm_lfp: needs root", file=sys.stderr)
         return 2
     from .common import write
     t0 = time.monotonic()
     fig = {"setup": setup}
-    rc = 0
-    why = vm_unavailable()
-    if why:
-        fig["unavailable"] = why
-        rc = 3
-    else:
-        budget = len(rtts) * len(mixes) * len(pacers) * (seconds + 15) + 300
-        guest_args = ["--rtts", ",".join(map(str, rtts)), "--mixes", args.mixes, "--pacers", args.pacers,
-                      "--bottleneck-mbit", str(args.bottleneck_mbit), "--buffer-kb", str(args.buffer_kb),
-                      "--udp-mbit", str(args.udp_mbit), "--margin", str(args.margin), "--seconds", str(seconds)]
-        try:
-            doc = run_guest("bench.vm_lfp", guest_args, budget)
-            fig.update({"vm": doc["vm"], "calibration": doc["calibration"],
-                        "tbf_burst_bytes": doc["tbf_burst_bytes"], "cases": doc["cases"]})
-        except RuntimeError as e:
-            fig["failed"] = str(e)[-4000:]
-            rc = 1
+    budget = len(rtts) * len(mixes) * len(pacers) * (seconds + 15) + 300
+    guest_args = ["--rtts", ",".join(map(str, rtts)), "--mixes", args.mixes, "--pacers", args.pacers,
+                  "--bottleneck-mbit", str(args.bottleneck_mbit), "--buffer-kb", str(args.buffer_kb),
+                  "--udp-mbit", str(args.udp_mbit), "--margin", str(args.margin), "--seconds", str(seconds)]
+    rc = vm_bench(fig, "bench.vm_lfp", guest_args, budget, keys=("calibration", "tbf_burst_bytes", "cases"))
     fig["duration_s"] = round(time.monotonic() - t0, 1)
     path = write("vm_lfp", fig, {})
     print(f"wrote {path}", file=sys.stderr)

@@ -128,6 +128,32 @@ def run_guest(module: str, guest_args: Sequence[str], timeout: float, clock: str
 
 # ============================================================== both sides: testbed and qdiscs
 
+def guest_result(out: str, **doc) -> int:
+    """The guest side's end: ``doc`` (+ the guest's kernel) as JSON into ``out``."""
+    Path(out).write_text(json.dumps({"guest_kernel": os.uname().release, **doc}))
+    return 0
+
+
+def vm_bench(fig: dict, module: str, guest_args: Sequence[str], budget: float, keys=("runs",),
+             clock: str = "virtual") -> int:
+    """The host side of a one-boot VM benchmark: ``run_guest`` and ``keys`` of its result into
+    ``fig`` (with ``vm``: boot facts), or why not (``unavailable``: exit 3, ``failed``: exit 1)."""
+    why = vm_unavailable()
+    if why:
+        fig["unavailable"] = why
+        return 3
+    # the budget is host time: a loaded host runs the guest's (virtual) time slower
+    budget *= float(os.environ.get("FLOWPACER_VM_BUDGET_SCALE", "1"))
+    try:
+        doc = run_guest(module, guest_args, budget, clock=clock)
+    except RuntimeError as e:
+        fig["failed"] = str(e)[-4000:]
+        return 1
+    fig["vm"] = doc["vm"]
+    fig.update({k: doc[k] for k in keys})
+    return 0
+
+
 def guest_tools():
     """tests/guest/pacing.py (capture, analysis, iperf) and psplib (psp over rtnetlink)."""
     if str(GUEST_DIR) not in sys.path:

@@ -113,6 +113,29 @@ def require_virtual_time() -> None:
                     pytrace=False)
 
 
+def ksoftirqd_realtime(prio: int = 1) -> List[int]:
+    """Make the guest's ksoftirqd threads SCHED_FIFO ``prio`` (their pids).
+
+    Linux 6.1 leaves pending softirqs to ksoftirqd once it is awake ("softirq: Let ksoftirqd do
+    its job", reverted in 6.5): an interrupt's exit then no longer runs NET_TX, and the qdisc
+    watchdog's softirq waits until the scheduler runs ksoftirqd, a normal thread competing with
+    iperf3, the capture or pktgen on the one vCPU. As a real-time thread it runs at once, as
+    the softirq would on 6.5 and later."""
+    pids = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if not f.read().startswith("ksoftirqd/"):
+                    continue
+        except OSError:
+            continue
+        os.sched_setscheduler(int(pid), os.SCHED_FIFO, os.sched_param(prio))
+        pids.append(int(pid))
+    return pids
+
+
 def sh(args: Sequence[str], ns: Optional[str] = None, timeout: float = 30,
        check: bool = True) -> subprocess.CompletedProcess:
     argv = (["ip", "netns", "exec", ns] if ns else []) + [str(a) for a in args]
@@ -449,6 +472,49 @@ class PcapCapture:
         return self.packets
 
 
+class BpfCapture:
+    """Like ``PcapCapture``, with no user space per packet: a BPF program on the
+    ``net_dev_start_xmit`` tracepoint (``harness.xmitstamp``) stamps every skb the sender's
+    device hands its driver (where tcpdump's egress tap stamps) into a map, read at the end.
+    At 1 Gbit/s in the one-vCPU guest tcpdump's process takes CPU time the qdisc's timer path
+    needs; this does not. Timestamps are CLOCK_MONOTONIC (tcpdump's: CLOCK_REALTIME), so only
+    differences compare. ``drops``: records that did not fit the map."""
+
+    def __init__(self, ns: str, dev: str, port, slots: int = 1 << 20):
+        from harness.xmitstamp import XmitStamps
+        self.ports = frozenset([port] if isinstance(port, int) else port)
+        self._xs = XmitStamps(ns, dev, slots)
+        self.packets: List[Packet] = []
+        self.drops = 0
+
+    def __enter__(self) -> "BpfCapture":
+        self._xs.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> List[Packet]:
+        recs = self._xs.stop()
+        self.drops = self._xs.drops
+        self.packets = [Packet(r.ts_ns, r.sport, r.length, r.payload,
+                               r.gso_size if r.proto == socket.IPPROTO_TCP else 0, dport=r.dport)
+                        for r in recs if r.dport in self.ports and r.payload > 0]
+        return self.packets
+
+
+def make_capture(kind: str, ns: str, dev: str, port):
+    """The sender-side capture by name: ``pcap`` (tcpdump), ``bpf`` (``BpfCapture``),
+    ``packet`` (Python AF_PACKET, ``Capture``)."""
+    if kind == "pcap":
+        return PcapCapture(ns, dev, port)
+    if kind == "bpf":
+        return BpfCapture(ns, dev, port)
+    if kind == "packet":
+        return Capture(ns, dev, port, outgoing=True)
+    raise ValueError(f"unknown capture {kind!r}")
+
+
 def parse_pcap(data: bytes, dports, mtu: int = 1500) -> Iterable[Packet]:
     """The TCP/UDP data packets to one of ``dports`` in a pcap file (Ethernet, micro- or
     nanosecond stamps), with GSO skbs longer than ``mtu`` split by MSS as GSO would."""
@@ -739,15 +805,17 @@ class Pktgen:
     pktgen in ``queue_xmit`` mode (every packet goes through the sender's root qdisc) sends
     ``frame_bytes`` UDP frames to ``port`` at ``source_bps`` (a little above the rate under
     test, so the qdisc stays backlogged) for ``seconds``, and the receiver drops them at its
-    ingress (clsact + matchall drop), so the guest spends its instructions on the qdisc.
+    ingress (clsact + matchall drop), so the guest spends its instructions on the qdisc. With
+    ``ports`` > 1 the destination port walks ``port`` .. ``port + ports - 1`` packet by packet
+    (pktgen's sequential UDP range): the same load offered to one class per port.
 
         with Pktgen(tb, mbit(1100), 3) as pg: ...; pg.wait()
     """
 
     def __init__(self, tb: Testbed, source_bps: int, seconds: float, frame_bytes: int = 1514,
-                 port: int = IPERF_PORT):
+                 port: int = IPERF_PORT, ports: int = 1):
         self.tb, self.source_bps, self.seconds = tb, source_bps, seconds
-        self.frame_bytes, self.port = frame_bytes, port
+        self.frame_bytes, self.port, self.ports = frame_bytes, port, ports
         self._proc: Optional[subprocess.Popen] = None
         self.started = 0.0
 
@@ -769,7 +837,10 @@ class Pktgen:
         count = int(self.seconds * 1e9 / gap_ns)
         for cmd in ("xmit_mode queue_xmit", "clone_skb 0", "burst 1", f"count {count}",
                     f"pkt_size {self.frame_bytes}", f"delay {gap_ns}", f"dst {tb.receiver_addr}",
-                    f"dst_mac {mac}", f"udp_dst_min {self.port}", f"udp_dst_max {self.port}",
+                    f"dst_mac {mac}", f"udp_dst_min {self.port}",
+                    # pktgen wraps its sequential port when it reaches the maximum: the
+                    # range is [min, max) once min < max
+                    f"udp_dst_max {self.port + self.ports if self.ports > 1 else self.port}",
                     "udp_src_min 9", "udp_src_max 9"):
             self._pg(dev, cmd)
         self._proc = tb.popen(tb.sender_ns, ["sh", "-c", "echo start > /proc/net/pktgen/pgctrl"],
@@ -820,13 +891,15 @@ def sender_capture(tb: Testbed, port=IPERF_PORT) -> Capture:
 
 
 def measure_pktgen(tb: Testbed, setup: Optional[QdiscSetup], target_bps: int, *,
-                   duration: float = 3.0, warmup_s: float = 0.5, overload: float = 1.1) -> PacingStats:
+                   duration: float = 3.0, warmup_s: float = 0.5, overload: float = 1.1,
+                   capture: str = "pcap") -> PacingStats:
     """Like ``measure``, with ``Pktgen`` at ``overload`` x the target as the source and the
-    tcpdump capture (``PcapCapture``) where the packets leave the sender's veth."""
+    ``capture`` (``make_capture``: tcpdump by default) where the packets leave the sender's
+    veth."""
     tb.clear_qdisc()
     if setup is not None:
         setup(tb)
-    with PcapCapture(tb.sender_ns, tb.sender_dev, IPERF_PORT) as cap:
+    with make_capture(capture, tb.sender_ns, tb.sender_dev, IPERF_PORT) as cap:
         with Pktgen(tb, int(target_bps * overload), duration) as pg:
             pg.wait()
     stats = analyze(cap.packets, target_bps, warmup_s=warmup_s)

@@ -1,0 +1,141 @@
+"""4, 4, 4, 2, 2 on a 1 Gbit/s link with every class backlogged (issue 14): pktgen, not TCP.
+
+The TCP version (``bench/vm_sharing.py``) cannot fill a 1 Gbit/s link in the one-vCPU guest
+(it carries ~550 Mbit/s of segmented TCP, so no class is backlogged and the split is the CPU's).
+Here the kernel's pktgen (``queue_xmit``: every packet goes through the root qdisc) sends
+1514-byte UDP frames whose destination port walks five ports packet by packet, so each class
+is offered the same load, ``--offered`` x its share of the link with all five running (the
+largest share, 2.5 units of 10; equal offers mean a qdisc that served in arrival order would
+split the link evenly, not 2:2:2:1:1). The receiver drops the frames at its ingress. Each
+class's rate is counted where the packets leave the sender's veth (``BpfCapture``: a tracepoint
+program, no user space per packet), after ``--warmup`` s.
+
+* ``psp``: link 10 units, one class per port at 4, 4, 4, 2, 2 units (the daemon's layout);
+* ``htb``: flowpacer's htb layout (a link class of 10 units, the flow classes under it at their
+  rates, ceil = rate). htb guarantees each class its own rate even when the rates add up to more
+  than the link class, so it is expected to miss the share (it sends 16 units where it can).
+* tbf and fq have no classes with rates (fq's maxrate is one rate for every flow): no share.
+
+Writes bench/results/vm_share_pktgen.json. Run: ``.venv/bin/python -m bench.vm_share_pktgen``.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+from bench.vm_sharing import (LINK_UNITS, RATES_UNITS, Bed, guest_result, guest_tools, mbit, psp_stats,
+                              setup_htb, setup_psp, vm_bench)
+
+log = logging.getLogger("bench.vm_share_pktgen")
+
+BASE_PORT = 5201
+
+
+def share_run(bed: Bed, qdisc: str, link_mbit: float, seconds: float, warmup: float,
+              offered: float, capture: str) -> dict:
+    pacing = guest_tools()
+    n = len(RATES_UNITS)
+    unit = mbit(link_mbit) / LINK_UNITS
+    rates = [int(r * unit) for r in RATES_UNITS]
+    link = int(LINK_UNITS * unit)
+    ideal = [link * r / sum(RATES_UNITS) for r in RATES_UNITS]      # all five backlogged
+    ports = [BASE_PORT + i for i in range(n)]
+    classes = [(0x10 + i, rates[i], ports[i]) for i in range(n)]
+    bed.set_gso(True)
+    (setup_psp if qdisc == "psp" else setup_htb)(bed, link, classes)
+    source = int(max(ideal) * offered * n)
+    with pacing.make_capture(capture, bed.sender_ns, bed.sender_dev, ports) as cap:
+        with pacing.Pktgen(bed, source, seconds, port=BASE_PORT, ports=n) as pg:
+            pg.wait()
+    stats = psp_stats(bed) if qdisc == "psp" else None
+    bed.clear_qdisc()
+    pk = sorted(cap.packets, key=lambda p: p.ts_ns)
+    if len(pk) < 100:
+        raise RuntimeError(f"only {len(pk)} packets captured")
+    t_a = pk[0].ts_ns + int(warmup * 1e9)
+    t_b = pk[-1].ts_ns - int(0.1 * 1e9)
+    got = {p: 0 for p in ports}
+    for p in pk:
+        if t_a <= p.ts_ns < t_b and p.dport in got:
+            got[p.dport] += p.l2_bytes
+    span = (t_b - t_a) / 1e9
+    meas = [got[p] / span for p in ports]
+    tot = sum(meas)
+    flows = []
+    for i in range(n):
+        flows.append({"flow": i + 1, "class_rate_bit_s": rates[i] * 8, "ideal_bit_s": ideal[i] * 8,
+                      "measured_bit_s": meas[i] * 8, "error": meas[i] / ideal[i] - 1,
+                      "share_error": (meas[i] / tot) / (RATES_UNITS[i] / sum(RATES_UNITS)) - 1})
+    return {"qdisc": qdisc, "link_bit_s": link * 8, "offered_bit_s": source * 8,
+            "offered_per_class_bit_s": source * 8 / n, "window_s": round(span, 3),
+            "total_bit_s": tot * 8, "flows": flows,
+            "max_abs_error": max(abs(f["error"]) for f in flows),
+            "max_abs_share_error": max(abs(f["share_error"]) for f in flows),
+            "capture": capture, "capture_drops": cap.drops, "valid": cap.drops == 0,
+            "packets": len(pk), "psp_stats": stats}
+
+
+def run_all(qdiscs, link_mbit, seconds, warmup, offered, capture) -> dict:
+    from flowpacer.testbed import Testbed
+    out = {}
+    with Testbed(tag="vshp") as tb:
+        bed = Bed(tb)
+        for q in qdiscs:
+            try:
+                r = share_run(bed, q, link_mbit, seconds, warmup, offered, capture)
+                log.info("%s: %s Mbit/s of %.0f, max error %.2f %%, max share error %.2f %%", q,
+                         [round(f["measured_bit_s"] / 1e6, 1) for f in r["flows"]], r["total_bit_s"] / 1e6,
+                         100 * r["max_abs_error"], 100 * r["max_abs_share_error"])
+            except Exception as e:
+                r = {"qdisc": q, "error": f"{type(e).__name__}: {e}"}
+                log.info("%s: %s", q, r["error"])
+                bed.clear_qdisc()
+            out[q] = r
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--qdiscs", default="psp,htb")
+    ap.add_argument("--link-mbit", type=float, default=1000.0)
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--warmup", type=float, default=0.5)
+    ap.add_argument("--offered", type=float, default=1.2,
+                    help="each class is offered this x the largest ideal share")
+    ap.add_argument("--capture", choices=("bpf", "pcap"), default="bpf")
+    ap.add_argument("--guest", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    qdiscs = args.qdiscs.split(",")
+    if args.guest:
+        return guest_result(args.out, runs=run_all(qdiscs, args.link_mbit, args.seconds, args.warmup,
+                                                    args.offered, args.capture))
+    if os.geteuid() != 0:
+        print("vm_share_pktgen: needs root", file=sys.stderr)
+        return 2
+    from .common import write
+    t0 = time.monotonic()
+    fig = {"setup": {"rates_units": list(RATES_UNITS), "link_units": LINK_UNITS,
+                     "link_bit_s": args.link_mbit * 1e6, "seconds": args.seconds, "warmup_s": args.warmup,
+                     "offered": args.offered, "capture": args.capture, "clock": "virtual",
+                     "ideal_all_running": "2:2:2:1:1 of the link",
+                     "source": "pktgen queue_xmit, 1514-byte UDP frames, destination port walking 5 ports",
+                     "measured": "frame bytes per class leaving the sender's veth"}}
+    rc = vm_bench(fig, "bench.vm_share_pktgen",
+                  ["--qdiscs", args.qdiscs, "--link-mbit", str(args.link_mbit), "--seconds", str(args.seconds),
+                   "--warmup", str(args.warmup), "--offered", str(args.offered), "--capture", args.capture],
+                  len(qdiscs) * 400 + 400)
+    fig["duration_s"] = round(time.monotonic() - t0, 1)
+    goals = {f"{q}_max_share_error": round(r["max_abs_share_error"], 5)
+             for q, r in fig.get("runs", {}).items() if "max_abs_share_error" in r}
+    path = write("vm_share_pktgen", fig, goals)
+    print(f"wrote {path}", file=sys.stderr)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
