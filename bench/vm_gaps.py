@@ -2,8 +2,10 @@
 
 One VM boot, in virtual time (``--clock``, vm/README.md); for each rate (10, 100, 1000, 2500
 Mbit/s) and GSO/TSO on and off, the four qdiscs
-carry the same traffic one after the other: one iperf3 TCP stream for ``--seconds`` through the
-sender's veth, every data packet captured as it leaves that veth by tcpdump (``--capture pcap``: nanosecond
+carry the same traffic one after the other: one iperf3 TCP stream (or ``--source pktgen``: the
+kernel's pktgen through the qdisc, ``--overload`` x the rate) for ``--seconds`` through the
+sender's veth, every data packet captured as it leaves that veth (``--capture bpf``: a tracepoint
+program stamping into a map, ``harness/xmitstamp.py``, no user space per packet; or by tcpdump, ``--capture pcap``: nanosecond
 stamps to the guest's tmpfs, kernel drops counted, a run with drops marked invalid; the Python
 AF_PACKET capture drops above ~150 Mbit/s) (the qdisc's output, the "wire"
 of a veth; ``pacing.sender_capture`` says why not at the receiver) with its kernel timestamp
