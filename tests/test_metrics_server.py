@@ -76,11 +76,11 @@ def _key(i, remote="10.0.0.2"):
 def test_flow_labels_drop_ports_with_addresses():
     k = _key(1, "10.9.8.7")
     assert flow_labels("r", "p", "inbound", k, AddressLabels.FULL) == \
-        ("r", "p", "inbound", "10.0.0.1", "80", "10.9.8.7", "1001")
+        ("r", "p", "inbound", "10.0.0.1", "80", "10.9.8.7", "1001", "send")
     assert flow_labels("r", "p", "inbound", k, AddressLabels.PREFIX) == \
-        ("r", "p", "inbound", "10.0.0.0/24", "80", "10.9.8.0/24", "1001")
-    assert flow_labels("r", "p", "inbound", k, AddressLabels.NONE) == \
-        ("r", "p", "inbound", "", "", "", "")
+        ("r", "p", "inbound", "10.0.0.0/24", "80", "10.9.8.0/24", "1001", "send")
+    assert flow_labels("r", "p", "inbound", k, AddressLabels.NONE, "receive") == \
+        ("r", "p", "inbound", "", "", "", "", "receive")     # the side stays (issue 17)
 
 
 def test_merged_series_never_go_backwards():
