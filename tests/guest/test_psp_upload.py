@@ -51,8 +51,12 @@ def test_uploads_paced_by_psp_on_the_ifb(tb, tmp_path, big_rmem):
     tb.wait_listening(P_V4)
     tb.wait_listening(P_V6)
     # bounded by a condition, long: TCG on a shared 2-core host starts Python slowly
-    d = Daemon(tb, tmp_path, RULES, "--no-tracer", "--no-metrics", "--rescan", "0.5").start(
-        timeout=300)
+    d = Daemon(tb, tmp_path, RULES, "--no-tracer", "--no-metrics", "--rescan", "0.5")
+    try:
+        d.start(timeout=300)
+    except TimeoutError:
+        d.stop(timeout=30)
+        pytest.fail(f"the daemon did not answer in 300 s; its log:\n{d.log_text()[-4000:]}")
     try:
         st = d.status_cli()
         assert st["backend"] == "psp" and st["receive"]["state"] == "ok", st
