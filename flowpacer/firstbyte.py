@@ -67,7 +67,10 @@ VIEW_COUNTERS = ("claimed", "bound", "refilled", "returned", "released", "exhaus
 POOL_TARGET = 48           # ready classes per rule (< POOL_SLOTS): 24 ms of claims at 2 000 flows/s
 CLAIM_WAIT_S = 5.0         # a claim whose flow the daemon has not seen by then is given back
 GRACE_S = 0.005            # a sock_ops run that saw the old rules has finished by then
-SWEEP_S = 2.0              # at most this often the sockets' priorities are swept while ids wait
+# the sockets' priorities are swept (a sock_diag dump of every socket: tens of ms at thousands
+# of sockets, during which the pools are not refilled) only for ids whose close report has not
+# come for SWEEP_S, and at most every SWEEP_S; normally the close report frees an id
+SWEEP_S = 10.0
 
 _GLOB = set("*?[")
 
@@ -599,7 +602,7 @@ class FirstByte:
         is given the claimed one instead (the socket sends into that)."""
         prios = None
         if backend is not None and self._bpf is not None and backend is self._backend \
-                and backend.pool_epoch == self._epoch and backend.pool_ids_waiting() \
+                and backend.pool_epoch == self._epoch and backend.pool_ids_waiting(SWEEP_S) \
                 and time.monotonic() - self._swept_at >= SWEEP_S:
             prios = self._priorities()      # the periodic sweep's dump, outside the lock
         with self._lock, rec.lock:

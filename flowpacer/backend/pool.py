@@ -141,8 +141,13 @@ class PoolMixin:
         """Pool-range ids open sockets carried at the last sweep."""
         return len(self._pool_ids()["held"])
 
-    def pool_ids_waiting(self) -> int:
-        return len(self._pool_ids()["awaiting"])
+    def pool_ids_waiting(self, older_than_s: float = 0.0) -> int:
+        """Claimed ids waiting for their socket (those waiting longer than ``older_than_s``)."""
+        aw = self._pool_ids()["awaiting"]
+        if not older_than_s:
+            return len(aw)
+        cut = time.monotonic() - older_than_s
+        return sum(1 for t in aw.values() if t <= cut)
 
     def _pool_adopted(self, used) -> None:
         """After adoption: the pool-range ids that adopted flows hold stay taken."""
