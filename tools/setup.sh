@@ -69,14 +69,23 @@ if ! .venv/bin/python -c 'import flowpacer, pyroute2, yaml, click, pytest, hypot
 fi
 
 # bcc compiles against /lib/modules/$(uname -r)/build. Where the running kernel has no headers
-# package (this project's VMs), point it at Debian's generic amd64 headers: tracepoint programs
-# only need the common structures.
+# package (this project's VMs), point it at the headers of Debian 12's own kernel, the ones
+# linux-headers-amd64 depends on: tracepoint programs only need the common structures, and
+# Debian 12's bcc (0.26) cannot compile against the 6.12 headers installed above for the test VM
+# (include/linux/bpf.h: incomplete struct bpf_wq), so "the newest headers" would leave the host
+# without its tracer. A link of ours to other headers is pointed back.
 kver=$(uname -r)
 moddir=/lib/modules/$kver
-if [ ! -e "$moddir/build/include" ]; then
-  hdr=$(ls -d /usr/src/linux-headers-*-amd64 2>/dev/null | sort -V | tail -n 1)
-  common=${hdr%-amd64}-common
-  if [ -n "$hdr" ] && [ -d "$common" ]; then
+hdr=$(dpkg-query -W -f='${Depends}' linux-headers-amd64 2>/dev/null \
+      | grep -o 'linux-headers-[^ ,]*-amd64' | head -n 1)
+hdr=${hdr:+/usr/src/$hdr}
+if [ -z "$hdr" ] || [ ! -d "$hdr" ]; then
+  hdr=$(ls -d /usr/src/linux-headers-6.1.*-amd64 2>/dev/null | sort -V | tail -n 1)
+fi
+common=${hdr%-amd64}-common
+if [ -n "$hdr" ] && [ -d "$common" ] && [ ! -d "/usr/src/linux-headers-$kver" ]; then
+  cur=$(readlink "$moddir/build" 2>/dev/null || true)
+  if [ ! -e "$moddir/build/include" ] || { [ -L "$moddir/build" ] && [ "${cur#/usr/src/linux-headers-}" != "$cur" ] && [ "$cur" != "$hdr" ]; }; then
     mkdir -p "$moddir"
     ln -sfn "$hdr" "$moddir/build"
     ln -sfn "$common" "$moddir/source"
