@@ -48,9 +48,8 @@ def open_cgroup2_root(err=TracerUnavailable) -> Tuple[int, str]:
     d = tempfile.mkdtemp(prefix="fp-cgroup2-")
     try:
         if libc.mount(b"cgroup2", d.encode(), b"cgroup2", 0, None) != 0:
-            err = ctypes.get_errno()
-            raise err(f"cgroup v2 is not mounted and mounting it failed: "
-                                       f"{os.strerror(err)}")
+            no = ctypes.get_errno()
+            raise err(f"cgroup v2 is not mounted and mounting it failed: {os.strerror(no)}")
         try:
             fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         finally:
@@ -66,8 +65,7 @@ def netns_cookie(err=TracerUnavailable) -> int:
         try:
             raw = s.getsockopt(socket.SOL_SOCKET, SO_NETNS_COOKIE, 8)
         except OSError as e:
-            raise err(f"no network namespace cookie (SO_NETNS_COOKIE): "
-                                       f"{e.strerror}") from None
+            raise err(f"no network namespace cookie (SO_NETNS_COOKIE): {e.strerror}") from None
     return struct.unpack("<Q", raw)[0]
 
 
