@@ -394,11 +394,17 @@ class Gen:
             return Req(op, mtype, flags, handle, parent, None, None)
         payload, bad = self.attrs([6, 7, 8, GROUP], [1, 2, 3, 4, 5, 9], model)
         tops = [g for g in groups if not model.classes[g].parent]
-        if op == "class-add" and tops and r.random() < 0.15:
-            # a client group under a rule group (two levels), or a class in one
-            parent = h(r.choice(tops))
-            payload, bad = Attr(6, struct.pack("=Q", r.randint(1000, 5_000_000))).encode() + \
-                (Attr(GROUP, b"").encode() if r.random() < 0.5 else b""), False
+        subs = [g for g in groups if model.classes[g].parent]
+        if op == "class-add" and tops and r.random() < 0.2:
+            rate = Attr(6, struct.pack("=Q", r.randint(1000, 5_000_000))).encode()
+            if subs and r.random() < 0.5:
+                # a class in a client group under a rule group: the two-level case
+                parent, payload, bad = h(r.choice(subs)), rate, False
+            else:
+                # a client group under a rule group, or a class in a rule group
+                parent = h(r.choice(tops))
+                payload, bad = rate + (Attr(GROUP, b"").encode() if r.random() < 0.6 else b""), \
+                    False
         opts = payload if r.random() < 0.95 else None
         return Req(op, mtype, flags, handle, parent, "psp", opts, nested=r.random() < 0.95,
                    estimator=self.estimator(), malformed=bad)
