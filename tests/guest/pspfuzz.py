@@ -395,8 +395,10 @@ class Gen:
         payload, bad = self.attrs([6, 7, 8, GROUP], [1, 2, 3, 4, 5, 9], model)
         tops = [g for g in groups if not model.classes[g].parent]
         subs = [g for g in groups if model.classes[g].parent]
-        if op == "class-add" and tops and r.random() < 0.2:
+        if op == "class-add" and tops and r.random() < 0.25:
             rate = Attr(6, struct.pack("=Q", r.randint(1000, 5_000_000))).encode()
+            free = [mi for mi in range(0x10, 0x31) if mi not in model.classes]
+            handle = h(r.choice(free)) if free else handle      # a new class, not a change
             if subs and r.random() < 0.5:
                 # a class in a client group under a rule group: the two-level case
                 parent, payload, bad = h(r.choice(subs)), rate, False
