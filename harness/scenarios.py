@@ -60,10 +60,14 @@ def gap_goodput(client: dict, t_from: float, t_to: float, min_span: float = 1.0)
 
 
 def crash_restart(tb, held=500, churn_rate=100, backend="htb", extra=(), doomed_n=50,
-                  unmatched_s=20.0, churn_s=15.0, slow=1.0, probe=None, poll_s=0.02) -> dict:
+                  unmatched_s=20.0, churn_s=15.0, slow=1.0, probe=None, poll_s=0.02,
+                  under_load=None) -> dict:
     """``backend`` and ``extra`` (daemon options) choose the daemon's set-up; ``slow`` scales
     every wait (the VM runs ~10x slower than the host); ``probe`` (an ``NlProbe``) reads the
-    kernel in-process instead of through ``tc``/``ss``, every ``poll_s`` while converging."""
+    kernel in-process instead of through ``tc``/``ss``, every ``poll_s`` while converging;
+    ``under_load`` (a callable) runs just before the kill, with the held flows, the churn, the
+    unmatched download and the first daemon all running (the load the restart meets), and its
+    result is returned as ``under_load``."""
     objects = probe.objects if probe else (lambda: kernel_objects(tb))
     live_flows = probe.live if probe else (lambda: live_target_flows(tb))
     tmp = tempfile.mkdtemp(prefix="fp-crash-")
@@ -92,6 +96,7 @@ def crash_restart(tb, held=500, churn_rate=100, backend="htb", extra=(), doomed_
                        stdout=subprocess.PIPE, text=True)
     wait_for(lambda: (d.try_status() or {}).get("shaped_flows", 0) >= held + doomed_n, 30 * slow, 0.1,
              "held flows shaped")
+    loaded = under_load() if under_load else None
     t_kill = time.monotonic()
     d.kill(timeout=10 * slow)
     # while no daemon runs, the doomed held flows end (their classes are now stale) and churn
@@ -139,7 +144,7 @@ def crash_restart(tb, held=500, churn_rate=100, backend="htb", extra=(), doomed_
             "unmatched_goodput_bit_s": unm["goodput_bps"] * 8,
             "unmatched_gap_goodput_bit_s": gap_bps * 8 if gap_bps is not None else None,
             "unmatched_gap_window_s": round(window[1] - window[0], 2),
-            "leaked_after_stop": leaked}
+            "leaked_after_stop": leaked, "under_load": loaded}
 
 
 def churn_soak(tb, cycles=100_000, rate=2500) -> dict:
