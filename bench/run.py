@@ -84,7 +84,10 @@ BENCHES = [
           what="pktgen at 2.5 Gbit/s through each qdisc: every one CPU-bound, the carried rate is the "
                "whole path's CPU per packet"),
     Bench("vm_share_pktgen", "bench.vm_share_pktgen", "vm_share_pktgen", [], [], 600, vm=True,
-          what="4,4,4,2,2 on a 1 Gbit/s link, every class backlogged by pktgen: psp and htb"),
+          what="4,4,4,2,2 on a 1 Gbit/s link, five classes offered the same load by pktgen: psp and htb"),
+    Bench("vm_share_pktgen_jumbo", "bench.vm_share_pktgen", "vm_share_pktgen_jumbo", ["--frame-bytes", "9014"],
+          ["--frame-bytes", "9014"], 600, vm=True,
+          what="the same with 9014-byte frames (veth MTU 9000): more bytes per packet pktgen can offer"),
 ]
 BY_NAME = {b.name: b for b in BENCHES}
 ALIASES = {b.module.split(".", 1)[1]: b.name for b in BENCHES}   # classify_bench -> classify

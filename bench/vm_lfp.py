@@ -34,7 +34,8 @@ import threading
 import time
 from pathlib import Path
 
-from bench.vm_sharing import (Bed, guest_result, guest_tools, mbit, setup_htb, setup_psp, vm_bench,
+from bench.vm_sharing import (Bed, guest_progress, guest_result, guest_tools, mbit, setup_htb, setup_psp,
+                              vm_bench,
                               wait_listening)
 
 log = logging.getLogger("bench.vm_lfp")
@@ -215,7 +216,8 @@ def calibrate(bed: Bed, path: Path_, seconds: int) -> dict:
     return {"goodput_bit_s": r["tcp_goodput_bit_s"], "loss": r["bottleneck"]["loss"]}
 
 
-def run_all(rtts, mixes, pacers, bottleneck_mbit, buffer_kb, seconds, udp_mbit, margin, tag="vlfp"):
+def run_all(rtts, mixes, pacers, bottleneck_mbit, buffer_kb, seconds, udp_mbit, margin, tag="vlfp",
+            progress=None):
     from flowpacer.testbed import Testbed
     res = {"cases": []}
     with Testbed(tag=tag) as tb:
@@ -233,6 +235,8 @@ def run_all(rtts, mixes, pacers, bottleneck_mbit, buffer_kb, seconds, udp_mbit, 
                     r = run_case(bed, path, pacer, mix, seconds, mbit(udp_mbit), margin)
                     r["rtt_ms"] = rtt
                     res["cases"].append(r)
+                    if progress:
+                        progress(res)
                     udp = r.get("udp") or {}
                     log.info("rtt %3g ms %-8s %-4s: TCP %6.2f Mbit/s (2nd half %6.2f), loss %.2f %%, "
                              "retrans %s, guest timers late %s ms (mean)%s", rtt, mix, pacer,
@@ -271,7 +275,8 @@ def main(argv=None) -> int:
              "seed": "003 (TCP over a long fat pipe, PSPacer vs unpaced, + UDP 1-2 Mbit/s)"}
     if args.guest:
         return guest_result(args.out, **run_all(rtts, mixes, pacers, args.bottleneck_mbit, args.buffer_kb,
-                                                 seconds, args.udp_mbit, args.margin))
+                                                 seconds, args.udp_mbit, args.margin,
+                                                 progress=lambda res: guest_progress(args.out, **res)))
     if os.geteuid() != 0:
         print("vm_lfp: needs root", file=sys.stderr)
         return 2

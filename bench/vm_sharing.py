@@ -115,10 +115,17 @@ def run_guest(module: str, guest_args: Sequence[str], timeout: float, clock: str
                       out_dir=out, on_output=lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     except vmrun.VMError as e:
         raise RuntimeError(e.details(40)) from None
+    partial = Path(str(result) + ".partial")
     if r.rc != 0 or not result.is_file():
-        raise RuntimeError(f"the guest run exited {r.rc}{' (timeout)' if r.timed_out else ''}:\n"
-                           + "\n".join(r.output.rstrip().splitlines()[-30:]))
-    doc = json.loads(result.read_text())
+        why = (f"the guest run exited {r.rc}{' (timeout)' if r.timed_out else ''}:\n"
+               + "\n".join(r.output.rstrip().splitlines()[-30:]))
+        if not partial.is_file():
+            raise RuntimeError(why)
+        # what the guest finished before it was cut off (``guest_progress``), marked as such
+        doc = json.loads(partial.read_text())
+        doc["incomplete"] = why[-2000:]
+    else:
+        doc = json.loads(result.read_text())
     doc["vm"] = {"boot_s": round(r.boot_s, 1), "wall_s": round(time.monotonic() - t0, 1),
                  "dmesg_problems": r.dmesg_problems()[:20], "kernel": doc.get("guest_kernel"),
                  "clock": r.clock.value}
@@ -132,6 +139,14 @@ def guest_result(out: str, **doc) -> int:
     """The guest side's end: ``doc`` (+ the guest's kernel) as JSON into ``out``."""
     Path(out).write_text(json.dumps({"guest_kernel": os.uname().release, **doc}))
     return 0
+
+
+def guest_progress(out: str, **doc) -> None:
+    """The guest side's results so far (``run_guest`` keeps them, marked incomplete, when the
+    run is cut off before ``guest_result``)."""
+    tmp = Path(out + ".partial.tmp")
+    tmp.write_text(json.dumps({"guest_kernel": os.uname().release, **doc}))
+    tmp.replace(out + ".partial")
 
 
 def vm_bench(fig: dict, module: str, guest_args: Sequence[str], budget: float, keys=("runs",),
@@ -150,7 +165,10 @@ def vm_bench(fig: dict, module: str, guest_args: Sequence[str], budget: float, k
         fig["failed"] = str(e)[-4000:]
         return 1
     fig["vm"] = doc["vm"]
-    fig.update({k: doc[k] for k in keys})
+    fig.update({k: doc[k] for k in keys if k in doc})
+    if doc.get("incomplete"):
+        fig["incomplete"] = doc["incomplete"]
+        return 1
     return 0
 
 

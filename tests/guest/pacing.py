@@ -813,9 +813,9 @@ class Pktgen:
     """
 
     def __init__(self, tb: Testbed, source_bps: int, seconds: float, frame_bytes: int = 1514,
-                 port: int = IPERF_PORT, ports: int = 1):
+                 port: int = IPERF_PORT, ports: int = 1, frags: int = 0):
         self.tb, self.source_bps, self.seconds = tb, source_bps, seconds
-        self.frame_bytes, self.port, self.ports = frame_bytes, port, ports
+        self.frame_bytes, self.port, self.ports, self.frags = frame_bytes, port, ports, frags
         self._proc: Optional[subprocess.Popen] = None
         self.started = 0.0
 
@@ -835,7 +835,9 @@ class Pktgen:
         self._pg("kpktgend_0", f"add_device {dev}")
         gap_ns = max(1, int(self.frame_bytes * 1e9 / self.source_bps))
         count = int(self.seconds * 1e9 / gap_ns)
-        for cmd in ("xmit_mode queue_xmit", "clone_skb 0", "burst 1", f"count {count}",
+        # frags N: the payload rides in N page fragments pktgen allocates once, instead of being
+        # written into every packet (what bounds its rate with jumbo frames)
+        for cmd in ("xmit_mode queue_xmit", "clone_skb 0", "burst 1", f"count {count}", f"frags {self.frags}",
                     f"pkt_size {self.frame_bytes}", f"delay {gap_ns}", f"dst {tb.receiver_addr}",
                     f"dst_mac {mac}", f"udp_dst_min {self.port}",
                     # pktgen wraps its sequential port when it reaches the maximum: the
@@ -854,6 +856,17 @@ class Pktgen:
         except subprocess.TimeoutExpired:
             self.stop()
             raise TestbedError("pktgen did not finish") from None
+
+    def result(self) -> dict:
+        """What pktgen says it sent: ``packets`` and ``bit_s`` (its own rate over its run; the
+        offered load when the guest's CPU could not keep up with ``source_bps``)."""
+        import re
+        text = self.tb.s("cat", f"/proc/net/pktgen/{self.tb.sender_dev}", check=False).stdout
+        sofar = re.search(r"pkts-sofar:\s*(\d+)", text)
+        rate = re.search(r"(\d+)pps\s+(\d+)Mb/sec", text)
+        return {"packets": int(sofar.group(1)) if sofar else None,
+                "pps": int(rate.group(1)) if rate else None,
+                "bit_s": int(rate.group(1)) * self.frame_bytes * 8 if rate else None}
 
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
