@@ -132,24 +132,42 @@ def recv(host: str, port: int, seconds: float, warmup: float, rate: float, size:
             "datagrams": datagrams, "seconds": span}
 
 
-def probe(v4: str, v6: str, port: int, hold: float) -> None:
+def probe(v4: str, v6: str, port: int, hold: float, again: bool = False) -> None:
     """Tracer checks: one unconnected dual-stack socket sends 3 datagrams to an IPv4 peer (as
-    IPv4-mapped) and 3 to an IPv6 peer, one connected IPv4 socket sends 1; prints the ports,
-    holds the sockets ``hold`` seconds, closes them and prints "closed"."""
+    IPv4-mapped) and 3 to an IPv6 peer; three connected sockets (IPv4, IPv6, and a dual-stack
+    one connected to the IPv4 peer's mapped address) send 1 each; prints the ports, holds the
+    sockets ``hold`` seconds; with ``again`` the connected ones send once more then (prints
+    "again") and are held 0.5 s; closes them all and prints "closed"."""
     u = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
     u.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
     u.bind(("::", 0))
     c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     c.connect((v4, port))
+    c6 = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+    c6.connect((v6, port))
+    cm = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+    cm.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    cm.connect(("::ffff:" + v4, port))
+    conn = (c, c6, cm)
     for _ in range(3):
         u.sendto(b"x", ("::ffff:" + v4, port))
         u.sendto(b"x", (v6, port))
-    c.send(b"y")
+    for s in conn:
+        s.send(b"y")
     print(json.dumps({"unconnected": u.getsockname()[1], "connected": c.getsockname()[1],
-                      "connected_local": c.getsockname()[0]}), flush=True)
+                      "connected_local": c.getsockname()[0],
+                      "connected6": c6.getsockname()[1], "connected6_local": c6.getsockname()[0],
+                      "mapped": cm.getsockname()[1],
+                      "mapped_local": cm.getsockname()[0].removeprefix("::ffff:")}), flush=True)
     time.sleep(min(hold, MAX_SECONDS))
+    if again:
+        for s in conn:
+            s.send(b"z")
+        print(json.dumps({"again": True}), flush=True)
+        time.sleep(0.5)
     u.close()
-    c.close()
+    for s in conn:
+        s.close()
     print(json.dumps({"closed": True}), flush=True)
 
 
@@ -175,10 +193,11 @@ def main(argv=None) -> None:
     pr.add_argument("--port", type=int, default=9)
     pr.add_argument("--hold", type=float, default=0.5)
     pr.add_argument("--name", default="fp-udp-probe")
+    pr.add_argument("--again", action="store_true")
     a = ap.parse_args(argv)
     if a.cmd == "probe":
         set_comm(a.name)
-        probe(a.v4, a.v6, a.port, a.hold)
+        probe(a.v4, a.v6, a.port, a.hold, a.again)
     elif a.cmd == "serve":
         serve(a.port, a.name)
     else:

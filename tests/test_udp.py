@@ -99,9 +99,11 @@ def after_case(tb, d, what: str) -> None:
 
 def test_tracer_udp_peers_connected_release_idle_and_filter(module_testbed):
     """The tracer alone in the server namespace: a target's unconnected dual-stack socket gives
-    one OPEN per peer (IPv4 via the mapped address, IPv6), its connected socket one OPEN; closing
-    them gives their CLOSEs; a silent peer is reported IDLE after the shortest idle_timeout; a
-    non-target's datagrams are filtered in the kernel."""
+    one OPEN per peer (IPv4 via the mapped address, IPv6), each connected socket (IPv4, IPv6,
+    IPv4-mapped) one OPEN; every one of them silent for the shortest idle_timeout is reported
+    IDLE (the connected ones seen by the cgroup/skb egress program: their send()s carry no
+    address); a connected socket that sends again is OPEN again (WAKE); closing them gives their
+    CLOSEs; a non-target's datagrams are filtered in the kernel."""
     import os
     from flowpacer import model
     from flowpacer.tracer import Tracer
@@ -115,40 +117,50 @@ def test_tracer_udp_peers_connected_release_idle_and_filter(module_testbed):
         t.set_udp_idle(1_000_000_000, 10_000_000_000)
         events = []
 
-        def run(name, hold):
+        def run(name, hold, *extra):
             p = tb.popen(tb.server_ns, [PY, "-m", "harness.udpflows", "probe", "--v4",
                                         str(tb.client_v4), "--v6", str(tb.client_v6), "--hold",
-                                        str(hold), "--name", name], stdout=subprocess.PIPE,
-                         text=True)
+                                        str(hold), "--name", name, *extra],
+                         stdout=subprocess.PIPE, text=True)
             return p, json.loads(p.stdout.readline())
         other, _ = run("fp-not-target", 0)
-        p, ports = run("fp-udp-probe", 2.5)
-        u, c = ports["unconnected"], ports["connected"]
-        want = {
-            ("0.0.0.0", u, str(tb.client_v4)), ("::", u, str(tb.client_v6)),
-            (ports["connected_local"], c, str(tb.client_v4))}
+        p, ports = run("fp-udp-probe", 2.5, "--again")
+        u = ports["unconnected"]
+        connected = {(ports["connected_local"], ports["connected"], str(tb.client_v4)),
+                     (ports["connected6_local"], ports["connected6"], str(tb.client_v6)),
+                     (ports["mapped_local"], ports["mapped"], str(tb.client_v4))}
+        want = {("0.0.0.0", u, str(tb.client_v4)), ("::", u, str(tb.client_v6))} | connected
 
-        def got(kind):
-            return {(str(e.flow.key.local_addr), e.flow.key.local_port,
+        def of(kind):
+            return [(str(e.flow.key.local_addr), e.flow.key.local_port,
                      str(e.flow.key.remote_addr)) for e in events
-                    if e.kind is kind and e.flow.key.protocol is model.Protocol.UDP}
+                    if e.kind is kind and e.flow.key.protocol is model.Protocol.UDP]
 
-        def until(kind, keys, timeout):
+        def until(what, cond, timeout):
             def have():
                 events.extend(t.poll(50))
-                return keys <= got(kind)
-            wait_for(have, timeout, 0.0, f"{kind.value} of {sorted(keys)}")
-        until(model.EventKind.OPEN, want, 5)
+                return cond()
+            wait_for(have, timeout, 0.0, what)
+        until(f"OPEN of {sorted(want)}", lambda: want <= set(of(model.EventKind.OPEN)), 5)
         opens = [e for e in events if e.kind is model.EventKind.OPEN]
-        assert len(opens) == 3, opens            # the first datagram per peer only
+        assert len(opens) == 5, "\n".join(f"{e.flow.key} {e.flow.direction} {e.flow.seen_ns}" for e in opens)  # the first datagram per peer only
         assert {e.flow.proc.comm for e in opens} == {"fp-udp-probe"}
         assert {e.flow.direction for e in opens} == {model.Direction.INBOUND,
                                                      model.Direction.OUTBOUND}
-        until(model.EventKind.IDLE, want - {(ports["connected_local"], c, str(tb.client_v4))}, 5)
-        until(model.EventKind.CLOSE, want, 5)
+        until("IDLE of every flow", lambda: want <= set(of(model.EventKind.IDLE)), 5)
+        until("the connected sockets OPEN again when they send again",
+              lambda: all(of(model.EventKind.OPEN).count(k) == 2 for k in connected), 5)
+        again = [e for e in events if e.kind is model.EventKind.OPEN][5:]
+        assert {e.flow.proc.comm for e in again} == {"fp-udp-probe"}, again
+        until(f"CLOSE of {sorted(want)}", lambda: want <= set(of(model.EventKind.CLOSE)), 5)
+        assert sorted(of(model.EventKind.OPEN)).count(("0.0.0.0", u, str(tb.client_v4))) == 1
+        assert all(of(model.EventKind.IDLE).count(k) == 1 for k in connected), \
+            "a connected socket reported IDLE more than once in one silence"
         p.wait(10)
         other.wait(10)
-        assert t.stats()["filtered"] >= 1          # the non-target's datagrams
+        st = t.stats()
+        assert st["filtered"] >= 1          # the non-target's datagrams
+        assert st["udp"]["woken"] == 3, st["udp"]
     finally:
         t.close()
 
