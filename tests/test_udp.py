@@ -6,7 +6,12 @@
 - one unconnected dual-stack socket (``harness.udpflows``, what a QUIC server does) answering an
   IPv4 peer (IPv4-mapped on the socket) and an IPv6 peer: each shaped on its own, and both
   removed after the rule's 2 s idle_timeout while the socket stays open;
-- a TCP and a UDP flow of the same ports at once, each shaped by its own rule.
+- a TCP and a UDP flow of the same ports at once, each shaped by its own rule;
+- an unconnected server answering an IPv4 and an IPv6 peer with ``sendmmsg`` (both peers in one
+  call, each message with its address): each peer shaped on its own;
+- connected sockets (IPv4, IPv6, IPv4-mapped) sending with ``sendmmsg`` (no address): shaped,
+  gone after their 2 s idle_timeout while the sockets stay open (status counts it), shaped again
+  when they send again, gone at close.
 After each case: no traceback, every stage running, no class or filter left.
 """
 from __future__ import annotations
@@ -40,10 +45,19 @@ RULES = """
       - name: same-ports-tcp
         match: {process: fp-udp-srv, protocol: tcp, local_port: 7001}
         rate: 20mbit
+      - name: quic-mmsg
+        match: {process: fp-udp-mmsg, protocol: udp, local_port: 7003}
+        rate: 10mbit
+        idle_timeout: 2s
+      - name: conn-udp
+        match: {process: fp-udp-conn, protocol: udp}
+        rate: 10mbit
+        idle_timeout: 2s
 """
 RATE_BPS = 10_000_000 / 8
 SIZE = 1200                       # datagram payload
 IPERF_V4, IPERF_V6, PORT = 5301, 5302, 7001
+MMSG_PORT, SINK_PORT = 7003, 7002
 
 
 def wire(size: int, v6: bool) -> float:
@@ -59,14 +73,17 @@ def site(module_testbed, tmp_path_factory):
     iperf3_server(tb, IPERF_V6)
     tb.popen(tb.server_ns, [PY, "-m", "harness.udpflows", "serve", "--port", str(PORT)])
     tb.wait_listening(PORT)
+    tb.popen(tb.server_ns, [PY, "-m", "harness.udpflows", "serve", "--port", str(MMSG_PORT),
+                            "--name", "fp-udp-mmsg", "--mmsg"])
+    tb.wait_listening(MMSG_PORT)
     d = Daemon(tb, work, RULES, "--backend", "htb").start()
     yield tb, d
     rc = d.stop()
     assert rc == 0, f"the daemon exited {rc} on SIGTERM:\n{d.log_text()[-3000:]}"
 
 
-def recv(tb, host, seconds=4.0, warmup=1.0, rate=25e6, bind_port=0, tcp=False):
-    argv = [PY, "-m", "harness.udpflows", "recv", "--host", str(host), "--port", str(PORT),
+def recv(tb, host, seconds=4.0, warmup=1.0, rate=25e6, bind_port=0, tcp=False, port=PORT):
+    argv = [PY, "-m", "harness.udpflows", "recv", "--host", str(host), "--port", str(port),
             "--seconds", str(seconds), "--warmup", str(warmup), "--rate", str(rate),
             "--size", str(SIZE), "--bind-port", str(bind_port)] + (["--tcp"] if tcp else [])
     return tb.popen(tb.client_ns, argv, stdout=subprocess.PIPE, text=True)
@@ -252,3 +269,92 @@ def test_tcp_and_udp_same_ports_each_own_rule(site):
     assert udp["goodput_bps"] == pytest.approx(want_udp, rel=0.03), udp
     assert tcp["goodput_bps"] == pytest.approx(want_tcp, rel=0.05), tcp
     after_case(tb, d, "TCP and UDP of the same ports")
+
+
+def test_unconnected_server_sendmmsg_two_peers_each_shaped(site):
+    """sendmmsg with one message per peer address in each call: the cgroup sendmsg programs run
+    for every message, so each peer is its own flow, shaped on its own."""
+    tb, d = site
+    runs = [recv(tb, tb.server_v4, port=MMSG_PORT), recv(tb, tb.server_v6, port=MMSG_PORT)]
+    seen = wait_for(lambda: len(udp_flows(d)) >= 2 and udp_flows(d), 3, 0.05,
+                    "both sendmmsg peers' flows in status")
+    assert {f["rule"] for f in seen} == {"quic-mmsg"}, seen
+    res = [result(r) for r in runs]
+    for r, v6 in zip(res, (False, True)):
+        want = RATE_BPS * wire(SIZE, v6)
+        print(f"sendmmsg peer IPv{6 if v6 else 4}: {r['goodput_bps'] * 8 / 1e6:.3f} Mbit/s, "
+              f"want {want * 8 / 1e6:.3f}")
+        assert r["goodput_bps"] == pytest.approx(want, rel=0.03), \
+            f"IPv{6 if v6 else 4} sendmmsg peer got {r['goodput_bps'] * 8 / 1e6:.3f} Mbit/s, " \
+            f"want {want * 8 / 1e6:.3f}"
+    after_case(tb, d, "two peers answered with sendmmsg")
+
+
+def test_connected_udp_idles_out_and_is_shaped_again(site):
+    """Connected IPv4, IPv6 and IPv4-mapped sockets (send()s carry no address: the egress
+    program sees them) sending with sendmmsg: a class each; silent past their 2 s idle_timeout
+    with the sockets open -> classes and filters gone, status counts the idle ends; sending again
+    -> a class each again, at the rule's rate at the receiver; closed -> gone."""
+    tb, d = site
+    sink = tb.popen(tb.client_ns, [PY, "-m", "harness.udpflows", "sink", "--port",
+                                   str(SINK_PORT)], stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, text=True)
+    snd = None
+    try:
+        json.loads(sink.stdout.readline())
+        snd = tb.popen(tb.server_ns, [PY, "-m", "harness.udpflows", "conn", "--v4",
+                                      str(tb.client_v4), "--v6", str(tb.client_v6), "--port",
+                                      str(SINK_PORT)], stdin=subprocess.PIPE,
+                       stdout=subprocess.PIPE, text=True)
+        ports = json.loads(snd.stdout.readline())
+
+        def conn_flows():
+            return [f for f in udp_flows(d) if f["rule"] == "conn-udp"]
+
+        def send(seconds):
+            snd.stdin.write(f"send {seconds} 20e6 {SIZE}\n")
+            snd.stdin.flush()
+            return json.loads(snd.stdout.readline())
+        wait_for(lambda: len(conn_flows()) == 3, 3, 0.05, "the three connected sockets' flows")
+        idle0 = d.status()["counters"]["events"].get("idle_close", 0)
+        send(1.0)
+        ended = time.monotonic()
+        assert kernel_objects(tb)[0] == 3, tc_show(tb, "class")
+        wait_for(lambda: not conn_flows() and kernel_objects(tb) == (0, 0), 6, 0.1,
+                 "the idle connected sockets' classes and filters to go")
+        gone = time.monotonic() - ended
+        print(f"idle connected sockets' classes gone {gone:.2f} s after the last datagram "
+              f"(idle_timeout 2 s)")
+        assert 1.5 <= gone <= 5.0, f"idle connected flows removed {gone:.2f} s after the last send"
+        st = d.status()
+        assert st["counters"]["events"].get("idle_close", 0) - idle0 == 3, st["counters"]
+        assert st["tracer"]["udp"]["connected"] == 3, st["tracer"]
+        # the sockets send again: shaped again, at the rule's rate
+        t0 = time.monotonic()
+        sent = send(4.0)
+        t1 = time.monotonic()
+        assert sent["sent"] > 0
+        assert len(conn_flows()) == 3 and kernel_objects(tb)[0] == 3, \
+            f"not shaped again: {conn_flows()}\n{tc_show(tb, 'class')}"
+        sink.stdin.write(f"report {t0 + 1.0} {t1}\n")
+        sink.stdin.flush()
+        got = json.loads(sink.stdout.readline())
+        for what, addr, port, v6 in (("IPv4", tb.server_v4, ports["v4"], False),
+                                     ("IPv6", tb.server_v6, ports["v6"], True),
+                                     ("IPv4-mapped", tb.server_v4, ports["mapped"], False)):
+            rate = got.get(f"{addr} {port}", 0.0)
+            want = RATE_BPS * wire(SIZE, v6)
+            print(f"connected {what} after idling out: {rate * 8 / 1e6:.3f} Mbit/s, want "
+                  f"{want * 8 / 1e6:.3f}")
+            assert rate == pytest.approx(want, rel=0.03), \
+                f"connected {what} socket sending again got {rate * 8 / 1e6:.3f} Mbit/s at the " \
+                f"receiver, want {want * 8 / 1e6:.3f}: {got}"
+        assert d.status()["tracer"]["udp"]["woken"] >= 3
+        snd.stdin.close()          # closes the sockets: their flows end at release
+        snd.wait(10)
+        wait_for(lambda: not conn_flows(), 3, 0.05, "the closed sockets' flows to go")
+    finally:
+        for p in (snd, sink):
+            if p is not None and p.poll() is None:
+                p.kill()
+    after_case(tb, d, "connected UDP sockets idling out and sending again")
