@@ -457,12 +457,17 @@ class Tracer:
         # udp_conn entry last reported IDLE (one report per silence)
         self._udp_conn_flow: Dict[int, model.Flow] = {}
         self._udp_conn_idle: Dict[int, int] = {}
+        # connected sockets sock_diag listed (adopt_udp_connected): the newest list, taken by
+        # poll(), and the cookies adopted from such lists
+        self._udp_adopt: List[Dict[int, model.Flow]] = []
+        self._udp_adopted: Set[int] = set()
         self._udp_idle_ns: Tuple[int, int] = (model.DEFAULT_IDLE_TIMEOUT_NS,
                                               model.DEFAULT_IDLE_TIMEOUT_NS)
         self._udp_links: List[int] = []
         self._udp_hooks = ""
         self._next_sweep = 0.0
-        self._udp_counts = {"idle": 0, "released": 0, "forgotten": 0, "woken": 0}
+        self._udp_counts = {"idle": 0, "released": 0, "forgotten": 0, "woken": 0,
+                            "adopted": 0}
         # pid -> (comm, exe, monotonic s): exe of a busy target read once a second at most;
         # keyed with the comm too, so an exec (new comm) is seen at once
         self._exe_cache: Dict[int, Tuple[str, str, float]] = {}
@@ -652,6 +657,9 @@ class Tracer:
             b = self._need()
             b.ring_buffer_poll(max(0, int(timeout_ms)))   # consumes all that is there
             raw, self._raw = self._raw, []
+            if self._udp_adopt:
+                self._adopt_connected(self._udp_adopt.pop())
+                self._udp_adopt.clear()
             idle = self._sweep_udp() if self._udp_links else []
         if not raw:
             return idle
@@ -741,6 +749,40 @@ class Tracer:
                                        model.Flow(flow.key, flow.direction, flow.proc,
                                                   flow.source, flow.netns_ino, v.last_ns)))
         return out
+
+    def adopt_udp_connected(self, socks: Dict[int, model.Flow]) -> None:
+        """The connected UDP sockets sock_diag lists now (cookie -> flow): those the tracer did
+        not see connect (opened before it) are followed from the next poll like its own: idle,
+        woken, released. Cheap and thread-safe: poll() takes the newest list."""
+        self._udp_adopt.append(dict(socks))
+
+    def _adopt_connected(self, socks: Dict[int, model.Flow]) -> None:
+        b = self._bpf
+        if b is None or not self._udp_links:
+            return
+        conn, held = b[b"udp_conn"], b[b"udp_socks"]
+        now = time.monotonic_ns()
+        for cookie, flow in socks.items():
+            if not cookie or cookie in self._udp_conn_flow:
+                continue
+            conn[conn.Key(cookie)] = conn.Leaf(now, now)
+            held[held.Key(cookie)] = held.Leaf(1)
+            self._udp_conn_flow[cookie] = flow
+            self._udp_by_cookie.setdefault(cookie, set()).add(flow.key)
+            self._udp_adopted.add(cookie)
+            self._udp_counts["adopted"] += 1
+        for cookie in self._udp_adopted - socks.keys():
+            # no longer listed: closed (its RELEASE may have come first) or no longer shaped
+            self._udp_adopted.discard(cookie)
+            if cookie in self._udp_conn_flow:
+                self._udp_conn_flow.pop(cookie)
+                self._udp_conn_idle.pop(cookie, None)
+                self._udp_by_cookie.pop(cookie, None)
+                for m in (conn, held):
+                    try:
+                        del m[m.Key(cookie)]
+                    except KeyError:
+                        pass
 
     def _woken(self, r) -> Optional[model.FlowEvent]:
         """A connected UDP socket that was silent sends again: its flow is OPEN again."""

@@ -358,3 +358,63 @@ def test_connected_udp_idles_out_and_is_shaped_again(site):
             if p is not None and p.poll() is None:
                 p.kill()
     after_case(tb, d, "connected UDP sockets idling out and sending again")
+
+
+def test_connected_udp_adopted_after_a_crash_still_idles_out(site):
+    """The daemon killed (SIGKILL) while three connected sockets (IPv4, IPv6, mapped) are
+    shaped, started again: it adopts their classes, and sock_diag's listing (with each socket's
+    cookie) lets the tracer follow their sends although it never saw them connect: silent past
+    the 2 s idle_timeout they lose their classes, sending again they get them back, closed they
+    go. Runs last: it restarts the module's daemon (the fixture stops the new one)."""
+    tb, d = site
+    sink = tb.popen(tb.client_ns, [PY, "-m", "harness.udpflows", "sink", "--port",
+                                   str(SINK_PORT)], stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, text=True)
+    snd = None
+    try:
+        json.loads(sink.stdout.readline())
+        snd = tb.popen(tb.server_ns, [PY, "-m", "harness.udpflows", "conn", "--v4",
+                                      str(tb.client_v4), "--v6", str(tb.client_v6), "--port",
+                                      str(SINK_PORT)], stdin=subprocess.PIPE,
+                       stdout=subprocess.PIPE, text=True)
+        json.loads(snd.stdout.readline())
+
+        def conn_flows():
+            return [f for f in udp_flows(d) if f["rule"] == "conn-udp"]
+
+        def send(seconds):
+            snd.stdin.write(f"send {seconds} 20e6 {SIZE}\n")
+            snd.stdin.flush()
+            return json.loads(snd.stdout.readline())
+        wait_for(lambda: len(conn_flows()) == 3, 3, 0.05, "the three connected sockets' flows")
+        d.kill()
+        assert kernel_objects(tb)[0] == 3, "the killed daemon's classes should still be there"
+        d.log_mode = "a"
+        d.start()
+        seen = wait_for(lambda: len(conn_flows()) == 3 and conn_flows(), 10, 0.1,
+                        "the connected sockets adopted by the restarted daemon")
+        assert {f["source"] for f in seen} == {"reconcile"}, seen
+        wait_for(lambda: d.status()["tracer"]["udp"]["adopted"] >= 3, 5, 0.1,
+                 "the tracer to follow the adopted sockets")
+        send(1.0)
+        ended = time.monotonic()
+        wait_for(lambda: not conn_flows() and kernel_objects(tb) == (0, 0), 6, 0.1,
+                 "the adopted idle sockets' classes to go")
+        gone = time.monotonic() - ended
+        print(f"adopted connected sockets' classes gone {gone:.2f} s after the last datagram")
+        assert 1.5 <= gone <= 5.0, f"removed {gone:.2f} s after the last send"
+        woken = d.status()["tracer"]["udp"]["woken"]
+        snd.stdin.write(f"send 1.5 20e6 {SIZE}\n")
+        snd.stdin.flush()
+        wait_for(lambda: len(conn_flows()) == 3 and kernel_objects(tb)[0] == 3, 1.2, 0.02,
+                 "the adopted sockets shaped again when they send again")
+        json.loads(snd.stdout.readline())
+        assert d.status()["tracer"]["udp"]["woken"] - woken == 3
+        snd.stdin.close()
+        snd.wait(10)
+        wait_for(lambda: not conn_flows(), 3, 0.05, "the closed sockets' flows to go")
+    finally:
+        for p in (snd, sink):
+            if p is not None and p.poll() is None:
+                p.kill()
+    after_case(tb, d, "connected UDP sockets adopted after a crash")
