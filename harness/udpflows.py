@@ -274,7 +274,10 @@ def probe(v4: str, v6: str, port: int, hold: float, again: bool = False) -> None
     time.sleep(min(hold, MAX_SECONDS))
     if again:
         for s in conn:
-            s.send(b"z")
+            try:
+                s.send(b"z")
+            except ConnectionRefusedError:    # the peer's port unreachable, reported now
+                s.send(b"z")
         print(json.dumps({"again": True}), flush=True)
         time.sleep(0.5)
     u.close()
