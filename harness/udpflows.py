@@ -36,6 +36,7 @@ import errno
 import json
 import socket
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -244,6 +245,19 @@ def recv(host: str, port: int, seconds: float, warmup: float, rate: float, size:
             "datagrams": datagrams, "seconds": span}
 
 
+def connect_three(v4: str, v6: str, port: int):
+    """UDP sockets connected to (v4, port) over IPv4, (v6, port) over IPv6, and a dual-stack
+    one to v4's IPv4-mapped address."""
+    c4 = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    c4.connect((v4, port))
+    c6 = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+    c6.connect((v6, port))
+    cm = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+    cm.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    cm.connect(("::ffff:" + v4, port))
+    return c4, c6, cm
+
+
 def probe(v4: str, v6: str, port: int, hold: float, again: bool = False) -> None:
     """Tracer checks: one unconnected dual-stack socket sends 3 datagrams to an IPv4 peer (as
     IPv4-mapped) and 3 to an IPv6 peer; three connected sockets (IPv4, IPv6, and a dual-stack
@@ -253,14 +267,7 @@ def probe(v4: str, v6: str, port: int, hold: float, again: bool = False) -> None
     u = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
     u.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
     u.bind(("::", 0))
-    c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    c.connect((v4, port))
-    c6 = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
-    c6.connect((v6, port))
-    cm = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
-    cm.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-    cm.connect(("::ffff:" + v4, port))
-    conn = (c, c6, cm)
+    conn = c, c6, cm = connect_three(v4, v6, port)
     for _ in range(3):
         u.sendto(b"x", ("::ffff:" + v4, port))
         u.sendto(b"x", (v6, port))
@@ -288,14 +295,7 @@ def probe(v4: str, v6: str, port: int, hold: float, again: bool = False) -> None
 
 def conn(v4: str, v6: str, port: int) -> None:
     """See the module's doc: three connected sockets sending with sendmmsg on command."""
-    c4 = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    c4.connect((v4, port))
-    c6 = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
-    c6.connect((v6, port))
-    cm = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
-    cm.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-    cm.connect(("::ffff:" + v4, port))
-    socks = (c4, c6, cm)
+    socks = c4, c6, cm = connect_three(v4, v6, port)
     for s in socks:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 22)
     print(json.dumps({"v4": c4.getsockname()[1], "v6": c6.getsockname()[1],
@@ -365,6 +365,44 @@ def sink(port: int) -> None:
                 span = got[-1][0] - got[0][0] if len(got) > 1 else 0.0
                 out[name] = sum(n for _t, n in got[1:]) / span if span else 0.0
         print(json.dumps(out), flush=True)
+
+
+class ProbeRun:
+    """A ``probe`` in ``tb``'s server namespace under a started ``flowpacer.tracer.Tracer`` of
+    that namespace, and the tracer's UDP events of it (the tracer tests, host and VM):
+    ``peers`` and ``connected`` are the flows the probe makes as (local address, local port,
+    remote address) triples; ``of(kind)`` lists the events of a kind as such triples (repeats
+    kept); ``until(what, cond, timeout)`` polls the tracer until ``cond()``."""
+
+    def __init__(self, tb, tracer, hold: float, again: bool = False,
+                 name: str = "fp-udp-probe"):
+        from harness.testbed import PY
+        self.tracer = tracer
+        self.events: list = []
+        self.proc = tb.popen(tb.server_ns, [PY, "-m", "harness.udpflows", "probe", "--v4",
+                                            str(tb.client_v4), "--v6", str(tb.client_v6),
+                                            "--hold", str(hold), "--name", name]
+                             + (["--again"] if again else []), stdout=subprocess.PIPE, text=True)
+        p = self.ports = json.loads(self.proc.stdout.readline())
+        v4, v6 = str(tb.client_v4), str(tb.client_v6)
+        self.peers = {("0.0.0.0", p["unconnected"], v4), ("::", p["unconnected"], v6)}
+        self.connected = {(p["connected_local"], p["connected"], v4),
+                          (p["connected6_local"], p["connected6"], v6),
+                          (p["mapped_local"], p["mapped"], v4)}
+
+    def of(self, kind) -> list:
+        from flowpacer import model
+        return [(str(e.flow.key.local_addr), e.flow.key.local_port, str(e.flow.key.remote_addr))
+                for e in self.events
+                if e.kind is kind and e.flow.key.protocol is model.Protocol.UDP]
+
+    def until(self, what: str, cond, timeout: float):
+        from harness.testbed import wait_for
+
+        def have():
+            self.events.extend(self.tracer.poll(50))
+            return cond()
+        return wait_for(have, timeout, 0.0, what)
 
 
 def main(argv=None) -> None:

@@ -95,6 +95,21 @@ def result(p, timeout=60) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def at_rate(got: float, v6: bool, what: str, detail: str = "") -> None:
+    """Goodput ``got`` (bytes/s at the receiver) is 10 Mbit/s x payload/wire within 3 %."""
+    want = RATE_BPS * wire(SIZE, v6)
+    print(f"{what}: {got * 8 / 1e6:.3f} Mbit/s payload, want {want * 8 / 1e6:.3f}")
+    assert got == pytest.approx(want, rel=0.03), \
+        f"{what}: the receiver got {got * 8 / 1e6:.3f} Mbit/s, want {want * 8 / 1e6:.3f} " \
+        f"(10 Mbit/s x payload/wire){detail}"
+
+
+def peers_at_rate(res, what: str) -> None:
+    """The IPv4 and the IPv6 receiver's goodput (``recv`` results) each at the rule's rate."""
+    for r, v6 in zip(res, (False, True)):
+        at_rate(r["goodput_bps"], v6, f"{what} IPv{6 if v6 else 4}")
+
+
 def udp_flows(d):
     return [f for f in d.flows() if f.get("protocol") == "udp"]
 
@@ -120,10 +135,12 @@ def test_tracer_udp_peers_connected_release_idle_and_filter(module_testbed):
     IPv4-mapped) one OPEN; every one of them silent for the shortest idle_timeout is reported
     IDLE (the connected ones seen by the cgroup/skb egress program: their send()s carry no
     address); a connected socket that sends again is OPEN again (WAKE); closing them gives their
-    CLOSEs; a non-target's datagrams are filtered in the kernel."""
+    CLOSEs; a non-target's datagrams are filtered in the kernel. (The VM runs the connected
+    half on 6.1: tests/guest/test_udp_tracer.py.)"""
     import os
     from flowpacer import model
     from flowpacer.tracer import Tracer
+    from harness.udpflows import ProbeRun
     tb = module_testbed
     ino = os.stat(f"/run/netns/{tb.server_ns}").st_ino
     t = Tracer(netns_ino=ino, ring_pages=8)
@@ -132,49 +149,27 @@ def test_tracer_udp_peers_connected_release_idle_and_filter(module_testbed):
     try:
         assert "cgroup udp" in t.hooks, t.hooks
         t.set_udp_idle(1_000_000_000, 10_000_000_000)
-        events = []
-
-        def run(name, hold, *extra):
-            p = tb.popen(tb.server_ns, [PY, "-m", "harness.udpflows", "probe", "--v4",
-                                        str(tb.client_v4), "--v6", str(tb.client_v6), "--hold",
-                                        str(hold), "--name", name, *extra],
-                         stdout=subprocess.PIPE, text=True)
-            return p, json.loads(p.stdout.readline())
-        other, _ = run("fp-not-target", 0)
-        p, ports = run("fp-udp-probe", 2.5, "--again")
-        u = ports["unconnected"]
-        connected = {(ports["connected_local"], ports["connected"], str(tb.client_v4)),
-                     (ports["connected6_local"], ports["connected6"], str(tb.client_v6)),
-                     (ports["mapped_local"], ports["mapped"], str(tb.client_v4))}
-        want = {("0.0.0.0", u, str(tb.client_v4)), ("::", u, str(tb.client_v6))} | connected
-
-        def of(kind):
-            return [(str(e.flow.key.local_addr), e.flow.key.local_port,
-                     str(e.flow.key.remote_addr)) for e in events
-                    if e.kind is kind and e.flow.key.protocol is model.Protocol.UDP]
-
-        def until(what, cond, timeout):
-            def have():
-                events.extend(t.poll(50))
-                return cond()
-            wait_for(have, timeout, 0.0, what)
-        until(f"OPEN of {sorted(want)}", lambda: want <= set(of(model.EventKind.OPEN)), 5)
-        opens = [e for e in events if e.kind is model.EventKind.OPEN]
-        assert len(opens) == 5, "\n".join(f"{e.flow.key} {e.flow.direction} {e.flow.seen_ns}" for e in opens)  # the first datagram per peer only
+        other = ProbeRun(tb, t, 0, name="fp-not-target")
+        r = ProbeRun(tb, t, 2.5, again=True)
+        want = r.peers | r.connected
+        OPEN, IDLE, CLOSE = model.EventKind.OPEN, model.EventKind.IDLE, model.EventKind.CLOSE
+        r.until(f"OPEN of {sorted(want)}", lambda: want <= set(r.of(OPEN)), 5)
+        opens = [e for e in r.events if e.kind is OPEN]
+        assert len(opens) == 5, "\n".join(f"{e.flow.key} {e.flow.direction}" for e in opens)
         assert {e.flow.proc.comm for e in opens} == {"fp-udp-probe"}
         assert {e.flow.direction for e in opens} == {model.Direction.INBOUND,
                                                      model.Direction.OUTBOUND}
-        until("IDLE of every flow", lambda: want <= set(of(model.EventKind.IDLE)), 5)
-        until("the connected sockets OPEN again when they send again",
-              lambda: all(of(model.EventKind.OPEN).count(k) == 2 for k in connected), 5)
-        again = [e for e in events if e.kind is model.EventKind.OPEN][5:]
+        r.until("IDLE of every flow", lambda: want <= set(r.of(IDLE)), 5)
+        r.until("the connected sockets OPEN again when they send again",
+                lambda: all(r.of(OPEN).count(k) == 2 for k in r.connected), 5)
+        again = [e for e in r.events if e.kind is OPEN][5:]
         assert {e.flow.proc.comm for e in again} == {"fp-udp-probe"}, again
-        until(f"CLOSE of {sorted(want)}", lambda: want <= set(of(model.EventKind.CLOSE)), 5)
-        assert sorted(of(model.EventKind.OPEN)).count(("0.0.0.0", u, str(tb.client_v4))) == 1
-        assert all(of(model.EventKind.IDLE).count(k) == 1 for k in connected), \
+        r.until(f"CLOSE of {sorted(want)}", lambda: want <= set(r.of(CLOSE)), 5)
+        assert all(r.of(OPEN).count(k) == 1 for k in r.peers)
+        assert all(r.of(IDLE).count(k) == 1 for k in r.connected), \
             "a connected socket reported IDLE more than once in one silence"
-        p.wait(10)
-        other.wait(10)
+        r.proc.wait(10)
+        other.proc.wait(10)
         st = t.stats()
         assert st["filtered"] >= 1          # the non-target's datagrams
         assert st["udp"]["woken"] == 3, st["udp"]
@@ -211,13 +206,8 @@ def test_iperf3_udp_both_families_at_rate(site):
     docs = [traffic.iperf3_result(r) for r in runs]
     for doc, v6 in zip(docs, (False, True)):
         s = doc["end"]["sum"]
-        got = s["bytes"] / s["seconds"]          # -R: the client is the receiver
-        want = RATE_BPS * wire(SIZE, v6)
-        print(f"iperf3 -u IPv{6 if v6 else 4}: {got * 8 / 1e6:.3f} Mbit/s payload, want "
-              f"{want * 8 / 1e6:.3f}")
-        assert got == pytest.approx(want, rel=0.03), \
-            f"IPv{6 if v6 else 4}: the receiver got {got * 8 / 1e6:.3f} Mbit/s, want " \
-            f"{want * 8 / 1e6:.3f} (10 Mbit/s x payload/wire); lost {s.get('lost_percent')} %"
+        at_rate(s["bytes"] / s["seconds"], v6, f"iperf3 -u IPv{6 if v6 else 4}",   # -R: client
+                f"; lost {s.get('lost_percent')} %")                            # receives
     after_case(tb, d, "iperf3 -u")
 
 
@@ -229,15 +219,8 @@ def test_unconnected_server_two_peers_each_shaped_then_idle(site):
     assert {f["rule"] for f in seen} == {"quic"}
     locals_ = sorted(f["local"] for f in seen)
     assert locals_ == ["0.0.0.0:7001", "[::]:7001"], locals_   # wildcard socket, both families
-    res = [result(r) for r in runs]
+    peers_at_rate([result(r) for r in runs], "unconnected peer")
     ended = time.monotonic()
-    for r, v6 in zip(res, (False, True)):
-        want = RATE_BPS * wire(SIZE, v6)
-        print(f"unconnected peer IPv{6 if v6 else 4}: {r['goodput_bps'] * 8 / 1e6:.3f} Mbit/s, "
-              f"want {want * 8 / 1e6:.3f}")
-        assert r["goodput_bps"] == pytest.approx(want, rel=0.03), \
-            f"IPv{6 if v6 else 4} peer got {r['goodput_bps'] * 8 / 1e6:.3f} Mbit/s, want " \
-            f"{want * 8 / 1e6:.3f}"
     # the socket stays open: the flows end by idleness, not before the 2 s idle_timeout
     time.sleep(max(0.0, ended + 1.0 - time.monotonic()))     # a point in time, not a wait
     assert kernel_objects(tb)[0] == 2 and len(udp_flows(d)) == 2, \
@@ -279,15 +262,70 @@ def test_unconnected_server_sendmmsg_two_peers_each_shaped(site):
     seen = wait_for(lambda: len(udp_flows(d)) >= 2 and udp_flows(d), 3, 0.05,
                     "both sendmmsg peers' flows in status")
     assert {f["rule"] for f in seen} == {"quic-mmsg"}, seen
-    res = [result(r) for r in runs]
-    for r, v6 in zip(res, (False, True)):
-        want = RATE_BPS * wire(SIZE, v6)
-        print(f"sendmmsg peer IPv{6 if v6 else 4}: {r['goodput_bps'] * 8 / 1e6:.3f} Mbit/s, "
-              f"want {want * 8 / 1e6:.3f}")
-        assert r["goodput_bps"] == pytest.approx(want, rel=0.03), \
-            f"IPv{6 if v6 else 4} sendmmsg peer got {r['goodput_bps'] * 8 / 1e6:.3f} Mbit/s, " \
-            f"want {want * 8 / 1e6:.3f}"
+    peers_at_rate([result(r) for r in runs], "sendmmsg peer")
     after_case(tb, d, "two peers answered with sendmmsg")
+
+
+class ConnectedSenders:
+    """``harness.udpflows conn`` (three connected sockets: IPv4, IPv6, IPv4-mapped) in the
+    server namespace sending to ``sink`` in the client namespace, both driven over stdin."""
+
+    def __init__(self, tb):
+        self.snd = None
+        self.sink = tb.popen(tb.client_ns, [PY, "-m", "harness.udpflows", "sink", "--port",
+                                            str(SINK_PORT)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+        json.loads(self.sink.stdout.readline())
+        self.snd = tb.popen(tb.server_ns, [PY, "-m", "harness.udpflows", "conn", "--v4",
+                                           str(tb.client_v4), "--v6", str(tb.client_v6),
+                                           "--port", str(SINK_PORT)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+        self.ports = json.loads(self.snd.stdout.readline())
+
+    def start(self, seconds: float) -> None:
+        """Send for ``seconds`` at 20 Mbit/s per socket (``done`` waits for the end)."""
+        self.snd.stdin.write(f"send {seconds} 20e6 {SIZE}\n")
+        self.snd.stdin.flush()
+
+    def done(self) -> dict:
+        return json.loads(self.snd.stdout.readline())
+
+    def send(self, seconds: float) -> dict:
+        self.start(seconds)
+        return self.done()
+
+    def report(self, t0: float, t1: float) -> dict:
+        """Goodput per peer ("ADDR PORT") at the receiver between two monotonic times."""
+        self.sink.stdin.write(f"report {t0} {t1}\n")
+        self.sink.stdin.flush()
+        return json.loads(self.sink.stdout.readline())
+
+    def close(self) -> None:
+        """Closes the sockets (their flows end at release) and waits for the sender."""
+        self.snd.stdin.close()
+        self.snd.wait(10)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in (self.snd, self.sink):
+            if p is not None and p.poll() is None:
+                p.kill()
+
+
+def conn_flows(d):
+    return [f for f in udp_flows(d) if f["rule"] == "conn-udp"]
+
+
+def wait_idled_out(tb, d, ended: float, what: str) -> float:
+    """Waits for the connected sockets' classes and filters to go; seconds since ``ended``."""
+    wait_for(lambda: not conn_flows(d) and kernel_objects(tb) == (0, 0), 6, 0.1,
+             f"the {what} classes and filters to go")
+    gone = time.monotonic() - ended
+    print(f"{what} classes gone {gone:.2f} s after the last datagram (idle_timeout 2 s)")
+    assert 1.5 <= gone <= 5.0, f"{what}: removed {gone:.2f} s after the last send"
+    return gone
 
 
 def test_connected_udp_idles_out_and_is_shaped_again(site):
@@ -296,67 +334,32 @@ def test_connected_udp_idles_out_and_is_shaped_again(site):
     with the sockets open -> classes and filters gone, status counts the idle ends; sending again
     -> a class each again, at the rule's rate at the receiver; closed -> gone."""
     tb, d = site
-    sink = tb.popen(tb.client_ns, [PY, "-m", "harness.udpflows", "sink", "--port",
-                                   str(SINK_PORT)], stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE, text=True)
-    snd = None
-    try:
-        json.loads(sink.stdout.readline())
-        snd = tb.popen(tb.server_ns, [PY, "-m", "harness.udpflows", "conn", "--v4",
-                                      str(tb.client_v4), "--v6", str(tb.client_v6), "--port",
-                                      str(SINK_PORT)], stdin=subprocess.PIPE,
-                       stdout=subprocess.PIPE, text=True)
-        ports = json.loads(snd.stdout.readline())
-
-        def conn_flows():
-            return [f for f in udp_flows(d) if f["rule"] == "conn-udp"]
-
-        def send(seconds):
-            snd.stdin.write(f"send {seconds} 20e6 {SIZE}\n")
-            snd.stdin.flush()
-            return json.loads(snd.stdout.readline())
-        wait_for(lambda: len(conn_flows()) == 3, 3, 0.05, "the three connected sockets' flows")
+    with ConnectedSenders(tb) as cs:
+        wait_for(lambda: len(conn_flows(d)) == 3, 3, 0.05, "the three connected sockets' flows")
         idle0 = d.status()["counters"]["events"].get("idle_close", 0)
-        send(1.0)
+        cs.send(1.0)
         ended = time.monotonic()
         assert kernel_objects(tb)[0] == 3, tc_show(tb, "class")
-        wait_for(lambda: not conn_flows() and kernel_objects(tb) == (0, 0), 6, 0.1,
-                 "the idle connected sockets' classes and filters to go")
-        gone = time.monotonic() - ended
-        print(f"idle connected sockets' classes gone {gone:.2f} s after the last datagram "
-              f"(idle_timeout 2 s)")
-        assert 1.5 <= gone <= 5.0, f"idle connected flows removed {gone:.2f} s after the last send"
+        wait_idled_out(tb, d, ended, "idle connected sockets'")
         st = d.status()
         assert st["counters"]["events"].get("idle_close", 0) - idle0 == 3, st["counters"]
         assert st["tracer"]["udp"]["connected"] == 3, st["tracer"]
         # the sockets send again: shaped again, at the rule's rate
         t0 = time.monotonic()
-        sent = send(4.0)
+        sent = cs.send(4.0)
         t1 = time.monotonic()
         assert sent["sent"] > 0
-        assert len(conn_flows()) == 3 and kernel_objects(tb)[0] == 3, \
-            f"not shaped again: {conn_flows()}\n{tc_show(tb, 'class')}"
-        sink.stdin.write(f"report {t0 + 1.0} {t1}\n")
-        sink.stdin.flush()
-        got = json.loads(sink.stdout.readline())
-        for what, addr, port, v6 in (("IPv4", tb.server_v4, ports["v4"], False),
-                                     ("IPv6", tb.server_v6, ports["v6"], True),
-                                     ("IPv4-mapped", tb.server_v4, ports["mapped"], False)):
-            rate = got.get(f"{addr} {port}", 0.0)
-            want = RATE_BPS * wire(SIZE, v6)
-            print(f"connected {what} after idling out: {rate * 8 / 1e6:.3f} Mbit/s, want "
-                  f"{want * 8 / 1e6:.3f}")
-            assert rate == pytest.approx(want, rel=0.03), \
-                f"connected {what} socket sending again got {rate * 8 / 1e6:.3f} Mbit/s at the " \
-                f"receiver, want {want * 8 / 1e6:.3f}: {got}"
+        assert len(conn_flows(d)) == 3 and kernel_objects(tb)[0] == 3, \
+            f"not shaped again: {conn_flows(d)}\n{tc_show(tb, 'class')}"
+        got = cs.report(t0 + 1.0, t1)
+        for what, addr, port, v6 in (("IPv4", tb.server_v4, cs.ports["v4"], False),
+                                     ("IPv6", tb.server_v6, cs.ports["v6"], True),
+                                     ("IPv4-mapped", tb.server_v4, cs.ports["mapped"], False)):
+            at_rate(got.get(f"{addr} {port}", 0.0), v6,
+                    f"connected {what} sending again after idling out", f": {got}")
         assert d.status()["tracer"]["udp"]["woken"] >= 3
-        snd.stdin.close()          # closes the sockets: their flows end at release
-        snd.wait(10)
-        wait_for(lambda: not conn_flows(), 3, 0.05, "the closed sockets' flows to go")
-    finally:
-        for p in (snd, sink):
-            if p is not None and p.poll() is None:
-                p.kill()
+        cs.close()
+        wait_for(lambda: not conn_flows(d), 3, 0.05, "the closed sockets' flows to go")
     after_case(tb, d, "connected UDP sockets idling out and sending again")
 
 
@@ -367,54 +370,25 @@ def test_connected_udp_adopted_after_a_crash_still_idles_out(site):
     the 2 s idle_timeout they lose their classes, sending again they get them back, closed they
     go. Runs last: it restarts the module's daemon (the fixture stops the new one)."""
     tb, d = site
-    sink = tb.popen(tb.client_ns, [PY, "-m", "harness.udpflows", "sink", "--port",
-                                   str(SINK_PORT)], stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE, text=True)
-    snd = None
-    try:
-        json.loads(sink.stdout.readline())
-        snd = tb.popen(tb.server_ns, [PY, "-m", "harness.udpflows", "conn", "--v4",
-                                      str(tb.client_v4), "--v6", str(tb.client_v6), "--port",
-                                      str(SINK_PORT)], stdin=subprocess.PIPE,
-                       stdout=subprocess.PIPE, text=True)
-        json.loads(snd.stdout.readline())
-
-        def conn_flows():
-            return [f for f in udp_flows(d) if f["rule"] == "conn-udp"]
-
-        def send(seconds):
-            snd.stdin.write(f"send {seconds} 20e6 {SIZE}\n")
-            snd.stdin.flush()
-            return json.loads(snd.stdout.readline())
-        wait_for(lambda: len(conn_flows()) == 3, 3, 0.05, "the three connected sockets' flows")
+    with ConnectedSenders(tb) as cs:
+        wait_for(lambda: len(conn_flows(d)) == 3, 3, 0.05, "the three connected sockets' flows")
         d.kill()
         assert kernel_objects(tb)[0] == 3, "the killed daemon's classes should still be there"
         d.log_mode = "a"
         d.start()
-        seen = wait_for(lambda: len(conn_flows()) == 3 and conn_flows(), 10, 0.1,
+        seen = wait_for(lambda: len(conn_flows(d)) == 3 and conn_flows(d), 10, 0.1,
                         "the connected sockets adopted by the restarted daemon")
         assert {f["source"] for f in seen} == {"reconcile"}, seen
         wait_for(lambda: d.status()["tracer"]["udp"]["adopted"] >= 3, 5, 0.1,
                  "the tracer to follow the adopted sockets")
-        send(1.0)
-        ended = time.monotonic()
-        wait_for(lambda: not conn_flows() and kernel_objects(tb) == (0, 0), 6, 0.1,
-                 "the adopted idle sockets' classes to go")
-        gone = time.monotonic() - ended
-        print(f"adopted connected sockets' classes gone {gone:.2f} s after the last datagram")
-        assert 1.5 <= gone <= 5.0, f"removed {gone:.2f} s after the last send"
+        cs.send(1.0)
+        wait_idled_out(tb, d, time.monotonic(), "adopted connected sockets'")
         woken = d.status()["tracer"]["udp"]["woken"]
-        snd.stdin.write(f"send 1.5 20e6 {SIZE}\n")
-        snd.stdin.flush()
-        wait_for(lambda: len(conn_flows()) == 3 and kernel_objects(tb)[0] == 3, 1.2, 0.02,
+        cs.start(1.5)
+        wait_for(lambda: len(conn_flows(d)) == 3 and kernel_objects(tb)[0] == 3, 1.2, 0.02,
                  "the adopted sockets shaped again when they send again")
-        json.loads(snd.stdout.readline())
+        cs.done()
         assert d.status()["tracer"]["udp"]["woken"] - woken == 3
-        snd.stdin.close()
-        snd.wait(10)
-        wait_for(lambda: not conn_flows(), 3, 0.05, "the closed sockets' flows to go")
-    finally:
-        for p in (snd, sink):
-            if p is not None and p.poll() is None:
-                p.kill()
+        cs.close()
+        wait_for(lambda: not conn_flows(d), 3, 0.05, "the closed sockets' flows to go")
     after_case(tb, d, "connected UDP sockets adopted after a crash")
