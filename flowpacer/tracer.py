@@ -459,7 +459,7 @@ class Tracer:
         self._udp_conn_idle: Dict[int, int] = {}
         # connected sockets sock_diag listed (adopt_udp_connected): the newest list, taken by
         # poll(), and the cookies adopted from such lists
-        self._udp_adopt: List[Dict[int, model.Flow]] = []
+        self._udp_adopt: Optional[Dict[int, model.Flow]] = None
         self._udp_adopted: Set[int] = set()
         self._udp_idle_ns: Tuple[int, int] = (model.DEFAULT_IDLE_TIMEOUT_NS,
                                               model.DEFAULT_IDLE_TIMEOUT_NS)
@@ -657,9 +657,9 @@ class Tracer:
             b = self._need()
             b.ring_buffer_poll(max(0, int(timeout_ms)))   # consumes all that is there
             raw, self._raw = self._raw, []
-            if self._udp_adopt:
-                self._adopt_connected(self._udp_adopt.pop())
-                self._udp_adopt.clear()
+            adopt, self._udp_adopt = self._udp_adopt, None
+            if adopt is not None:
+                self._adopt_connected(adopt)
             idle = self._sweep_udp() if self._udp_links else []
         if not raw:
             return idle
@@ -753,8 +753,9 @@ class Tracer:
     def adopt_udp_connected(self, socks: Dict[int, model.Flow]) -> None:
         """The connected UDP sockets sock_diag lists now (cookie -> flow): those the tracer did
         not see connect (opened before it) are followed from the next poll like its own: idle,
-        woken, released. Cheap and thread-safe: poll() takes the newest list."""
-        self._udp_adopt.append(dict(socks))
+        woken, released. Cheap and thread-safe: poll() takes the newest list (one is kept
+        while the tracer does not poll; one lost to a race is sent again by the next pass)."""
+        self._udp_adopt = dict(socks)
 
     def _adopt_connected(self, socks: Dict[int, model.Flow]) -> None:
         b = self._bpf

@@ -194,6 +194,8 @@ def test_sockdiag_lists_connected_udp_and_unconnected_ports(module_testbed):
     key = model.FlowKey(tb.server_v4, ports["connected"], tb.client_v4, 9, model.Protocol.UDP)
     assert key in snap, sorted(map(str, snap))
     assert snap[key].proc.comm == "fp-udp-probe" and snap[key].direction is model.Direction.OUTBOUND
+    assert snap.udp_cookies.get(key), "no socket cookie for the connected socket (the tracer " \
+        "follows an adopted socket's sends by it)"
     assert ports["unconnected"] in snap.udp_ports
     assert not [k for k in snap if k.local_port == ports["unconnected"]]
 
