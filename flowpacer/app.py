@@ -389,6 +389,7 @@ class Daemon:
             snap = None
         rec = self.reconciler
         rec.reconcile(snap, started)
+        self._adopt_udp(snap)
         now = self.clock()
         if rec.resync_requested:
             rec.resync_requested = False
@@ -416,6 +417,16 @@ class Daemon:
         if self.tracer is not None:
             self.tracer.set_watch(*engine.watch_filter(rs))
             self._set_udp_idle(self.tracer, rs)
+
+    def _adopt_udp(self, snap) -> None:
+        """The connected UDP sockets of the snapshot that a rule shapes, by cookie, to the
+        tracer: one opened before it (a restart) ends by idleness too (issue 17)."""
+        adopt = getattr(self.tracer, "adopt_udp_connected", None)
+        cookies = getattr(snap, "udp_cookies", None)
+        if adopt is None or cookies is None:
+            return
+        shaped = engine.desired({k: snap[k] for k in cookies}, self.reconciler.rules)
+        adopt({cookies[k]: snap[k] for k in shaped})
 
     @staticmethod
     def _set_udp_idle(tracer, rs: RuleSet) -> None:

@@ -10,7 +10,9 @@ UDP flows (issue 17) also end by idleness: the tracer reports a flow IDLE with i
 datagram's time; ``idle_since`` keeps it until a datagram re-opens the flow, and the reconciler
 asks the engine which of them passed their rule's ``idle_timeout`` (``expire``). A snapshot
 removes a tracer's UDP flow only when no socket of its local port is left (an unconnected
-socket's peers are not in sock_diag's list, the socket is).
+socket's peers are not in sock_diag's list, the socket is). A connected UDP socket that idled
+out is still listed by sock_diag: its key stays in ``expired`` so that a snapshot does not open
+it again; only the tracer does (its next datagram), or the socket's end forgets it.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ class FlowTable:
         self.flows: Dict[FlowKey, Flow] = {}
         self.dirty: Set[FlowKey] = set()
         self.idle_since: Dict[FlowKey, int] = {}      # UDP flows the tracer reported idle
+        self.expired: Set[FlowKey] = set()            # ended by idleness, socket maybe still open
         self.events = {("tracer", "open"): 0, ("tracer", "close"): 0,
                        ("reconcile", "open"): 0, ("reconcile", "close"): 0,
                        ("idle", "close"): 0}
@@ -43,6 +46,7 @@ class FlowTable:
             return
         self.events[("tracer", ev.kind.value)] += 1
         self.idle_since.pop(key, None)
+        self.expired.discard(key)
         if ev.kind is EventKind.OPEN:
             self.flows[key] = ev.flow
         elif self.flows.pop(key, None) is None:
@@ -55,13 +59,17 @@ class FlowTable:
             self.idle_since.pop(key, None)
             if self.flows.pop(key, None) is not None:
                 self.dirty.add(key)
+                self.expired.add(key)
                 self.events[("idle", "close")] += 1
 
     def on_snapshot(self, snap: Mapping[FlowKey, Flow], started_ns: int) -> None:
         self.snapshots += 1
+        self.expired.intersection_update(snap.keys())     # the others' sockets are gone
         for key, flow in snap.items():
             cur = self.flows.get(key)
             if cur is None:
+                if key in self.expired:     # a connected UDP socket that idled out
+                    continue
                 self.flows[key] = flow
                 self.dirty.add(key)
                 self.reconcile_added += 1

@@ -336,6 +336,16 @@ class FlowpacerCollector:
                                   "Tracer events that could not be attributed to a process.")
         una.add_metric([], (v.tracer or {}).get("unattributed", 0))
         yield una
+        udp = CounterMetricFamily("flowpacer_tracer_udp_events",
+                                  "UDP flow events of the tracer: idle (a flow reported silent "
+                                  "for the shortest idle_timeout), woken (a connected socket "
+                                  "sending again after that), released (a socket with flows "
+                                  "closed), forgotten (a silent peer dropped from the kernel "
+                                  "map).", labels=["kind"])
+        for kind, n in sorted(((v.tracer or {}).get("udp") or {}).items()):
+            if kind in ("idle", "woken", "released", "forgotten"):
+                udp.add_metric([kind], n)
+        yield udp
         yield from _first_byte_metrics(v.first_byte, CounterMetricFamily, GaugeMetricFamily)
         nle = CounterMetricFamily("flowpacer_netlink_errors", "Requests the kernel refused.")
         nle.add_metric([], v.counters["op_errors"])

@@ -48,7 +48,8 @@ REQ = struct.Struct("=BBBxI48x")
 MSG = struct.Struct("=BBBB")
 PORTS = struct.Struct(">HH")
 TAIL = struct.Struct("=IIIII")
-SRC_OFF, DST_OFF, TAIL_OFF = 8, 24, 52
+SRC_OFF, DST_OFF, COOKIE_OFF, TAIL_OFF = 8, 24, 44, 52
+COOKIE = struct.Struct("=Q")      # cookie[2]: low then high 32 bits (sock_gen_cookie, as BPF's)
 
 
 def read_process(pid: int) -> Optional[ProcessInfo]:
@@ -95,8 +96,10 @@ def socket_owners(wanted: Set[int]) -> Dict[int, int]:
 
 
 class Snapshot(dict):
-    """FlowKey -> Flow, and the local ports of this namespace's unconnected UDP sockets."""
+    """FlowKey -> Flow, the local ports of this namespace's unconnected UDP sockets, and the
+    socket cookie of each connected UDP socket's flow (the tracer follows its sends by it)."""
     udp_ports: frozenset = frozenset()
+    udp_cookies: Dict[FlowKey, int] = {}
 
 
 class SockDiagSource:
@@ -153,6 +156,7 @@ class SockDiagSource:
             del self._owners[ino]
         flows = Snapshot()
         flows.udp_ports = frozenset(udp_ports)
+        flows.udp_cookies = {}
         prev = self._prev
         cur: Dict[bytes, Flow] = {}
         for udp, b in established:
@@ -172,6 +176,8 @@ class SockDiagSource:
                          FlowSource.RECONCILE, 0, now)
             cur[ident] = f
             flows[f.key] = f
+            if udp:
+                flows.udp_cookies[f.key] = COOKIE.unpack_from(b, COOKIE_OFF)[0]
         self._prev = cur
         return flows
 

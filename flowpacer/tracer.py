@@ -44,7 +44,7 @@ COMM_LEN = 16
 MAX_WATCH = 1024
 
 # flowtrace.h
-FT_OPEN, FT_CLOSE, FT_RELEASE = 1, 2, 3
+FT_OPEN, FT_CLOSE, FT_RELEASE, FT_WAKE = 1, 2, 3, 4
 FT_DIR = {0: model.Direction.ANY, 1: model.Direction.OUTBOUND, 2: model.Direction.INBOUND}
 FT_F_ATTRIBUTED, FT_F_UNTRACKED, FT_F_CONNECTED = 0x01, 0x02, 0x04
 FT_C_LOST, FT_C_FILTERED, FT_C_UNATTRIBUTED, FT_C_ACCEPT_UNTRACKED, FT_C_MAX = range(5)
@@ -423,6 +423,7 @@ class Tracer:
         ("ft_udp_release", "CGROUP_SOCK", cgroupbpf.BPF_CGROUP_INET_SOCK_RELEASE),
         ("ft_udp_connect4", "CGROUP_SOCK_ADDR", cgroupbpf.BPF_CGROUP_INET4_CONNECT),
         ("ft_udp_connect6", "CGROUP_SOCK_ADDR", cgroupbpf.BPF_CGROUP_INET6_CONNECT),
+        ("ft_udp_egress", "CGROUP_SKB", cgroupbpf.BPF_CGROUP_INET_EGRESS),
     )
 
     def __init__(self, netns_ino: Optional[int] = None, ring_pages: int = 64, *,
@@ -452,12 +453,21 @@ class Tracer:
         # of the kernel's udp_peers map; the idle bounds the rules give (set_udp_idle)
         self._udp_by_cookie: Dict[int, Set[model.FlowKey]] = {}
         self._udp_peer_flow: Dict[Tuple[int, int, bytes, int], model.Flow] = {}
+        # connected UDP sockets (by cookie): their flow, and the last send time of the kernel's
+        # udp_conn entry last reported IDLE (one report per silence)
+        self._udp_conn_flow: Dict[int, model.Flow] = {}
+        self._udp_conn_idle: Dict[int, int] = {}
+        # connected sockets sock_diag listed (adopt_udp_connected): the newest list, taken by
+        # poll(), and the cookies adopted from such lists
+        self._udp_adopt: Optional[Dict[int, model.Flow]] = None
+        self._udp_adopted: Set[int] = set()
         self._udp_idle_ns: Tuple[int, int] = (model.DEFAULT_IDLE_TIMEOUT_NS,
                                               model.DEFAULT_IDLE_TIMEOUT_NS)
         self._udp_links: List[int] = []
         self._udp_hooks = ""
         self._next_sweep = 0.0
-        self._udp_counts = {"idle": 0, "released": 0, "forgotten": 0}
+        self._udp_counts = {"idle": 0, "released": 0, "forgotten": 0, "woken": 0,
+                            "adopted": 0}
         # pid -> (comm, exe, monotonic s): exe of a busy target read once a second at most;
         # keyed with the comm too, so an exec (new comm) is seen at once
         self._exe_cache: Dict[int, Tuple[str, str, float]] = {}
@@ -647,6 +657,9 @@ class Tracer:
             b = self._need()
             b.ring_buffer_poll(max(0, int(timeout_ms)))   # consumes all that is there
             raw, self._raw = self._raw, []
+            adopt, self._udp_adopt = self._udp_adopt, None
+            if adopt is not None:
+                self._adopt_connected(adopt)
             idle = self._sweep_udp() if self._udp_links else []
         if not raw:
             return idle
@@ -661,6 +674,11 @@ class Tracer:
         for r in decoded:
             if r[9] == FT_RELEASE:
                 out.extend(self._released(r))
+                continue
+            if r[9] == FT_WAKE:
+                ev = self._woken(r)
+                if ev is not None:
+                    out.append(ev)
                 continue
             ev = self._to_event(r)
             if ev is not None:
@@ -706,14 +724,86 @@ class Tracer:
                     keys.discard(flow.key)
                     if not keys:
                         del self._udp_by_cookie[ident[0]]
+        out += self._sweep_connected(now, shortest)
         self._udp_counts["idle"] += len(out)
         self._udp_counts["forgotten"] += len(gone)
         return out
+
+    def _sweep_connected(self, now: int, shortest: int) -> List[model.FlowEvent]:
+        """IDLE for each connected UDP socket silent for the shortest idle timeout, once per
+        silence (its kernel entry stays until the socket closes: its next packet sends WAKE)."""
+        conn = self._bpf[b"udp_conn"]
+        out = []
+        for k in conn.keys():
+            try:
+                v = conn[k]
+            except KeyError:        # released meanwhile
+                continue
+            cookie = k.value
+            flow = self._udp_conn_flow.get(cookie)
+            if (flow is None or now - v.last_ns < shortest
+                    or self._udp_conn_idle.get(cookie) == v.last_ns):
+                continue
+            self._udp_conn_idle[cookie] = v.last_ns
+            out.append(model.FlowEvent(model.EventKind.IDLE,
+                                       model.Flow(flow.key, flow.direction, flow.proc,
+                                                  flow.source, flow.netns_ino, v.last_ns)))
+        return out
+
+    def adopt_udp_connected(self, socks: Dict[int, model.Flow]) -> None:
+        """The connected UDP sockets sock_diag lists now (cookie -> flow): those the tracer did
+        not see connect (opened before it) are followed from the next poll like its own: idle,
+        woken, released. Cheap and thread-safe: poll() takes the newest list (one is kept
+        while the tracer does not poll; one lost to a race is sent again by the next pass)."""
+        self._udp_adopt = dict(socks)
+
+    def _adopt_connected(self, socks: Dict[int, model.Flow]) -> None:
+        b = self._bpf
+        if b is None or not self._udp_links:
+            return
+        conn, held = b[b"udp_conn"], b[b"udp_socks"]
+        now = time.monotonic_ns()
+        for cookie, flow in socks.items():
+            if not cookie or cookie in self._udp_conn_flow:
+                continue
+            conn[conn.Key(cookie)] = conn.Leaf(now, now)
+            held[held.Key(cookie)] = held.Leaf(1)
+            self._udp_conn_flow[cookie] = flow
+            self._udp_by_cookie.setdefault(cookie, set()).add(flow.key)
+            self._udp_adopted.add(cookie)
+            self._udp_counts["adopted"] += 1
+        for cookie in self._udp_adopted - socks.keys():
+            # no longer listed: closed (its RELEASE may have come first) or no longer shaped
+            self._udp_adopted.discard(cookie)
+            if cookie in self._udp_conn_flow:
+                self._udp_conn_flow.pop(cookie)
+                self._udp_conn_idle.pop(cookie, None)
+                self._udp_by_cookie.pop(cookie, None)
+                for m in (conn, held):
+                    try:
+                        del m[m.Key(cookie)]
+                    except KeyError:
+                        pass
+
+    def _woken(self, r) -> Optional[model.FlowEvent]:
+        """A connected UDP socket that was silent sends again: its flow is OPEN again."""
+        ts, cookie = r[0], r[16]
+        flow = self._udp_conn_flow.get(cookie)
+        if flow is None:            # its OPEN was lost, or the socket is not a target's
+            return None
+        self._udp_counts["woken"] += 1
+        self._udp_conn_idle.pop(cookie, None)
+        flow = model.Flow(flow.key, flow.direction, flow.proc, flow.source, flow.netns_ino, ts)
+        self._udp_conn_flow[cookie] = flow
+        self._counts["open"] += 1
+        return model.FlowEvent(model.EventKind.OPEN, flow)
 
     def _released(self, r) -> List[model.FlowEvent]:
         """A UDP socket with flows closed: CLOSE for each flow of its cookie."""
         ts, netns, cookie = r[0], r[2], r[16]
         keys = self._udp_by_cookie.pop(cookie, set())
+        self._udp_conn_flow.pop(cookie, None)
+        self._udp_conn_idle.pop(cookie, None)
         for ident in [i for i in self._udp_peer_flow if i[0] == cookie] if keys else ():
             del self._udp_peer_flow[ident]
         self._udp_counts["released"] += 1
@@ -761,6 +851,9 @@ class Tracer:
             self._udp_by_cookie.setdefault(cookie, set()).add(key)
             if not flags & FT_F_CONNECTED:
                 self._udp_peer_flow[(cookie, family, raddr, rport)] = flow
+            else:       # (re)connected: idle by udp_conn (sweep), open again by FT_WAKE
+                self._udp_conn_flow[cookie] = flow
+                self._udp_conn_idle.pop(cookie, None)
         if kind == FT_OPEN:
             closed_at = self._recent_close.get(key)
             if closed_at is not None and closed_at >= ts:
@@ -815,7 +908,8 @@ class Tracer:
             "accept_untracked": c[FT_C_ACCEPT_UNTRACKED],
             "missed": missed,          # tracepoint hits the kernel skipped (BPF recursion guard)
             "late_open_dropped": self._late_open_dropped,
-            "udp": dict(self._udp_counts, peers=len(self._udp_peer_flow)),
+            "udp": dict(self._udp_counts, peers=len(self._udp_peer_flow),
+                        connected=len(self._udp_conn_flow)),
             "bad_records": self._bad_records,
             "programs": prog,
         }

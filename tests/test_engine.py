@@ -211,6 +211,31 @@ def test_flow_table_idle_reopen_and_snapshot_keeps_peers_of_open_sockets():
     ft.on_event(FlowEvent(EventKind.OPEN, u))
     ft.expire([u.key])
     assert u.key not in ft.flows and u.key in ft.dirty and ft.events[("idle", "close")] == 1
+
+
+def test_flow_table_connected_udp_idled_out_is_not_reopened_by_a_snapshot():
+    """sock_diag keeps listing a connected UDP socket that idled out: the snapshot must not open
+    it again (only the tracer does, at its next datagram); once its socket is gone from the
+    snapshot, a new socket of that tuple is adopted as usual."""
+    from flowpacer.flows import FlowTable
+    from flowpacer.model import EventKind, FlowEvent, FlowSource
+    from flowpacer.sockdiag import Snapshot
+    ft = FlowTable()
+    u = udp(flow())
+    u = Flow(u.key, u.direction, u.proc, FlowSource.TRACER, 0, 5)
+    listed = Snapshot({u.key: Flow(u.key, u.direction, u.proc, FlowSource.RECONCILE, 0, 50)})
+    ft.on_event(FlowEvent(EventKind.OPEN, u))
+    ft.expire([u.key])
+    ft.take_dirty()
+    ft.on_snapshot(listed, started_ns=100)
+    assert u.key not in ft.flows and not ft.dirty, "an idled-out socket re-opened by sock_diag"
+    ft.on_event(FlowEvent(EventKind.OPEN, u))                     # it sends again (WAKE)
+    assert u.key in ft.flows and not ft.expired
+    ft.expire([u.key])
+    ft.on_snapshot(Snapshot(), started_ns=200)                    # closed: forgotten
+    assert not ft.expired
+    ft.on_snapshot(listed, started_ns=300)                        # a new socket, same tuple
+    assert u.key in ft.flows and ft.flows[u.key].source is FlowSource.RECONCILE
 def test_receive_side_is_its_own_map_first_match_wins():
     """Issue 17: the receive map holds the flows whose FIRST matching rule has a receive_rate;
     a flow matched first by a send-only rule is not shaped on receive, even if a later rule has a

@@ -6,7 +6,12 @@
 - one unconnected dual-stack socket (``harness.udpflows``, what a QUIC server does) answering an
   IPv4 peer (IPv4-mapped on the socket) and an IPv6 peer: each shaped on its own, and both
   removed after the rule's 2 s idle_timeout while the socket stays open;
-- a TCP and a UDP flow of the same ports at once, each shaped by its own rule.
+- a TCP and a UDP flow of the same ports at once, each shaped by its own rule;
+- an unconnected server answering an IPv4 and an IPv6 peer with ``sendmmsg`` (both peers in one
+  call, each message with its address): each peer shaped on its own;
+- connected sockets (IPv4, IPv6, IPv4-mapped) sending with ``sendmmsg`` (no address): shaped,
+  gone after their 2 s idle_timeout while the sockets stay open (status counts it), shaped again
+  when they send again, gone at close.
 After each case: no traceback, every stage running, no class or filter left.
 """
 from __future__ import annotations
@@ -40,10 +45,19 @@ RULES = """
       - name: same-ports-tcp
         match: {process: fp-udp-srv, protocol: tcp, local_port: 7001}
         rate: 20mbit
+      - name: quic-mmsg
+        match: {process: fp-udp-mmsg, protocol: udp, local_port: 7003}
+        rate: 10mbit
+        idle_timeout: 2s
+      - name: conn-udp
+        match: {process: fp-udp-conn, protocol: udp}
+        rate: 10mbit
+        idle_timeout: 2s
 """
 RATE_BPS = 10_000_000 / 8
 SIZE = 1200                       # datagram payload
 IPERF_V4, IPERF_V6, PORT = 5301, 5302, 7001
+MMSG_PORT, SINK_PORT = 7003, 7002
 
 
 def wire(size: int, v6: bool) -> float:
@@ -59,14 +73,17 @@ def site(module_testbed, tmp_path_factory):
     iperf3_server(tb, IPERF_V6)
     tb.popen(tb.server_ns, [PY, "-m", "harness.udpflows", "serve", "--port", str(PORT)])
     tb.wait_listening(PORT)
+    tb.popen(tb.server_ns, [PY, "-m", "harness.udpflows", "serve", "--port", str(MMSG_PORT),
+                            "--name", "fp-udp-mmsg", "--mmsg"])
+    tb.wait_listening(MMSG_PORT)
     d = Daemon(tb, work, RULES, "--backend", "htb").start()
     yield tb, d
     rc = d.stop()
     assert rc == 0, f"the daemon exited {rc} on SIGTERM:\n{d.log_text()[-3000:]}"
 
 
-def recv(tb, host, seconds=4.0, warmup=1.0, rate=25e6, bind_port=0, tcp=False):
-    argv = [PY, "-m", "harness.udpflows", "recv", "--host", str(host), "--port", str(PORT),
+def recv(tb, host, seconds=4.0, warmup=1.0, rate=25e6, bind_port=0, tcp=False, port=PORT):
+    argv = [PY, "-m", "harness.udpflows", "recv", "--host", str(host), "--port", str(port),
             "--seconds", str(seconds), "--warmup", str(warmup), "--rate", str(rate),
             "--size", str(SIZE), "--bind-port", str(bind_port)] + (["--tcp"] if tcp else [])
     return tb.popen(tb.client_ns, argv, stdout=subprocess.PIPE, text=True)
@@ -76,6 +93,21 @@ def result(p, timeout=60) -> dict:
     out, _ = p.communicate(timeout=timeout)
     assert p.returncode == 0, f"receiver exited {p.returncode}: {out[-500:]}"
     return json.loads(out.strip().splitlines()[-1])
+
+
+def at_rate(got: float, v6: bool, what: str, detail: str = "") -> None:
+    """Goodput ``got`` (bytes/s at the receiver) is 10 Mbit/s x payload/wire within 3 %."""
+    want = RATE_BPS * wire(SIZE, v6)
+    print(f"{what}: {got * 8 / 1e6:.3f} Mbit/s payload, want {want * 8 / 1e6:.3f}")
+    assert got == pytest.approx(want, rel=0.03), \
+        f"{what}: the receiver got {got * 8 / 1e6:.3f} Mbit/s, want {want * 8 / 1e6:.3f} " \
+        f"(10 Mbit/s x payload/wire){detail}"
+
+
+def peers_at_rate(res, what: str) -> None:
+    """The IPv4 and the IPv6 receiver's goodput (``recv`` results) each at the rule's rate."""
+    for r, v6 in zip(res, (False, True)):
+        at_rate(r["goodput_bps"], v6, f"{what} IPv{6 if v6 else 4}")
 
 
 def udp_flows(d):
@@ -99,12 +131,16 @@ def after_case(tb, d, what: str) -> None:
 
 def test_tracer_udp_peers_connected_release_idle_and_filter(module_testbed):
     """The tracer alone in the server namespace: a target's unconnected dual-stack socket gives
-    one OPEN per peer (IPv4 via the mapped address, IPv6), its connected socket one OPEN; closing
-    them gives their CLOSEs; a silent peer is reported IDLE after the shortest idle_timeout; a
-    non-target's datagrams are filtered in the kernel."""
+    one OPEN per peer (IPv4 via the mapped address, IPv6), each connected socket (IPv4, IPv6,
+    IPv4-mapped) one OPEN; every one of them silent for the shortest idle_timeout is reported
+    IDLE (the connected ones seen by the cgroup/skb egress program: their send()s carry no
+    address); a connected socket that sends again is OPEN again (WAKE); closing them gives their
+    CLOSEs; a non-target's datagrams are filtered in the kernel. (The VM runs the connected
+    half on 6.1: tests/guest/test_udp_tracer.py.)"""
     import os
     from flowpacer import model
     from flowpacer.tracer import Tracer
+    from harness.udpflows import ProbeRun
     tb = module_testbed
     ino = os.stat(f"/run/netns/{tb.server_ns}").st_ino
     t = Tracer(netns_ino=ino, ring_pages=8)
@@ -113,42 +149,30 @@ def test_tracer_udp_peers_connected_release_idle_and_filter(module_testbed):
     try:
         assert "cgroup udp" in t.hooks, t.hooks
         t.set_udp_idle(1_000_000_000, 10_000_000_000)
-        events = []
-
-        def run(name, hold):
-            p = tb.popen(tb.server_ns, [PY, "-m", "harness.udpflows", "probe", "--v4",
-                                        str(tb.client_v4), "--v6", str(tb.client_v6), "--hold",
-                                        str(hold), "--name", name], stdout=subprocess.PIPE,
-                         text=True)
-            return p, json.loads(p.stdout.readline())
-        other, _ = run("fp-not-target", 0)
-        p, ports = run("fp-udp-probe", 2.5)
-        u, c = ports["unconnected"], ports["connected"]
-        want = {
-            ("0.0.0.0", u, str(tb.client_v4)), ("::", u, str(tb.client_v6)),
-            (ports["connected_local"], c, str(tb.client_v4))}
-
-        def got(kind):
-            return {(str(e.flow.key.local_addr), e.flow.key.local_port,
-                     str(e.flow.key.remote_addr)) for e in events
-                    if e.kind is kind and e.flow.key.protocol is model.Protocol.UDP}
-
-        def until(kind, keys, timeout):
-            def have():
-                events.extend(t.poll(50))
-                return keys <= got(kind)
-            wait_for(have, timeout, 0.0, f"{kind.value} of {sorted(keys)}")
-        until(model.EventKind.OPEN, want, 5)
-        opens = [e for e in events if e.kind is model.EventKind.OPEN]
-        assert len(opens) == 3, opens            # the first datagram per peer only
+        other = ProbeRun(tb, t, 0, name="fp-not-target")
+        r = ProbeRun(tb, t, 2.5, again=True)
+        want = r.peers | r.connected
+        OPEN, IDLE, CLOSE = model.EventKind.OPEN, model.EventKind.IDLE, model.EventKind.CLOSE
+        r.until(f"OPEN of {sorted(want)}", lambda: want <= set(r.of(OPEN)), 5)
+        opens = [e for e in r.events if e.kind is OPEN]
+        assert len(opens) == 5, "\n".join(f"{e.flow.key} {e.flow.direction}" for e in opens)
         assert {e.flow.proc.comm for e in opens} == {"fp-udp-probe"}
         assert {e.flow.direction for e in opens} == {model.Direction.INBOUND,
                                                      model.Direction.OUTBOUND}
-        until(model.EventKind.IDLE, want - {(ports["connected_local"], c, str(tb.client_v4))}, 5)
-        until(model.EventKind.CLOSE, want, 5)
-        p.wait(10)
-        other.wait(10)
-        assert t.stats()["filtered"] >= 1          # the non-target's datagrams
+        r.until("IDLE of every flow", lambda: want <= set(r.of(IDLE)), 5)
+        r.until("the connected sockets OPEN again when they send again",
+                lambda: all(r.of(OPEN).count(k) == 2 for k in r.connected), 5)
+        again = [e for e in r.events if e.kind is OPEN][5:]
+        assert {e.flow.proc.comm for e in again} == {"fp-udp-probe"}, again
+        r.until(f"CLOSE of {sorted(want)}", lambda: want <= set(r.of(CLOSE)), 5)
+        assert all(r.of(OPEN).count(k) == 1 for k in r.peers)
+        assert all(r.of(IDLE).count(k) == 1 for k in r.connected), \
+            "a connected socket reported IDLE more than once in one silence"
+        r.proc.wait(10)
+        other.proc.wait(10)
+        st = t.stats()
+        assert st["filtered"] >= 1          # the non-target's datagrams
+        assert st["udp"]["woken"] == 3, st["udp"]
     finally:
         t.close()
 
@@ -170,6 +194,8 @@ def test_sockdiag_lists_connected_udp_and_unconnected_ports(module_testbed):
     key = model.FlowKey(tb.server_v4, ports["connected"], tb.client_v4, 9, model.Protocol.UDP)
     assert key in snap, sorted(map(str, snap))
     assert snap[key].proc.comm == "fp-udp-probe" and snap[key].direction is model.Direction.OUTBOUND
+    assert snap.udp_cookies.get(key), "no socket cookie for the connected socket (the tracer " \
+        "follows an adopted socket's sends by it)"
     assert ports["unconnected"] in snap.udp_ports
     assert not [k for k in snap if k.local_port == ports["unconnected"]]
 
@@ -182,13 +208,8 @@ def test_iperf3_udp_both_families_at_rate(site):
     docs = [traffic.iperf3_result(r) for r in runs]
     for doc, v6 in zip(docs, (False, True)):
         s = doc["end"]["sum"]
-        got = s["bytes"] / s["seconds"]          # -R: the client is the receiver
-        want = RATE_BPS * wire(SIZE, v6)
-        print(f"iperf3 -u IPv{6 if v6 else 4}: {got * 8 / 1e6:.3f} Mbit/s payload, want "
-              f"{want * 8 / 1e6:.3f}")
-        assert got == pytest.approx(want, rel=0.03), \
-            f"IPv{6 if v6 else 4}: the receiver got {got * 8 / 1e6:.3f} Mbit/s, want " \
-            f"{want * 8 / 1e6:.3f} (10 Mbit/s x payload/wire); lost {s.get('lost_percent')} %"
+        at_rate(s["bytes"] / s["seconds"], v6, f"iperf3 -u IPv{6 if v6 else 4}",   # -R: client
+                f"; lost {s.get('lost_percent')} %")                            # receives
     after_case(tb, d, "iperf3 -u")
 
 
@@ -200,15 +221,8 @@ def test_unconnected_server_two_peers_each_shaped_then_idle(site):
     assert {f["rule"] for f in seen} == {"quic"}
     locals_ = sorted(f["local"] for f in seen)
     assert locals_ == ["0.0.0.0:7001", "[::]:7001"], locals_   # wildcard socket, both families
-    res = [result(r) for r in runs]
+    peers_at_rate([result(r) for r in runs], "unconnected peer")
     ended = time.monotonic()
-    for r, v6 in zip(res, (False, True)):
-        want = RATE_BPS * wire(SIZE, v6)
-        print(f"unconnected peer IPv{6 if v6 else 4}: {r['goodput_bps'] * 8 / 1e6:.3f} Mbit/s, "
-              f"want {want * 8 / 1e6:.3f}")
-        assert r["goodput_bps"] == pytest.approx(want, rel=0.03), \
-            f"IPv{6 if v6 else 4} peer got {r['goodput_bps'] * 8 / 1e6:.3f} Mbit/s, want " \
-            f"{want * 8 / 1e6:.3f}"
     # the socket stays open: the flows end by idleness, not before the 2 s idle_timeout
     time.sleep(max(0.0, ended + 1.0 - time.monotonic()))     # a point in time, not a wait
     assert kernel_objects(tb)[0] == 2 and len(udp_flows(d)) == 2, \
@@ -240,3 +254,143 @@ def test_tcp_and_udp_same_ports_each_own_rule(site):
     assert udp["goodput_bps"] == pytest.approx(want_udp, rel=0.03), udp
     assert tcp["goodput_bps"] == pytest.approx(want_tcp, rel=0.05), tcp
     after_case(tb, d, "TCP and UDP of the same ports")
+
+
+def test_unconnected_server_sendmmsg_two_peers_each_shaped(site):
+    """sendmmsg with one message per peer address in each call: the cgroup sendmsg programs run
+    for every message, so each peer is its own flow, shaped on its own."""
+    tb, d = site
+    runs = [recv(tb, tb.server_v4, port=MMSG_PORT), recv(tb, tb.server_v6, port=MMSG_PORT)]
+    seen = wait_for(lambda: len(udp_flows(d)) >= 2 and udp_flows(d), 3, 0.05,
+                    "both sendmmsg peers' flows in status")
+    assert {f["rule"] for f in seen} == {"quic-mmsg"}, seen
+    peers_at_rate([result(r) for r in runs], "sendmmsg peer")
+    after_case(tb, d, "two peers answered with sendmmsg")
+
+
+class ConnectedSenders:
+    """``harness.udpflows conn`` (three connected sockets: IPv4, IPv6, IPv4-mapped) in the
+    server namespace sending to ``sink`` in the client namespace, both driven over stdin."""
+
+    def __init__(self, tb):
+        self.snd = None
+        self.sink = tb.popen(tb.client_ns, [PY, "-m", "harness.udpflows", "sink", "--port",
+                                            str(SINK_PORT)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+        json.loads(self.sink.stdout.readline())
+        self.snd = tb.popen(tb.server_ns, [PY, "-m", "harness.udpflows", "conn", "--v4",
+                                           str(tb.client_v4), "--v6", str(tb.client_v6),
+                                           "--port", str(SINK_PORT)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+        self.ports = json.loads(self.snd.stdout.readline())
+
+    def start(self, seconds: float) -> None:
+        """Send for ``seconds`` at 20 Mbit/s per socket (``done`` waits for the end)."""
+        self.snd.stdin.write(f"send {seconds} 20e6 {SIZE}\n")
+        self.snd.stdin.flush()
+
+    def done(self) -> dict:
+        return json.loads(self.snd.stdout.readline())
+
+    def send(self, seconds: float) -> dict:
+        self.start(seconds)
+        return self.done()
+
+    def report(self, t0: float, t1: float) -> dict:
+        """Goodput per peer ("ADDR PORT") at the receiver between two monotonic times."""
+        self.sink.stdin.write(f"report {t0} {t1}\n")
+        self.sink.stdin.flush()
+        return json.loads(self.sink.stdout.readline())
+
+    def close(self) -> None:
+        """Closes the sockets (their flows end at release) and waits for the sender."""
+        self.snd.stdin.close()
+        self.snd.wait(10)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in (self.snd, self.sink):
+            if p is not None and p.poll() is None:
+                p.kill()
+
+
+def conn_flows(d):
+    return [f for f in udp_flows(d) if f["rule"] == "conn-udp"]
+
+
+def wait_idled_out(tb, d, ended: float, what: str) -> float:
+    """Waits for the connected sockets' classes and filters to go; seconds since ``ended``."""
+    wait_for(lambda: not conn_flows(d) and kernel_objects(tb) == (0, 0), 6, 0.1,
+             f"the {what} classes and filters to go")
+    gone = time.monotonic() - ended
+    print(f"{what} classes gone {gone:.2f} s after the last datagram (idle_timeout 2 s)")
+    assert 1.5 <= gone <= 5.0, f"{what}: removed {gone:.2f} s after the last send"
+    return gone
+
+
+def test_connected_udp_idles_out_and_is_shaped_again(site):
+    """Connected IPv4, IPv6 and IPv4-mapped sockets (send()s carry no address: the egress
+    program sees them) sending with sendmmsg: a class each; silent past their 2 s idle_timeout
+    with the sockets open -> classes and filters gone, status counts the idle ends; sending again
+    -> a class each again, at the rule's rate at the receiver; closed -> gone."""
+    tb, d = site
+    with ConnectedSenders(tb) as cs:
+        wait_for(lambda: len(conn_flows(d)) == 3, 3, 0.05, "the three connected sockets' flows")
+        idle0 = d.status()["counters"]["events"].get("idle_close", 0)
+        cs.send(1.0)
+        ended = time.monotonic()
+        assert kernel_objects(tb)[0] == 3, tc_show(tb, "class")
+        wait_idled_out(tb, d, ended, "idle connected sockets'")
+        st = d.status()
+        assert st["counters"]["events"].get("idle_close", 0) - idle0 == 3, st["counters"]
+        assert st["tracer"]["udp"]["connected"] == 3, st["tracer"]
+        # the sockets send again: shaped again, at the rule's rate
+        t0 = time.monotonic()
+        sent = cs.send(4.0)
+        t1 = time.monotonic()
+        assert sent["sent"] > 0
+        assert len(conn_flows(d)) == 3 and kernel_objects(tb)[0] == 3, \
+            f"not shaped again: {conn_flows(d)}\n{tc_show(tb, 'class')}"
+        got = cs.report(t0 + 1.0, t1)
+        for what, addr, port, v6 in (("IPv4", tb.server_v4, cs.ports["v4"], False),
+                                     ("IPv6", tb.server_v6, cs.ports["v6"], True),
+                                     ("IPv4-mapped", tb.server_v4, cs.ports["mapped"], False)):
+            at_rate(got.get(f"{addr} {port}", 0.0), v6,
+                    f"connected {what} sending again after idling out", f": {got}")
+        assert d.status()["tracer"]["udp"]["woken"] >= 3
+        cs.close()
+        wait_for(lambda: not conn_flows(d), 3, 0.05, "the closed sockets' flows to go")
+    after_case(tb, d, "connected UDP sockets idling out and sending again")
+
+
+def test_connected_udp_adopted_after_a_crash_still_idles_out(site):
+    """The daemon killed (SIGKILL) while three connected sockets (IPv4, IPv6, mapped) are
+    shaped, started again: it adopts their classes, and sock_diag's listing (with each socket's
+    cookie) lets the tracer follow their sends although it never saw them connect: silent past
+    the 2 s idle_timeout they lose their classes, sending again they get them back, closed they
+    go. Runs last: it restarts the module's daemon (the fixture stops the new one)."""
+    tb, d = site
+    with ConnectedSenders(tb) as cs:
+        wait_for(lambda: len(conn_flows(d)) == 3, 3, 0.05, "the three connected sockets' flows")
+        d.kill()
+        assert kernel_objects(tb)[0] == 3, "the killed daemon's classes should still be there"
+        d.log_mode = "a"
+        d.start()
+        seen = wait_for(lambda: len(conn_flows(d)) == 3 and conn_flows(d), 10, 0.1,
+                        "the connected sockets adopted by the restarted daemon")
+        assert {f["source"] for f in seen} == {"reconcile"}, seen
+        wait_for(lambda: d.status()["tracer"]["udp"]["adopted"] >= 3, 5, 0.1,
+                 "the tracer to follow the adopted sockets")
+        cs.send(1.0)
+        wait_idled_out(tb, d, time.monotonic(), "adopted connected sockets'")
+        woken = d.status()["tracer"]["udp"]["woken"]
+        cs.start(1.5)
+        wait_for(lambda: len(conn_flows(d)) == 3 and kernel_objects(tb)[0] == 3, 1.2, 0.02,
+                 "the adopted sockets shaped again when they send again")
+        cs.done()
+        assert d.status()["tracer"]["udp"]["woken"] - woken == 3
+        cs.close()
+        wait_for(lambda: not conn_flows(d), 3, 0.05, "the closed sockets' flows to go")
+    after_case(tb, d, "connected UDP sockets adopted after a crash")

@@ -18,6 +18,9 @@
 #define FT_CLOSE   2
 #define FT_RELEASE 3  /* a UDP socket with flows closed (udptrace.c): the flows of
                        * its cookie end */
+#define FT_WAKE    4  /* a connected UDP socket silent for the shortest
+                       * idle_timeout sends again (udptrace.c): its flow is
+                       * open again (user space knows it by its cookie) */
 
 /* ft_event.direction (model.Direction) */
 #define FT_DIR_UNKNOWN  0
