@@ -1,16 +1,19 @@
 """Uploads (issue 17): what the server receives, shaped on flowpacer's ifb, on real traffic.
 
-One testbed for the module: in its server namespace four iperf3 servers (one bound to the IPv4
-address: pure IPv4 flows; two dual-stack listeners: IPv6 flows and IPv4-mapped flows; one that no
-rule matches) and flowpacer's own delivery server for a flow that goes both ways. One daemon
-(htb) serves the cases; the crash case has a testbed and two daemons of its own. The rule ``ingest`` gives the iperf3
-servers' flows ``receive_rate: 10mbit``.
+One testbed for the module: in its server namespace iperf3 servers (bound to the IPv4 address:
+pure IPv4 flows; dual-stack listeners: IPv6 flows and IPv4-mapped flows; one that no rule
+matches) and flowpacer's own delivery server for a flow that goes both ways. One daemon (htb)
+serves the cases; the crash case has a testbed and two daemons of its own. The rule ``ingest``
+gives the iperf3 servers' TCP flows ``receive_rate: 10mbit``; ``borrow``/``no-borrow`` are
+receive-only (5mbit with and without ``receive_ceil: 20mbit``); ``udp-ingest`` (rate and
+receive_rate) and ``udp-receive-only`` shape ``iperf3 -u`` uploads.
 Clients send from the client namespace (``iperf3`` without ``-R``: the client uploads); goodput
-is what the server received, against 10 Mbit/s x 1448/1514 (1428/1514 over IPv6).
+is what the server received, against the rate x 1448/1514 (1428/1514 over IPv6; UDP: its
+datagram over its frame).
 
 After each case (``after_case``): no traceback in the daemon's log, every stage running, the
 receive side reported ok in status, and no flow class or filter left on either side within 3 s
-of the last flow's end.
+of the last flow's end; after each daemon's clean stop no ifb, clsact, qdisc or filter is left.
 """
 from __future__ import annotations
 
@@ -87,6 +90,8 @@ def daemon(bed, tmp_path_factory):
     yield d
     rc = d.stop()
     assert rc == 0, f"the daemon exited {rc} on SIGTERM:\n{d.log_text()[-3000:]}"
+    assert_all_gone(bed)
+    assert not list(tracebacks(d.log_text()))
 
 
 def ifb(tb) -> str:
@@ -141,6 +146,17 @@ def after_case(tb, d, what: str) -> None:
             f"after {what}: classes/filters left 3 s after the last flow: send "
             f"{kernel_objects(tb)}, receive {rx_objects(tb)}\n{tc_show(tb, 'class', dev=ifb(tb))}"
         ) from None
+
+
+def assert_all_gone(tb) -> None:
+    """After a clean stop: no ifb, no clsact, no root qdisc, no filter on either hook."""
+    links = tb.run(tb.server_ns, ["ip", "-o", "link", "show"]).stdout
+    assert ifb(tb) not in links, links
+    qd = tc_show(tb, "qdisc")
+    assert "clsact" not in qd and "htb" not in qd, qd
+    assert not tc_show(tb, "filter").strip()
+    assert not tb.run(tb.server_ns, ["tc", "filter", "show", "dev", tb.server_if,
+                                     "ingress"], check=False).stdout.strip()
 
 
 def receive_flows(d) -> list:
@@ -275,13 +291,7 @@ def test_crash_with_receive_classes_then_restart_and_clean_stop(testbed, tmp_pat
     finally:
         rc = d2.stop()
     assert rc == 0, f"the daemon exited {rc} on SIGTERM:\n{d2.log_text()[-3000:]}"
-    links = tb.run(tb.server_ns, ["ip", "-o", "link", "show"]).stdout
-    assert ifb(tb) not in links, links
-    qd = tc_show(tb, "qdisc")
-    assert "clsact" not in qd and "htb" not in qd, qd
-    assert not tc_show(tb, "filter").strip()
-    assert not tb.run(tb.server_ns, ["tc", "filter", "show", "dev", tb.server_if,
-                                     "ingress"], check=False).stdout.strip()
+    assert_all_gone(tb)
     assert not list(tracebacks(d2.log_text()))
 
 
@@ -388,7 +398,8 @@ def test_udp_uploads_ipv4_ipv6_and_receive_only_at_once(bed, daemon):
     def udp_flows():
         fl = [f for f in daemon.flows() if f["protocol"] == "udp"
               and f["rule"] in ("udp-ingest", "udp-receive-only")]
-        return fl if len({(f["rule"], f["local"], f["side"]) for f in fl}) >= 4 else None
+        # udp-ingest: IPv4 and IPv6, each a send and a receive class; udp-receive-only: one
+        return fl if len({(f["rule"], f["local"], f["side"]) for f in fl}) >= 5 else None
     fl = wait_for(udp_flows, 10, 0.1, "the three UDP uploads' classes")
     recv = [f for f in fl if f["side"] == "receive"]
     assert {(f["rule"], f["rate_bit"]) for f in recv} == {("udp-ingest", RECV_BIT),
