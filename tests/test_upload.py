@@ -36,7 +36,6 @@ SEND_BIT = 40_000_000
 BORROW_RATE_BIT, BORROW_CEIL_BIT = 5_000_000, 20_000_000
 P_V4, P_V6, P_MAPPED, P_FREE, P_DUPLEX = 5301, 5302, 5303, 5310, 5320
 P_BORROW_V4, P_BORROW_V6, P_NO_BORROW = 5304, 5305, 5306
-UDP_SIZE = 1200                   # iperf3 -u datagram payload
 # the receive-only rules (borrow, no-borrow, udp-receive-only) have no rate: no send class
 RULES = """
     interface: IFACE
@@ -368,64 +367,48 @@ def test_receive_ceil_borrows_up_to_the_ceil_receive_only(bed, daemon):
     after_case(tb, daemon, "the receive_ceil batch")
 
 
-def udp_wire(v6: bool) -> float:
-    """payload / bytes htb counts on the ifb (Ethernet + IP + UDP headers)."""
-    return UDP_SIZE / (UDP_SIZE + 14 + (40 if v6 else 20) + 8)
-
-
 def test_udp_uploads_ipv4_ipv6_and_receive_only_at_once(bed, daemon):
     """``iperf3 -u -b 50M`` uploads (the client sends, iperf3's server receives) over IPv4,
     IPv6 (rule udp-ingest: rate and receive_rate 10mbit) and IPv4-mapped (udp-receive-only:
     receive_rate only), all at once: what iperf3's server received (its own JSON report) is
-    10 Mbit/s x payload/wire within 3 %.
+    10 Mbit/s x payload/wire within 3 %, and the clients did offer 50 (``send_buffer_max``).
 
     iperf3's UDP server connect()s its socket to the client when the first datagram arrives
     (and opens a new unconnected socket for the next test), so the flow is a connected UDP
     socket: the tracer's connect hook (or sock_diag's rescan) reports it although the server
     never sends a datagram; its receive filter matches the reversed tuple, protocol 17."""
     tb = bed
-    # -w 1M: a datagram queued on the server's ifb still belongs to the client's socket (a veth
-    # keeps the skb's owner), so with the default 208 KiB send buffer the ifb's 100-packet
-    # queue alone blocks the client at ~10 Mbit/s and nothing is dropped; a sender across a
-    # real network offers all 50, which a send buffer well above that queue gives here
-    extra = ("-u", "-b", "50M", "-l", str(UDP_SIZE), "-w", "1M", "-O", "1",
-             "--get-server-output")
     kinds = (("ipv4", tb.server_v4, P_V4), ("ipv6", tb.server_v6, P_V6),
              ("ipv4-mapped", tb.server_v4, P_MAPPED))
-    started = [(kind, traffic.iperf3(tb, host, port, seconds=4, reverse=False, extra=extra))
-               for kind, host, port in kinds]
+    with traffic.send_buffer_max():
+        started = [(kind, traffic.udp_upload(tb, host, port)) for kind, host, port in kinds]
 
-    def udp_flows():
-        fl = [f for f in daemon.flows() if f["protocol"] == "udp"
-              and f["rule"] in ("udp-ingest", "udp-receive-only")]
-        # udp-ingest: IPv4 and IPv6, each a send and a receive class; udp-receive-only: one
-        return fl if len({(f["rule"], f["local"], f["side"]) for f in fl}) >= 5 else None
-    fl = wait_for(udp_flows, 10, 0.1, "the three UDP uploads' classes")
-    recv = [f for f in fl if f["side"] == "receive"]
-    assert {(f["rule"], f["rate_bit"]) for f in recv} == {("udp-ingest", RECV_BIT),
-                                                         ("udp-receive-only", RECV_BIT)}
-    assert {f["family"] for f in recv} == {4, 6}
-    # udp-ingest has a rate: a send class too (the server sends nothing on it); the receive-only
-    # rule's flow has none
-    assert {f["rule"] for f in fl if f["side"] == "send"} == {"udp-ingest"}
-    print("UDP upload flows found by: "
-          f"{sorted({(f['rule'], f['side'], f['source']) for f in fl})}")
-    got = {}
-    for kind, p in started:
-        doc = traffic.iperf3_result(p, timeout=60)
-        srv = doc.get("server_output_json")
-        assert srv and "end" in srv, f"no server report from iperf3 ({kind}): {sorted(doc)}"
-        s = srv["end"]["sum_received"]           # iperf3 3.12's receiver sum ("sum" has 0 bytes)
-        r = s["bytes"] / s["seconds"]
-        sent = doc["end"]["sum"]
-        want = RECV_BIT / 8 * udp_wire(kind == "ipv6")
-        got[kind] = (r * 8, sent["bytes"] * 8 / sent["seconds"], s["lost_percent"])
+        def udp_flows():
+            fl = [f for f in daemon.flows() if f["protocol"] == "udp"
+                  and f["rule"] in ("udp-ingest", "udp-receive-only")]
+            # udp-ingest: IPv4 and IPv6, each a send and a receive class; udp-receive-only: one
+            return fl if len({(f["rule"], f["local"], f["side"]) for f in fl}) >= 5 else None
+        fl = wait_for(udp_flows, 10, 0.1, "the three UDP uploads' classes")
+        recv = [f for f in fl if f["side"] == "receive"]
+        assert {(f["rule"], f["rate_bit"]) for f in recv} == {("udp-ingest", RECV_BIT),
+                                                             ("udp-receive-only", RECV_BIT)}
+        assert {f["family"] for f in recv} == {4, 6}
+        # udp-ingest has a rate: a send class too (the server sends nothing on it); the
+        # receive-only rule's flow has none
+        assert {f["rule"] for f in fl if f["side"] == "send"} == {"udp-ingest"}
+        print("UDP upload flows found by: "
+              f"{sorted({(f['rule'], f['side'], f['source']) for f in fl})}")
+        got = {kind: traffic.udp_upload_received(p) for kind, p in started}
+    for kind, g in got.items():
+        want = RECV_BIT / 8 * traffic.udp_wire(kind == "ipv6")
+        r = g["received_bps"]
         assert r == pytest.approx(want, rel=0.03), \
             f"UDP {kind}: iperf3's server received {r * 8 / 1e6:.3f} Mbit/s, want " \
             f"{want * 8 / 1e6:.3f} (10 Mbit/s x payload/wire); the client sent " \
-            f"{got[kind][1] / 1e6:.1f} Mbit/s, the server lost {s['lost_percent']:.1f} %"
-        assert got[kind][1] > 45e6, \
-            f"UDP {kind}: the client offered only {got[kind][1] / 1e6:.1f} of 50 Mbit/s"
-    print("UDP uploads (received Mbit/s, sent Mbit/s, lost %): "
-          f"{ {k: (round(a / 1e6, 3), round(b / 1e6, 1), round(c, 1)) for k, (a, b, c) in got.items()} }")
+            f"{g['sent_bps'] * 8 / 1e6:.1f} Mbit/s, the server lost {g['lost_percent']:.1f} %"
+        assert g["sent_bps"] * 8 > 45e6, \
+            f"UDP {kind}: the client offered only {g['sent_bps'] * 8 / 1e6:.1f} of 50 Mbit/s"
+    print("UDP uploads (received Mbit/s, sent Mbit/s, lost %): " + str(
+        {k: (round(g["received_bps"] * 8e-6, 3), round(g["sent_bps"] * 8e-6, 1),
+             round(g["lost_percent"], 1)) for k, g in got.items()}))
     after_case(tb, daemon, "the UDP uploads")
