@@ -81,6 +81,7 @@ def test_uploads_paced_by_psp_on_the_ifb(tb, tmp_path, big_rmem):
             minor = int(f["classid"].split(":")[1], 16)
             assert f["rate_bit"] == RECV and minor in cls, (f, sorted(cls))
             assert cls[minor].rate == RECV // 8
+        off = []           # rates off their goal: all measured (TCP and UDP), then judged
         for fam, c in clients.items():
             out, _ = c.communicate(timeout=120)
             doc = json.loads(out)
@@ -89,10 +90,13 @@ def test_uploads_paced_by_psp_on_the_ifb(tb, tmp_path, big_rmem):
             want = RECV / 8 * (WIRE6 if fam == 6 else WIRE)
             psplib.record(f"psp upload (IPv{fam}): receive_rate {RECV / 1e6:g} Mbit: received "
                           f"{got * 8 / 1e6:.3f} Mbit/s = {100 * got / want:.2f} % of rate x wire")
-            assert got == pytest.approx(want, rel=0.05), f"IPv{fam}: {got * 8 / 1e6:.3f} Mbit/s"
+            if got != pytest.approx(want, rel=0.05):
+                off.append(f"TCP IPv{fam}: {got * 8 / 1e6:.3f} Mbit/s, want "
+                           f"{want * 8 / 1e6:.3f} within 5 %")
         wait_for(lambda: list(_rx(tb)[1]) == [2], 10, 0.1, "the ended uploads' classes to go")
-        udp_uploads(tb, d)
+        off += udp_uploads(tb, d)
         wait_for(lambda: list(_rx(tb)[1]) == [2], 10, 0.1, "the UDP uploads' classes to go")
+        assert not off, "; ".join(off)
     finally:
         rc = d.stop()
     assert rc == 0, d.log.read_text()[-3000:]
@@ -103,8 +107,9 @@ def test_uploads_paced_by_psp_on_the_ifb(tb, tmp_path, big_rmem):
                                                  tb.server_if]).stdout
 
 
-def udp_uploads(tb: Testbed, d: Daemon) -> None:
-    """``iperf3 -u -b 50M`` over IPv4 and IPv6 at once under the receive-only rule udp-up."""
+def udp_uploads(tb: Testbed, d: Daemon) -> list:
+    """``iperf3 -u -b 50M`` over IPv4 and IPv6 at once under the receive-only rule udp-up; the
+    rates off their goal (received within 3 % of 10 Mbit/s x payload/frame, 50 offered)."""
     with traffic.send_buffer_max():
         runs = {fam: traffic.udp_upload(tb, host, port, seconds=6, omit=2)
                 for fam, host, port in ((4, tb.server_v4, P_V4), (6, tb.server_v6, P_V6))}
@@ -120,6 +125,7 @@ def udp_uploads(tb: Testbed, d: Daemon) -> None:
         for f in fl:
             assert cls[int(f["classid"].split(":")[1], 16)].rate == UDP_RECV // 8
         got = {fam: traffic.udp_upload_received(p, timeout=120) for fam, p in runs.items()}
+    off = []
     for fam, g in got.items():
         want = UDP_RECV / 8 * traffic.udp_wire(fam == 6)
         r = g["received_bps"]
@@ -127,5 +133,9 @@ def udp_uploads(tb: Testbed, d: Daemon) -> None:
                       f"{g['sent_bps'] * 8 / 1e6:.1f} Mbit/s offered: received "
                       f"{r * 8 / 1e6:.3f} Mbit/s = {100 * r / want:.2f} % of rate x payload/"
                       f"frame, lost {g['lost_percent']:.1f} %")
-        assert g["sent_bps"] * 8 > 40e6, f"IPv{fam}: offered only {g['sent_bps'] * 8e-6:.1f}"
-        assert r == pytest.approx(want, rel=0.03), f"IPv{fam}: {r * 8 / 1e6:.3f} Mbit/s"
+        if g["sent_bps"] * 8 < 40e6:
+            off.append(f"UDP IPv{fam}: offered only {g['sent_bps'] * 8e-6:.1f} of 50 Mbit/s")
+        if r != pytest.approx(want, rel=0.03):
+            off.append(f"UDP IPv{fam}: received {r * 8 / 1e6:.3f} Mbit/s, want "
+                       f"{want * 8 / 1e6:.3f} within 3 %")
+    return off
