@@ -5,7 +5,8 @@
 daemon makes its ifb, redirects the interface's ingress to it and puts a psp root qdisc and one
 psp class per flow there. iperf3 clients in the client namespace upload (no ``-R``) over IPv4
 and IPv6 at once; what the server received must be within 5 % of 3 Mbit/s x 1448/1514
-(1428/1514 over IPv6). Then ``iperf3 -u -b 50M`` uploads over IPv4 and IPv6 at once: iperf3's
+(1428/1514 over IPv6); a third at the same time, of the receive-only rule ``borrow``
+(``receive_rate: 3mbit``, ``receive_ceil: 6mbit``), borrows up to 6 Mbit/s. Then ``iperf3 -u -b 50M`` uploads over IPv4 and IPv6 at once: iperf3's
 server connects its UDP socket to the client (sock_diag finds it: no tracer here), the flows get
 a psp receive class and no send class, and the server's own report says 10 Mbit/s x
 payload/frame within 3 %. While they run each data flow has its psp class on the ifb at the
@@ -28,12 +29,17 @@ from harness.traffic import WIRE, WIRE6
 from psplib import PspNl
 
 RECV = 3_000_000
-P_V4, P_V6 = 5401, 5402
+CEIL = 6_000_000          # rule borrow: receive-only, receive_ceil (a lone flow borrows up to it)
+P_V4, P_V6, P_BORROW = 5401, 5402, 5403
 RULES = """
     interface: IFACE
     backend: psp
     link_rate: 1gbit
     rules:
+      - name: borrow
+        match: {process: iperf3, direction: inbound, local_port: 5403}
+        receive_rate: 3mbit
+        receive_ceil: 6mbit
       - name: ingest
         match: {process: iperf3, direction: inbound}
         rate: 20mbit
@@ -57,6 +63,7 @@ def _rx(tb: Testbed):
 def test_uploads_paced_by_psp_on_the_ifb(tb, tmp_path, big_rmem):
     iperf3_server(tb, P_V4, bind=str(tb.server_v4), json=True)
     iperf3_server(tb, P_V6, json=True)
+    iperf3_server(tb, P_BORROW)
     # bounded by a condition, long: TCG on a shared 2-core host starts Python slowly
     d = Daemon(tb, tmp_path, RULES, "--no-tracer", "--no-metrics", "--rescan", "0.5")
     try:
@@ -72,8 +79,9 @@ def test_uploads_paced_by_psp_on_the_ifb(tb, tmp_path, big_rmem):
         clients = {fam: tb.popen(tb.client_ns, ["iperf3", "-c", str(host), "-p", str(port),
                                                 "-t", "10", "-O", "3", "-J"],
                                  stdout=subprocess.PIPE, text=True)
-                   for fam, host, port in ((4, tb.server_v4, P_V4), (6, tb.server_v6, P_V6))}
-        rx = wait_for(lambda: (lambda f: f if len(f) >= 4 else None)(
+                   for fam, host, port in ((4, tb.server_v4, P_V4), (6, tb.server_v6, P_V6),
+                                           ("borrow", tb.server_v4, P_BORROW))}
+        rx = wait_for(lambda: (lambda f: f if len(f) >= 6 else None)(
             [f for f in d.flows() if f["side"] == "receive"]), 30, 0.2,
             "the uploads' receive classes (data and control flows)")
         _, cls = _rx(tb)
@@ -81,17 +89,23 @@ def test_uploads_paced_by_psp_on_the_ifb(tb, tmp_path, big_rmem):
             minor = int(f["classid"].split(":")[1], 16)
             assert f["rate_bit"] == RECV and minor in cls, (f, sorted(cls))
             assert cls[minor].rate == RECV // 8
+        borrow = [f for f in rx if f["rule"] == "borrow"]
+        assert borrow and {f["ceil_bit"] for f in borrow} == {CEIL}, rx
+        assert not [f for f in d.flows() if f["rule"] == "borrow" and f["side"] == "send"]
         off = []           # rates off their goal: all measured (TCP and UDP), then judged
         for fam, c in clients.items():
             out, _ = c.communicate(timeout=120)
             doc = json.loads(out)
             assert c.returncode == 0, doc.get("error")
             got = doc["end"]["sum_received"]["bits_per_second"] / 8
-            want = RECV / 8 * (WIRE6 if fam == 6 else WIRE)
-            psplib.record(f"psp upload (IPv{fam}): receive_rate {RECV / 1e6:g} Mbit: received "
-                          f"{got * 8 / 1e6:.3f} Mbit/s = {100 * got / want:.2f} % of rate x wire")
+            goal = CEIL if fam == "borrow" else RECV
+            want = goal / 8 * (WIRE6 if fam == 6 else WIRE)
+            what = ("IPv4, receive_rate 3 Mbit, receive_ceil 6 Mbit" if fam == "borrow"
+                    else f"IPv{fam}: receive_rate {RECV / 1e6:g} Mbit")
+            psplib.record(f"psp upload ({what}): received {got * 8 / 1e6:.3f} Mbit/s = "
+                          f"{100 * got / want:.2f} % of {goal / 1e6:g} Mbit x wire")
             if got != pytest.approx(want, rel=0.05):
-                off.append(f"TCP IPv{fam}: {got * 8 / 1e6:.3f} Mbit/s, want "
+                off.append(f"TCP {what}: {got * 8 / 1e6:.3f} Mbit/s, want "
                            f"{want * 8 / 1e6:.3f} within 5 %")
         wait_for(lambda: list(_rx(tb)[1]) == [2], 10, 0.1, "the ended uploads' classes to go")
         off += udp_uploads(tb, d)
@@ -133,8 +147,11 @@ def udp_uploads(tb: Testbed, d: Daemon) -> list:
                       f"{g['sent_bps'] * 8 / 1e6:.1f} Mbit/s offered: received "
                       f"{r * 8 / 1e6:.3f} Mbit/s = {100 * r / want:.2f} % of rate x payload/"
                       f"frame, lost {g['lost_percent']:.1f} %")
-        if g["sent_bps"] * 8 < 40e6:
-            off.append(f"UDP IPv{fam}: offered only {g['sent_bps'] * 8e-6:.1f} of 50 Mbit/s")
+        # the guest's emulated CPUs do not always make 2 x 50 Mbit/s of datagrams (28-49 seen):
+        # what matters is that far more than the rate was offered and the excess dropped
+        if g["sent_bps"] * 8 < 2 * UDP_RECV:
+            off.append(f"UDP IPv{fam}: offered only {g['sent_bps'] * 8e-6:.1f} Mbit/s, not "
+                       f"twice the receive_rate")
         if r != pytest.approx(want, rel=0.03):
             off.append(f"UDP IPv{fam}: received {r * 8 / 1e6:.3f} Mbit/s, want "
                        f"{want * 8 / 1e6:.3f} within 3 %")
