@@ -65,17 +65,22 @@ def groups_of(rule: Rule, key: Optional[FlowKey]) -> Tuple[Group, ...]:
 
 
 def shape_of(rule: Rule, key: Optional[FlowKey] = None) -> Shape:
-    """The shape of a flow of ``rule``; with aggregates, ``key`` says which client it is."""
+    """The send shape of a flow of ``rule``; with aggregates, ``key`` says which client it is.
+    Only for a rule that ``sends`` (a receive-only rule has no send shape)."""
+    if rule.rate_bps is None:
+        raise ValueError(f"rule {rule.name!r} is receive-only: it has no send shape")
     return Shape(rule.name, rule.rate_bps, max(rule.ceil_bps or rule.rate_bps, rule.rate_bps),
                  groups_of(rule, key) if rule.has_groups else ())
 
 
 def desired(flows: Mapping[FlowKey, Flow], ruleset: RuleSet) -> Dict[FlowKey, Shape]:
-    """Each live flow that a rule matches, with its rule's shape (first match wins)."""
+    """Each live flow that a rule matches, with its rule's shape (first match wins). A flow whose
+    first matching rule is receive-only gets none: its send side is not shaped, no class at all
+    (it does not fall through to a later rule)."""
     out = {}
     for key, flow in flows.items():
         r = first_match(ruleset.rules, flow)
-        if r is not None:
+        if r is not None and r.sends:
             out[key] = shape_of(r, key)
     return out
 

@@ -176,6 +176,8 @@ def compile_rules(ruleset: RuleSet) -> Compiled:
                 c.remote[k] = c.remote.get(k, 0) | bit
         if r.has_groups:
             why.append("aggregate rates (client/total) get their class in user space")
+        if not r.sends:       # its flows get no send class: the walk stops here, nothing taken
+            why.append("receive only: nothing to shape on the send side")
         if why:
             c.not_kernel[r.name] = "; ".join(why)
         else:

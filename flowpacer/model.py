@@ -195,7 +195,8 @@ DEFAULT_IDLE_TIMEOUT_NS = 30_000_000_000
 class Rule:
     name: str
     match: Match
-    rate_bps: int                        # bytes/s per flow
+    rate_bps: Optional[int]              # bytes/s per flow; None: a receive-only rule (what
+    #                                      its flows send is not shaped, they get no send class)
     ceil_bps: Optional[int] = None       # bytes/s, >= rate_bps
     line: int = field(default=0, compare=False)   # where it was declared (for messages)
     # aggregates (issue 15): all flows of this rule from one client / all flows of this rule
@@ -211,6 +212,11 @@ class Rule:
     @property
     def has_groups(self) -> bool:
         return self.client_rate_bps is not None or self.total_rate_bps is not None
+
+    @property
+    def sends(self) -> bool:
+        """Whether the rule shapes what the server sends (False: receive_rate only)."""
+        return self.rate_bps is not None
 
 
 class BackendKind(str, enum.Enum):

@@ -509,8 +509,11 @@ RULE_FIELDS: Tuple[Field, ...] = (
     Field("match", _p_match, None, True,
           "which flows the rule paces: every given field must match (see the match fields)",
           "{process: musicd, direction: inbound, local_port: 8443}"),
-    Field("rate", _p_rate, None, True,
-          "the pacing rate of EACH matching flow, in tc units (or NN% of link_rate)", "8mbit"),
+    Field("rate", _p_rate, None, False,
+          "the pacing rate of EACH matching flow, in tc units (or NN% of link_rate); a rule "
+          "needs rate, receive_rate or both", "8mbit",
+          "none with receive_rate (a receive-only rule: what the flow is sent is not shaped); "
+          "else required"),
     Field("ceil", _p_rate, None, False,
           "optional: a flow may borrow idle capacity up to this rate (>= rate)", "600mbit",
           "none (no borrowing)"),
@@ -569,6 +572,8 @@ def _p_rules(node: Node, env: _Env, name: str) -> Tuple[Rule, ...]:
                 seen[rname] = name_node.start_mark.line + 1
         rate, ceil = values.get("rate"), values.get("ceil")
         link = env.link_bps
+        if not _check_sides(item, values, renv):
+            ok = False
         if not _within_link(item, values, renv, link, ("rate", "ceil"), "a flow"):
             ok = False
         if rate is not None and ceil is not None and ceil < rate:
@@ -615,6 +620,24 @@ def _within_link(item, values: dict, renv, link: Optional[int], keys, who: str) 
 def _given(item: MappingNode, key: str) -> bool:
     """Whether the rule mapping names ``key`` (even with a value that was refused)."""
     return key in {k.value for k, _ in item.value if isinstance(k, ScalarNode)}
+
+
+def _check_sides(item, values: dict, renv) -> bool:
+    """A rule shapes the send side (rate), the receive side (receive_rate) or both; without
+    rate (a receive-only rule) nothing of the send side (ceil, aggregates) may be given."""
+    if _given(item, "rate"):
+        return True
+    if not _given(item, "receive_rate"):
+        renv.report(item, "rate", "missing: give rate (what each flow is sent), receive_rate "
+                                  "(what each flow may upload), or both")
+        return False
+    ok = True
+    for key in ("ceil", "client_rate", "total_rate"):
+        if _given(item, key):
+            renv.report(_lookup(item, key), key,
+                        "needs rate (it shapes what is sent; this rule has receive_rate only)")
+            ok = False
+    return ok
 
 
 def _check_receive(item, values: dict, renv, link: Optional[int]) -> bool:
@@ -988,8 +1011,9 @@ def dump(rs: RuleSet) -> str:
         doc["link_rate"] = units.format_rate(rs.link_rate_bps)
     rules = []
     for r in rs.rules:
-        d: Dict[str, Any] = {"name": r.name, "match": _match_out(r.match),
-                             "rate": units.format_rate(r.rate_bps)}
+        d: Dict[str, Any] = {"name": r.name, "match": _match_out(r.match)}
+        if r.rate_bps is not None:
+            d["rate"] = units.format_rate(r.rate_bps)
         if r.ceil_bps is not None:
             d["ceil"] = units.format_rate(r.ceil_bps)
         if r.receive_rate_bps is not None:
@@ -1067,8 +1091,10 @@ def describe(rs: RuleSet) -> List[str]:
     for i, r in enumerate(rs.rules, 1):
         ceil = units.format_bits(r.ceil_bps) if r.ceil_bps is not None else "none"
         at = f" (line {r.line})" if r.line else ""
-        lines.append(f"  {i}. {r.name}{at}: rate {units.format_bits(r.rate_bps)} per flow, "
-                     f"ceil {ceil}{_aggregates_summary(r)}; match {_match_summary(r.match)}")
+        send = (f"rate {units.format_bits(r.rate_bps)} per flow, ceil {ceil}" if r.sends
+                else "receive only (sending not shaped)")
+        lines.append(f"  {i}. {r.name}{at}: {send}{_aggregates_summary(r)}; "
+                     f"match {_match_summary(r.match)}")
     lines.extend(str(w) for w in rs.warnings)     # "FILE:LINE:COL: ...: warning: ..."
     return lines
 

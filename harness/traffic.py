@@ -9,10 +9,14 @@ a flow paced at ``rate_bps`` on the wire carries at most ``rate_bps * wire(v6)``
 - ``iperf3``: ``iperf3 -c`` (``-R``: the server sends), its JSON report;
 - ``ab``, ``h2load``, ``curl``: ApacheBench, nghttp2's h2load and curl, their summaries;
 - ``keepalive_client``, ``reset_midway``, ``stalled_reader``: small socket clients run in a
-  thread of the test process with their sockets made in the client namespace.
+  thread of the test process with their sockets made in the client namespace;
+- ``udp_upload``/``udp_upload_received``: ``iperf3 -u`` offering a rate to the server (the
+  server receives), and what the server's own report says it received; ``send_buffer_max``
+  lets the client's socket buffer be big enough to offer it (see there).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import socket
@@ -73,6 +77,67 @@ def iperf3_result(p: subprocess.Popen, timeout: float = 60) -> dict:
     if p.returncode != 0 or "error" in doc:
         raise AssertionError(f"iperf3 exited {p.returncode}: {doc.get('error', out[-500:])}")
     return doc
+
+
+UDP_SIZE = 1200             # iperf3 -u datagram payload (-l)
+WMEM_MAX = "/proc/sys/net/core/wmem_max"
+UDP_SNDBUF = "4M"           # iperf3 -w: the kernel doubles it, within 2 x wmem_max
+
+
+def udp_wire(v6: bool, size: int = UDP_SIZE) -> float:
+    """UDP payload per frame a qdisc counts (Ethernet + IP + UDP headers)."""
+    return size / (size + 14 + (40 if v6 else 20) + 8)
+
+
+@contextlib.contextmanager
+def send_buffer_max(at_least: int = 4 << 20):
+    """net.core.wmem_max at least ``at_least`` inside the block (the old value back after it;
+    global, not per namespace; only ever raised, so other programs see no change).
+
+    A datagram that crossed a veth still belongs to its sender's socket (the kernel keeps the
+    skb's owner), also while it waits in a shaper's queue on the receiving side (the ifb), so
+    a UDP sender here is held back by the receiving side's queue once its send buffer is full:
+    with Debian's 208 KiB cap an ``iperf3 -u -b 50M`` client offered 9.7 Mbit/s to a 10 Mbit/s
+    receive class (htb, 100-packet leaf queue), and nothing was dropped; psp's class queue is
+    1000 packets, which 2 MiB did not cover either (9.1 Mbit/s offered in the VM). A sender
+    across a real network is not held back: a buffer well above that queue (``-w 4M``, 8 MiB)
+    lets it offer all 50."""
+    with open(WMEM_MAX) as f:
+        old = int(f.read())
+    if old >= at_least:
+        yield
+        return
+    with open(WMEM_MAX, "w") as f:
+        f.write(f"{at_least}\n")
+    try:
+        yield
+    finally:
+        with open(WMEM_MAX, "w") as f:
+            f.write(f"{old}\n")
+
+
+def udp_upload(tb, host, port: int, rate: str = "50M", seconds: float = 4,
+               omit: float = 1) -> subprocess.Popen:
+    """``iperf3 -u -b RATE`` client -> server (the server receives), with the server's own
+    report (the server must run with ``-J``: ``iperf3_server(json=True)``). Run it inside
+    ``send_buffer_max()``."""
+    return iperf3(tb, host, port, seconds=seconds, reverse=False,
+                  extra=("-u", "-b", rate, "-l", str(UDP_SIZE), "-w", UDP_SNDBUF,
+                         "-O", str(omit), "--get-server-output"))
+
+
+def udp_upload_received(p: subprocess.Popen, timeout: float = 60) -> dict:
+    """What the iperf3 server received (``received_bps``: payload bytes/s after the omitted
+    seconds, ``lost_percent``) and what the client offered (``sent_bps``)."""
+    doc = iperf3_result(p, timeout)
+    srv = doc.get("server_output_json")
+    if not srv or "end" not in srv:
+        raise AssertionError(f"no JSON report from the iperf3 server (run it with -J): "
+                             f"{sorted(doc)}")
+    got = srv["end"]["sum_received"]     # iperf3 3.12: the receiver's sum ("sum" has 0 bytes)
+    sent = doc["end"]["sum"]
+    return {"received_bps": got["bytes"] / got["seconds"], "lost_percent": got["lost_percent"],
+            "sent_bps": sent["bytes"] / sent["seconds"]}
 
 
 def _field(text: str, label: str) -> Optional[float]:

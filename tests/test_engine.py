@@ -252,3 +252,21 @@ def test_receive_side_is_its_own_map_first_match_wins():
                                                  f3.key: Shape("upc", 1_000, 1_000)}
     assert set(engine.desired(flows, rs)) == {f1.key, f2.key, f3.key}
     assert rs.receives and not RuleSet("eth0", rules=(rule("x"),)).receives
+
+
+def test_receive_only_rule_no_send_shape_and_no_fall_through():
+    """Issue 17: a flow whose first matching rule has receive_rate only gets a receive shape and
+    no send shape at all (no 0-rate or unlimited class), and does not fall through to a later
+    rule's send rate."""
+    import dataclasses
+    import pytest
+    up = dataclasses.replace(rule("up", process=("musicd",)), rate_bps=None,
+                             receive_rate_bps=625_000, receive_ceil_bps=2_500_000)
+    rs = RuleSet("eth0", rules=(up, rule("send", process=("musicd",))))
+    f1 = flow()
+    flows = {f1.key: f1}
+    assert engine.desired(flows, rs) == {}
+    assert engine.desired_receive(flows, rs) == {f1.key: Shape("up", 625_000, 2_500_000)}
+    assert not up.sends and rs.receives
+    with pytest.raises(ValueError):
+        engine.shape_of(up)

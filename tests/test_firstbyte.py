@@ -78,11 +78,16 @@ def test_compile_rules_kernel_decided_and_masks(tmp_path):
       - name: users
         match: {user: [0, 33]}
         rate: 1mbit
+      - name: uploads
+        match: {process: fp-ingest}
+        receive_rate: 1mbit
 """)
     c = firstbyte.compile_rules(rs)
     names = {r.name for r in c.kernel.values()}
     assert names == {"burst", "up", "byport", "upport", "nets", "users"}
     assert "exe" in c.not_kernel["late"] and "glob" in c.not_kernel["late2"]
+    # receive-only: a candidate that stops the walk (no first-byte class), never a pool
+    assert "receive only" in c.not_kernel["uploads"]
     bit = {r.name: 1 << i for i, r in enumerate(rs.rules)}
     assert c.inbound & bit["burst"] and not c.outbound & bit["burst"]
     assert c.outbound & bit["up"] and not c.inbound & bit["up"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import pwd
+import re
 import textwrap
 from pathlib import Path
 
@@ -270,8 +271,8 @@ def test_rule_missing_fields_and_unknown_keys():
     assert errs("rules: [{name: a}]") == [
         "r.yaml:1:9: rule 'a': match: missing: a rule with no match fields would shape every "
         "flow of every process",
-        "r.yaml:1:9: rule 'a': rate: missing (required: the pacing rate of EACH matching flow, "
-        "in tc units (or NN% of link_rate))",
+        "r.yaml:1:9: rule 'a': rate: missing: give rate (what each flow is sent), receive_rate "
+        "(what each flow may upload), or both",
     ]
     assert err("rules: [{name: a, match: {process: x}, rate: 1mbit, ciel: 2mbit}]") == \
         "r.yaml:1:53: rule 'a': ciel: unknown key; did you mean 'ceil'?"
@@ -841,3 +842,38 @@ def test_receive_rate_errors_have_their_place():
         "r.yaml:6:19: rule 'r': receive_rate: 2 Gbit/s is above link_rate 1 Gbit/s: a flow can "
         "never get it")
     assert err(agg("receive_rate: fast\n")).startswith("r.yaml:6:19: rule 'r': receive_rate: ")
+
+
+RECV_ONLY = "link_rate: 1gbit\nrules:\n  - name: r\n    match: {process: nginx}\n"
+
+
+def test_receive_only_rule_loads_round_trips_and_says_so():
+    """A rule with receive_rate and no rate shapes what its flows upload only (issue 17)."""
+    rs = ok(RECV_ONLY + "    receive_rate: 10mbit\n    receive_ceil: 20mbit\n")
+    (r,) = rs.rules
+    assert (r.rate_bps, r.ceil_bps, r.receive_rate_bps, r.receive_ceil_bps) == (
+        None, None, 1_250_000, 2_500_000)
+    assert not r.sends and rs.receives
+    text = rules.dump(rs)
+    assert not re.search(r"^[ -]*rate:", text, re.M), text
+    assert rules.without_provenance(rules.loads(text)) == rules.without_provenance(rs)
+    assert "r (line 3): receive only (sending not shaped), receive_rate 10 Mbit/s per flow " \
+           "(ceil 20 Mbit/s)" in rules.describe(rs)[-1]
+
+
+def test_receive_only_rule_errors_have_their_place():
+    # neither rate nor receive_rate: a problem at the rule (and receive_ceil's own)
+    assert errs(RECV_ONLY + "    receive_ceil: 20mbit\n") == [
+        "r.yaml:3:5: rule 'r': rate: missing: give rate (what each flow is sent), receive_rate "
+        "(what each flow may upload), or both",
+        "r.yaml:5:19: rule 'r': receive_ceil: needs receive_rate (the rate a flow's uploads are "
+        "guaranteed)"]
+    # a refused receive_rate is its own problem, not also "missing"
+    assert err(RECV_ONLY + "    receive_rate: fast\n").startswith(
+        "r.yaml:5:19: rule 'r': receive_rate: ")
+    # what shapes the send side needs rate
+    assert errs(RECV_ONLY + "    receive_rate: 10mbit\n    ceil: 20mbit\n"
+                "    client_rate: 20mbit\n    total_rate: 30mbit\n") == [
+        f"r.yaml:{n}:{c}: rule 'r': {k}: needs rate (it shapes what is sent; this rule has "
+        "receive_rate only)" for n, c, k in ((6, 11, "ceil"), (7, 18, "client_rate"),
+                                             (8, 17, "total_rate"))]

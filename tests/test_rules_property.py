@@ -86,9 +86,17 @@ def rulesets(draw, max_rules=5, min_rules=0, list_size=3):
         # idle_timeout (issue 17): whole seconds, milliseconds or odd nanoseconds, 1 s..24 h
         idle = draw(st.one_of(st.just(30 * 10**9), st.integers(1, 86400).map(lambda s: s * 10**9),
                               st.integers(10**9, 86400 * 10**9)))
+        # uploads (issue 17): receive_rate (and receive_ceil); or receive-only (no rate, and so
+        # nothing of the send side)
+        rrate = draw(st.integers(1, top)) if draw(st.booleans()) else None
+        rceil = draw(st.integers(rrate, top)) if rrate is not None and draw(st.booleans()) \
+            else None
+        if rrate is not None and draw(st.integers(0, 3)) == 0:
+            rate = ceil = client = total = None
+            prefix = (32, 64)
         rs.append(Rule(name=n, match=draw(MATCHES[list_size]), rate_bps=rate, ceil_bps=ceil,
                        client_rate_bps=client, total_rate_bps=total, client_prefix=prefix,
-                       idle_timeout_ns=idle))
+                       idle_timeout_ns=idle, receive_rate_bps=rrate, receive_ceil_bps=rceil))
     return RuleSet(interface=draw(ifnames), backend=draw(st.sampled_from(list(BackendKind))),
                    link_rate_bps=link, rules=tuple(rs))
 

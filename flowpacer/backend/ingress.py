@@ -165,6 +165,8 @@ class IngressBackend(TcBackend):
                          side=Side.RECEIVE, speed_interface=interface)
         self.parent_interface = interface
         self.parent_ifindex = 0
+        self._clsact_ours = False    # we made the interface's clsact: kept across a rebuild of
+        #                              the ifb (whose alias records it, and goes with it)
 
     # --------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -212,10 +214,15 @@ class IngressBackend(TcBackend):
             rt.request(Request(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_EXCL,
                                nl.tcmsg(idx, mirred.CLSACT_HANDLE, mirred.TC_H_CLSACT)
                                + mirred.clsact_options(), f"create clsact qdisc on {name}"))
-            if not ifb.alias.endswith(CLSACT_OURS):
-                ifb.alias += CLSACT_OURS
-                rt.request(Request(link.RTM_NEWLINK, 0, link.set_alias(ifb.index, ifb.alias),
-                                   f"note on {self.interface} that the clsact is ours"))
+            self._clsact_ours = True
+        elif ifb.alias.endswith(CLSACT_OURS):
+            self._clsact_ours = True         # adopted: a previous run made it
+        if self._clsact_ours and not ifb.alias.endswith(CLSACT_OURS):
+            # (also when the ifb was deleted behind us and made again: the clsact we made is
+            # still there, and must still go at the stop)
+            ifb.alias += CLSACT_OURS
+            rt.request(Request(link.RTM_NEWLINK, 0, link.set_alias(ifb.index, ifb.alias),
+                               f"note on {self.interface} that the clsact is ours"))
         targets = redirect_targets(rt, idx)
         if targets == [ifb.index]:
             return
