@@ -24,9 +24,12 @@ import pytest
 
 from harness import traffic
 from harness.capture import kernel_objects, tc_show
-from harness.daemon import Daemon, healthy, tracebacks
+from harness.daemon import Daemon
 from harness.servers import iperf3_server
 from harness.testbed import PY, wait_for
+from harness.udpcases import (PORT, RATE_BPS, SIZE, ConnectedSenders, after_case, at_rate,
+                              conn_flows, peers_at_rate, recv, result, udp_flows, wait_idled_out,
+                              wire)
 
 pytestmark = pytest.mark.kernel
 
@@ -54,15 +57,8 @@ RULES = """
         rate: 10mbit
         idle_timeout: 2s
 """
-RATE_BPS = 10_000_000 / 8
-SIZE = 1200                       # datagram payload
-IPERF_V4, IPERF_V6, PORT = 5301, 5302, 7001
-MMSG_PORT, SINK_PORT = 7003, 7002
-
-
-def wire(size: int, v6: bool) -> float:
-    """payload / bytes htb counts (Ethernet + IP + UDP headers)."""
-    return size / (size + 14 + (40 if v6 else 20) + 8)
+IPERF_V4, IPERF_V6 = 5301, 5302
+MMSG_PORT = 7003
 
 
 @pytest.fixture(scope="module")
@@ -80,53 +76,6 @@ def site(module_testbed, tmp_path_factory):
     yield tb, d
     rc = d.stop()
     assert rc == 0, f"the daemon exited {rc} on SIGTERM:\n{d.log_text()[-3000:]}"
-
-
-def recv(tb, host, seconds=4.0, warmup=1.0, rate=25e6, bind_port=0, tcp=False, port=PORT):
-    argv = [PY, "-m", "harness.udpflows", "recv", "--host", str(host), "--port", str(port),
-            "--seconds", str(seconds), "--warmup", str(warmup), "--rate", str(rate),
-            "--size", str(SIZE), "--bind-port", str(bind_port)] + (["--tcp"] if tcp else [])
-    return tb.popen(tb.client_ns, argv, stdout=subprocess.PIPE, text=True)
-
-
-def result(p, timeout=60) -> dict:
-    out, _ = p.communicate(timeout=timeout)
-    assert p.returncode == 0, f"receiver exited {p.returncode}: {out[-500:]}"
-    return json.loads(out.strip().splitlines()[-1])
-
-
-def at_rate(got: float, v6: bool, what: str, detail: str = "") -> None:
-    """Goodput ``got`` (bytes/s at the receiver) is 10 Mbit/s x payload/wire within 3 %."""
-    want = RATE_BPS * wire(SIZE, v6)
-    print(f"{what}: {got * 8 / 1e6:.3f} Mbit/s payload, want {want * 8 / 1e6:.3f}")
-    assert got == pytest.approx(want, rel=0.03), \
-        f"{what}: the receiver got {got * 8 / 1e6:.3f} Mbit/s, want {want * 8 / 1e6:.3f} " \
-        f"(10 Mbit/s x payload/wire){detail}"
-
-
-def peers_at_rate(res, what: str) -> None:
-    """The IPv4 and the IPv6 receiver's goodput (``recv`` results) each at the rule's rate."""
-    for r, v6 in zip(res, (False, True)):
-        at_rate(r["goodput_bps"], v6, f"{what} IPv{6 if v6 else 4}")
-
-
-def udp_flows(d):
-    return [f for f in d.flows() if f.get("protocol") == "udp"]
-
-
-def after_case(tb, d, what: str) -> None:
-    log = d.log_text()
-    tbs = list(tracebacks(log))
-    assert not tbs, f"after {what}: a traceback in the daemon's log:\n" + "\n---\n".join(tbs[:3])
-    assert d.alive(), f"after {what}: the daemon exited:\n{log[-3000:]}"
-    bad = healthy(d.status())
-    assert not bad, f"after {what}: {bad}"
-    try:
-        wait_for(lambda: kernel_objects(tb) == (0, 0), 8, 0.1, "every class and filter to go")
-    except TimeoutError:
-        raise AssertionError(f"after {what}: left {kernel_objects(tb)}\n{tc_show(tb, 'class')}\n"
-                             f"flows: {[(f['local'], f['remote'], f.get('protocol')) for f in d.flows()]}"
-                             ) from None
 
 
 def test_tracer_udp_peers_connected_release_idle_and_filter(module_testbed):
@@ -266,68 +215,6 @@ def test_unconnected_server_sendmmsg_two_peers_each_shaped(site):
     assert {f["rule"] for f in seen} == {"quic-mmsg"}, seen
     peers_at_rate([result(r) for r in runs], "sendmmsg peer")
     after_case(tb, d, "two peers answered with sendmmsg")
-
-
-class ConnectedSenders:
-    """``harness.udpflows conn`` (three connected sockets: IPv4, IPv6, IPv4-mapped) in the
-    server namespace sending to ``sink`` in the client namespace, both driven over stdin."""
-
-    def __init__(self, tb):
-        self.snd = None
-        self.sink = tb.popen(tb.client_ns, [PY, "-m", "harness.udpflows", "sink", "--port",
-                                            str(SINK_PORT)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
-        json.loads(self.sink.stdout.readline())
-        self.snd = tb.popen(tb.server_ns, [PY, "-m", "harness.udpflows", "conn", "--v4",
-                                           str(tb.client_v4), "--v6", str(tb.client_v6),
-                                           "--port", str(SINK_PORT)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
-        self.ports = json.loads(self.snd.stdout.readline())
-
-    def start(self, seconds: float) -> None:
-        """Send for ``seconds`` at 20 Mbit/s per socket (``done`` waits for the end)."""
-        self.snd.stdin.write(f"send {seconds} 20e6 {SIZE}\n")
-        self.snd.stdin.flush()
-
-    def done(self) -> dict:
-        return json.loads(self.snd.stdout.readline())
-
-    def send(self, seconds: float) -> dict:
-        self.start(seconds)
-        return self.done()
-
-    def report(self, t0: float, t1: float) -> dict:
-        """Goodput per peer ("ADDR PORT") at the receiver between two monotonic times."""
-        self.sink.stdin.write(f"report {t0} {t1}\n")
-        self.sink.stdin.flush()
-        return json.loads(self.sink.stdout.readline())
-
-    def close(self) -> None:
-        """Closes the sockets (their flows end at release) and waits for the sender."""
-        self.snd.stdin.close()
-        self.snd.wait(10)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for p in (self.snd, self.sink):
-            if p is not None and p.poll() is None:
-                p.kill()
-
-
-def conn_flows(d):
-    return [f for f in udp_flows(d) if f["rule"] == "conn-udp"]
-
-
-def wait_idled_out(tb, d, ended: float, what: str) -> float:
-    """Waits for the connected sockets' classes and filters to go; seconds since ``ended``."""
-    wait_for(lambda: not conn_flows(d) and kernel_objects(tb) == (0, 0), 6, 0.1,
-             f"the {what} classes and filters to go")
-    gone = time.monotonic() - ended
-    print(f"{what} classes gone {gone:.2f} s after the last datagram (idle_timeout 2 s)")
-    assert 1.5 <= gone <= 5.0, f"{what}: removed {gone:.2f} s after the last send"
-    return gone
 
 
 def test_connected_udp_idles_out_and_is_shaped_again(site):
