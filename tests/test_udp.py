@@ -65,17 +65,20 @@ MMSG_PORT = 7003
 def site(module_testbed, tmp_path_factory):
     tb = module_testbed
     work = tmp_path_factory.mktemp("udp")
-    iperf3_server(tb, IPERF_V4)
-    iperf3_server(tb, IPERF_V6)
-    tb.popen(tb.server_ns, [PY, "-m", "harness.udpflows", "serve", "--port", str(PORT)])
-    tb.wait_listening(PORT)
-    tb.popen(tb.server_ns, [PY, "-m", "harness.udpflows", "serve", "--port", str(MMSG_PORT),
-                            "--name", "fp-udp-mmsg", "--mmsg"])
-    tb.wait_listening(MMSG_PORT)
-    d = Daemon(tb, work, RULES, "--backend", "htb").start()
-    yield tb, d
-    rc = d.stop()
-    assert rc == 0, f"the daemon exited {rc} on SIGTERM:\n{d.log_text()[-3000:]}"
+    # the servers' 4 MiB send buffers (Debian caps them at 208 KiB): an unconnected socket
+    # serving two peers is held back by datagrams waiting in either peer's class otherwise
+    with traffic.send_buffer_max(16 << 20):
+        iperf3_server(tb, IPERF_V4)
+        iperf3_server(tb, IPERF_V6)
+        tb.popen(tb.server_ns, [PY, "-m", "harness.udpflows", "serve", "--port", str(PORT)])
+        tb.wait_listening(PORT)
+        tb.popen(tb.server_ns, [PY, "-m", "harness.udpflows", "serve", "--port", str(MMSG_PORT),
+                                "--name", "fp-udp-mmsg", "--mmsg"])
+        tb.wait_listening(MMSG_PORT)
+        d = Daemon(tb, work, RULES, "--backend", "htb").start()
+        yield tb, d
+        rc = d.stop()
+        assert rc == 0, f"the daemon exited {rc} on SIGTERM:\n{d.log_text()[-3000:]}"
 
 
 def test_tracer_udp_peers_connected_release_idle_and_filter(module_testbed):

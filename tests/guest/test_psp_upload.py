@@ -156,3 +156,54 @@ def udp_uploads(tb: Testbed, d: Daemon) -> list:
             off.append(f"UDP IPv{fam}: received {r * 8 / 1e6:.3f} Mbit/s, want "
                        f"{want * 8 / 1e6:.3f} within 3 %")
     return off
+
+
+def test_crash_with_psp_receive_classes_then_restart_and_clean_stop(tb, tmp_path, big_rmem):
+    """SIGKILL while uploads over IPv4 and IPv6 run: the ifb, the redirect and the psp receive
+    classes stay; a new daemon adopts them (no second class or ifb, none left) and names their
+    rule; when the uploads end their classes go; a clean stop removes the ifb and the clsact.
+    Both daemons find flows by sock_diag (``--no-tracer``): adoption does not involve it."""
+    iperf3_server(tb, P_V4, bind=str(tb.server_v4))
+    iperf3_server(tb, P_V6)
+    d = Daemon(tb, tmp_path, RULES, "--no-tracer", "--no-metrics", "--rescan", "0.5")
+    d.start(timeout=300)
+    clients = [tb.popen(tb.client_ns, ["iperf3", "-c", str(host), "-p", str(port), "-t", "90"],
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+               for host, port in ((tb.server_v4, P_V4), (tb.server_v6, P_V6))]
+    d2 = None
+    try:
+        rx = wait_for(lambda: (lambda f: f if len(f) >= 4 else None)(
+            [f for f in d.flows() if f["side"] == "receive"]), 60, 0.2,
+            "the uploads' receive classes (data and control flows)")
+        n = len(rx)
+        d.kill()
+        _, cls = _rx(tb)
+        assert len(cls) == n + 1, (n, sorted(cls))           # + the default class
+        d2 = Daemon(tb, tmp_path, None, "--no-tracer", "--no-metrics", "--rescan", "0.5",
+                    log_mode="a")
+        d2.start(timeout=300)
+        wait_for(lambda: {f["rule"] for f in d2.flows() if f["side"] == "receive"} == {"ingest"}
+                 and len([f for f in d2.flows() if f["side"] == "receive"]) == n, 60, 0.2,
+                 "the adopted receive classes named by their rule")
+        q, cls2 = _rx(tb)
+        assert q is not None and sorted(cls2) == sorted(cls), (sorted(cls), sorted(cls2))
+        log = d2.log_text()
+        assert f"{ifb_name(tb.server_if)}: adopted flowpacer qdisc with {n} flow classes" in log, \
+            log[-3000:]
+        links = tb.run(tb.server_ns, ["ip", "-o", "link", "show"]).stdout
+        assert links.count(ifb_name(tb.server_if)) == 1, links
+        for c in clients:
+            c.terminate()
+            c.wait(30)
+        wait_for(lambda: list(_rx(tb)[1]) == [2], 60, 0.2, "the ended uploads' classes to go")
+    finally:
+        for c in clients:
+            if c.poll() is None:
+                c.kill()
+        rc = (d2 or d).stop()
+    assert rc == 0, (d2 or d).log_text()[-3000:]
+    assert "Traceback" not in d.log.read_text()
+    links = tb.run(tb.server_ns, ["ip", "-o", "link", "show"]).stdout
+    assert ifb_name(tb.server_if) not in links, links
+    assert "clsact" not in tb.run(tb.server_ns, ["tc", "qdisc", "show", "dev",
+                                                 tb.server_if]).stdout
