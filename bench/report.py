@@ -1191,6 +1191,15 @@ def section_tracer(R: Results) -> str:
     if sp:
         out.append(table(["offered flows/s", "achieved", "events lost"],
                          [[x["offered_flows_per_s"], x["achieved_flows_per_s"], x["lost"]] for x in sp]))
+    cost = t.get("bpf_program_cost") or {}
+    if cost:
+        progs = sorted({p for v in cost.values() for p in v})
+        out.append("In-kernel cost per program run over the same loop (kernel.bpf_stats_enabled, which "
+                   "adds two clock reads per run: upper bounds). `cgroup:ft_udp_egress` runs for every "
+                   "packet any local socket sends (here the loop's TCP packets): what all traffic pays "
+                   "for following connected UDP sockets.\n")
+        out.append(table(["program", *cost.keys()],
+                         [[p, *(num(g(cost, k, p, "ns_per_run"), "ns") for k in cost)] for p in progs]))
     fig, ax = plt.subplots(figsize=(6, 2.8))
     ks = list(rt)
     ax.barh([labels.get(k, k) for k in ks], [rt[k]["p50_median_of_rounds"] for k in ks], color="C0", label="p50")

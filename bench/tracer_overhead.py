@@ -495,8 +495,12 @@ def main(argv=None) -> int:
                     t.start()
                     run_rtt(nets, rtt_n, t, watch=watch)
                     progs = {}
-                    for fn, tp in t.PROGRAMS:
-                        info = prog_info(t._bpf.funcs[fn.encode()].fd)
+                    # the cgroup programs (UDP, issue 17) too: the egress one runs for every
+                    # packet any local socket sends, so its cost per TCP packet is what all
+                    # traffic pays for it
+                    for fn, tp in (*t.PROGRAMS, *((fn, f"cgroup:{fn}") for fn, *_ in t.CGROUP_PROGRAMS)):
+                        f = t._bpf.funcs.get(fn.encode())
+                        info = prog_info(f.fd) if f is not None else {}
                         if info.get("run_cnt"):
                             progs[tp] = {"runs": info["run_cnt"], "unit": "ns",
                                          "ns_per_run": round(info["run_time_ns"] / info["run_cnt"], 1)}
