@@ -19,6 +19,7 @@ against another kernel version's headers.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import ipaddress
@@ -713,10 +714,8 @@ class Tracer:
             if quiet >= longest or flow is None:
                 gone.append((k, ident))
         for k, ident in gone:
-            try:
+            with contextlib.suppress(KeyError):     # evicted (LRU) or released meanwhile
                 del peers[k]
-            except KeyError:
-                pass
             flow = self._udp_peer_flow.pop(ident, None)
             if flow is not None:
                 keys = self._udp_by_cookie.get(ident[0])
@@ -780,10 +779,8 @@ class Tracer:
                 self._udp_conn_idle.pop(cookie, None)
                 self._udp_by_cookie.pop(cookie, None)
                 for m in (conn, held):
-                    try:
+                    with contextlib.suppress(KeyError):
                         del m[m.Key(cookie)]
-                    except KeyError:
-                        pass
 
     def _woken(self, r) -> Optional[model.FlowEvent]:
         """A connected UDP socket that was silent sends again: its flow is OPEN again."""
