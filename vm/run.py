@@ -57,26 +57,25 @@ KILL_GRACE = 30.0             # host seconds past the job timeout before qemu is
 # Kernel command line: serial console, exit qemu on panic, trust the (emulated) TSC,
 # no speculative-execution mitigations (they only slow the emulation down).
 # FLOWPACER_VM_APPEND adds to it (for debugging).
-APPEND = "console=ttyS0 panic=-1 tsc=reliable mitigations=off rdinit=/init"
+APPEND = "console=ttyS0 panic=-1 tsc=reliable mitigations=off init_on_alloc=0 rdinit=/init"
 # Virtual time skips idle time: with every vCPU halted, qemu moves the clock straight to the next
 # timer. A guest with a tickless idle may have no timer for seconds, so each wait for the host
 # (a 9p read) would jump the guest's clock that far and trip the guest's own timeouts. A
 # periodic tick (nohz=off: CONFIG_HZ, 250 on Debian) bounds each jump to 4 ms.
-#
-# Bulk byte work costs 1 ns a byte in virtual time with `-cpu max`: its ERMS/FSRM flags make the
-# kernel's memset/memcpy/clear_page a `rep stosb`/`rep movsb`, and icount counts every iteration
-# of a rep-prefixed instruction as one instruction, one byte each (a real CPU does 16-64 bytes a
-# cycle). Without them the kernel uses `rep stosq`/`rep movsq` (8 bytes an iteration). And
-# Debian's kernels zero every page allocation (CONFIG_INIT_ON_ALLOC_DEFAULT_ON). A sender's skb
-# buffers come from a 32 KiB page-fragment cache refilled with bottom halves disabled, one refill
-# per ~16 frames of 1514 bytes: ~32 us of zeroing during which no softirq, so no qdisc watchdog,
-# can run. That was the ~40 us gap every qdisc showed ~4000 times a second at 1 Gbit/s (psp 53.8 %
-# of gaps within +-10 % on 6.12; without both 97.0 %; vm/README.md). The pacing measurements want
-# the qdisc's timing, not the emulator's cost of a byte, so virtual time leaves both out
-# (FLOWPACER_VM_CPU overrides the model, for comparisons).
-APPEND_VIRTUAL = "nohz=off init_on_alloc=0"
-CPU_REAL = "max"
-CPU_VIRTUAL = "max,-erms,-fsrm"
+APPEND_VIRTUAL = "nohz=off"
+# A byte is expensive under TCG with `-cpu max`: its ERMS/FSRM flags make the kernel's memset,
+# memcpy and clear_page `rep stosb`/`rep movsb`, which TCG runs one byte an iteration (dd to
+# /dev/null: 100 MB/s in the guest, 750 MB/s without them) and icount counts as one instruction a
+# byte: 1 ns a byte in virtual time, where a real CPU does 16-64 bytes a cycle. And Debian's
+# kernels zero every page allocation (CONFIG_INIT_ON_ALLOC_DEFAULT_ON). A sender's skb buffers
+# come from a 32 KiB page-fragment cache refilled with bottom halves disabled, about once per 16
+# frames of 1514 bytes: ~32 us of zeroing during which no softirq, so no qdisc watchdog, can run.
+# That was the ~40 us gap every qdisc showed ~4000 times a second at 1 Gbit/s (psp 53.8 % of gaps
+# within +-10 % on 6.12; without both 97.0 %; vm/README.md). The guest therefore runs without
+# ERMS/FSRM (the kernel falls back to 8 bytes an iteration) and with init_on_alloc=0: the tests
+# and measurements want the kernel's and the qdisc's behaviour, not the emulator's cost of a byte.
+# FLOWPACER_VM_CPU overrides the CPU model (FLOWPACER_VM_CPU=max: the old one, for comparisons).
+CPU = "max,-erms,-fsrm"
 
 
 def host_tsc_khz(cpuinfo: str = "/proc/cpuinfo") -> int:
@@ -181,7 +180,7 @@ def _qemu_cmd(art: "vmbuild.Artifacts", out: Path, mem_mb: int, smp: int,
         accel = ["-accel", "tcg"]
     return [
         QEMU, "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
-        "-machine", "q35", *accel, "-cpu", os.environ.get("FLOWPACER_VM_CPU", CPU_VIRTUAL if clock is Clock.VIRTUAL else CPU_REAL), "-m", str(mem_mb), "-smp", str(smp),
+        "-machine", "q35", *accel, "-cpu", os.environ.get("FLOWPACER_VM_CPU", CPU), "-m", str(mem_mb), "-smp", str(smp),
         "-kernel", str(art.vmlinux), "-initrd", str(art.initramfs),
         "-append", " ".join(filter(None, (APPEND, APPEND_VIRTUAL if clock is Clock.VIRTUAL else "",
                                           _tsc_append(clock),
