@@ -13,6 +13,7 @@ measurement is taken again: a miss is a failure.
   than 2 packets back to back (gaps under a quarter of the ideal; the simulator proves the
   bound exactly, tests/test_psp_sim.py), on the wire and by the qdisc's own count (xstats
   longest_run), and the frame rate within 0.1 % of the target.
+- At 1 Gbit/s with pktgen as the source: the same goals (``test_psp_at_1gbit_with_pktgen``).
 - Sharing: 5 classes at 4,4,4,2,2 Mbit/s on a 10 Mbit/s psp link, all backlogged, get the
   link in proportion to their rates (2:2:2:1:1, each within 1 % of rate x 10/16).
 - Borrowing: a class at 2 Mbit/s with ceil 6 gets its ceil while the link is idle and only
@@ -27,8 +28,8 @@ import time
 import pytest
 
 import psplib
-from pacing import (Capture, Htb, Iperf, IPERF_PORT, PacingStats, Psp, mbit, measure,
-                    require_virtual_time, to_mbit, wait_for, window_rate)
+from pacing import (Capture, Htb, Iperf, IPERF_PORT, PacingStats, Psp, ksoftirqd_fifo, mbit, measure,
+                    measure_pktgen, require_virtual_time, to_mbit, wait_for, window_rate)
 
 DURATION_S = {2: 5.0, 10: 4.0, 100: 3.0}
 RATES = (2, 10, 100)
@@ -74,6 +75,33 @@ def test_psp_paces_wire_packets_with_gso_on(bed, rate):
     assert abs(psp.fit_rate_error) <= 0.001, f"{to_mbit(psp.rate_bps):.4f} Mbit/s (fitted " \
         f"{100 * psp.fit_rate_error:+.4f} %)"
     assert abs(psp.rate_error) <= 0.001, f"{100 * psp.rate_error:+.4f} %"
+    assert x["clamps"] == 0
+
+
+GBIT = 1000
+
+
+def test_psp_at_1gbit_with_pktgen(bed):
+    """Issue 14's goal at 1 Gbit/s: >= 95 % of the gaps within +-10 % of the ideal 12.1 us,
+    the rate within 0.1 %, never more than 2 packets back to back. The source is pktgen
+    (1514-byte UDP frames at 1.1 Gbit/s through the qdisc, dropped at the receiver's ingress):
+    a TCP sender and receiver in the one-vCPU guest leave the qdisc no CPU to be punctual with.
+
+    ksoftirqd runs SCHED_FIFO for this case: 6.1 leaves pending softirqs to ksoftirqd once it
+    is awake (reverted in 6.5), and pktgen's busy thread then holds up the qdisc watchdog's
+    softirq (psp 90.0 % within +-10 % and its rate kept; htb loses 5 % of its rate). 6.12 runs
+    the softirq at the interrupt's exit and gives psp 97.1 % without it
+    (bench/results/vm_gaps_pktgen_612.json)."""
+    tb, sock = bed
+    with ksoftirqd_fifo():
+        st = measure_pktgen(tb, Psp(mbit(GBIT)), mbit(GBIT), duration=2.0)
+    x = sock.root(tb.sender_dev).xstats
+    tb.clear_qdisc()
+    psplib.record(f"psp   {GBIT} pktgen {st.row()}  ({_psp_note(x)})")
+    assert st.capture_drops == 0
+    assert st.within10 >= 0.95, f"within +-10 %: {100 * st.within10:.1f} %"
+    assert abs(st.rate_error) <= 0.001, f"{100 * st.rate_error:+.4f} %"
+    assert st.longest_run <= 2 and x["longest_run"] <= 2, (st.longest_run, x["longest_run"])
     assert x["clamps"] == 0
 
 
