@@ -335,19 +335,31 @@ def _runs_text(v) -> str:
     return ", ".join(out)
 
 
+# issue 14's gap runs: TCP, and pktgen on 6.1 as shipped, 6.1 with ksoftirqd SCHED_FIFO, 6.12
+GAPS14 = (("iperf3", "vm_gaps"), ("pktgen", "vm_gaps_pktgen"), ("pktgen", "vm_gaps_pktgen_rt"),
+          ("pktgen", "vm_gaps_pktgen_612"))
+
+
+def _kernel_label(f) -> str:
+    kernel = str(g(f, "vm", "kernel", default="?"))
+    short = ".".join(kernel.split(".")[:2]) if kernel[:1].isdigit() else kernel
+    return short + (", ksoftirqd SCHED_FIFO" if g(f, "setup", "ksoftirqd_rt") else "")
+
+
 def _issue14(R, key, rates=(100, 1000)):
     """psp's ``key`` at each rate from a valid (no capture drops) run: TCP (vm_gaps, GSO on)
     and the cheap source (vm_gaps_pktgen), each where measured; judged on the better."""
     out = {}
     for rate in rates:
         vals = {}
-        for src, name in (("iperf3", "vm_gaps"), ("pktgen", "vm_gaps_pktgen")):
+        for src, name in GAPS14:
             f = R.fig(name) or {}
+            label = f"{src} ({_kernel_label(f)})"
             for r in f.get("runs", []) or []:
                 if r.get("qdisc") == "psp" and float(r.get("rate_mbit")) == rate \
                         and (src == "pktgen" or r.get("gso", True)) \
                         and not r.get("error") and r.get("valid", r.get("capture_drops") == 0):
-                    vals[src] = r.get(key)
+                    vals[label] = r.get(key)
         out[rate] = vals
     if all(not v for v in out.values()):
         return None
@@ -366,7 +378,7 @@ def _show14(v, fmt):
                                         or "no valid run") for r, vals in v.items())
 
 
-SHARE_PKTGEN = ("vm_share_pktgen", "vm_share_pktgen_jumbo")
+SHARE_PKTGEN = ("vm_share_pktgen", "vm_share_pktgen_612")
 
 
 def _share_1g(R):
@@ -413,11 +425,17 @@ def _issue14_cpu(R):
     return out or None
 
 
+def _sat_rate(f) -> float:
+    """The saturation runs' highest target (where every qdisc is CPU-bound)."""
+    return max((float(r.get("rate_mbit", 0)) for r in (f or {}).get("runs", []) or []), default=0.0)
+
+
 def _sat_cost(R):
     f = R.fig("vm_gaps_pktgen_sat")
+    top = _sat_rate(f)
     out = {r["qdisc"]: 1514 * 8 * 1e9 / r["rate_bit_s"]
            for r in f.get("runs", []) or [] if not r.get("error") and r.get("rate_bit_s")
-           and float(r.get("rate_mbit", 0)) == 2500}
+           and float(r.get("rate_mbit", 0)) == top}
     return out or None
 
 
@@ -486,7 +504,7 @@ def goals() -> List[Goal]:
         Goal(14, "VM, virtual time: 4,4,4,2,2 on a 1 Gbit/s psp link, every flow within 1 % of 2:2:2:1:1 (all running)",
              "vm_sharing", "vm_sharing", _share_1g, lambda v: v["psp"] is not None and v["psp"] <= 0.01,
              _show_share, "2"),
-        Goal(14, "VM: CPU per packet with each qdisc, all CPU-bound (pktgen at 2.5 Gbit/s; report)",
+        Goal(14, "VM: CPU per packet with each qdisc, all CPU-bound (pktgen far above what the guest carries; report)",
              "vm_gaps_pktgen_sat", "vm_gaps_pktgen_sat", _sat_cost, None,
              lambda v: ", ".join(f"{q} {num(ns, 'ns')}" for q, ns in v.items()), "1"),
         Goal(14, "VM: psp per-packet guest CPU beside htb's and fq's at 100 Mbit and 1 Gbit (report)",
@@ -587,59 +605,68 @@ def section_pacing(R: Results) -> str:
     return "\n".join(out)
 
 
+PKTGEN_GAPS = ("vm_gaps_pktgen", "vm_gaps_pktgen_rt", "vm_gaps_pktgen_612")
+
+
 def section_pktgen(R: Results) -> str:
-    """The same qdiscs driven by pktgen (queue_xmit, dropped at the receiver's ingress)."""
-    f = R.fig("vm_gaps_pktgen")
-    if not f or not f.get("runs"):
-        return ""
-    cap = g(f, "setup", "capture", default="pcap")
-    how = ("a BPF program on the `net_dev_start_xmit` tracepoint (`harness/xmitstamp.py`: no user "
-           "space per packet) stamps them where they leave the sender's veth" if cap == "bpf" else
-           "tcpdump where they leave the sender's veth")
-    out = ["### A cheap source: pktgen through the qdisc (`bench/vm_gaps.py --source pktgen`)\n",
-           R.provenance("vm_gaps_pktgen", "vm_gaps_pktgen") + "\n",
-           f"The kernel's pktgen in `queue_xmit` mode sends 1514-byte UDP frames at "
-           f"{g(f, 'setup', 'overload', default=1.1):g}x the rate through the qdisc under test; the "
-           f"receiver drops them at its ingress; {how} (a run with capture drops is not a result). "
-           f"Guest kernel {g(f, 'vm', 'kernel', default='?')}"
-           + (", ksoftirqd made SCHED_FIFO (`pacing.ksoftirqd_realtime`)" if g(f, "setup", "ksoftirqd_rt") else "")
-           + ". pktgen busy-waits between packets, so the guest's CPU is not a per-packet cost here "
-           "(the 2.5 Gbit/s runs below give it). Mean lateness: psp's own (xstats late_ns_total / "
-           "paced packets): how far behind its byte clock it sent.\n"]
-    rows = []
-    for r in f["runs"]:
-        if r.get("error"):
-            rows.append([r["qdisc"], f"{r['rate_mbit']:g} Mbit", f"failed: {r['error'][:80]}", "", "", "", "", "", "", ""])
+    """The same qdiscs driven by pktgen (queue_xmit, dropped at the receiver's ingress): 6.1 as
+    shipped, 6.1 with ksoftirqd SCHED_FIFO, 6.12."""
+    out = []
+    for name in PKTGEN_GAPS:
+        f = R.fig(name)
+        if not f or not f.get("runs"):
             continue
-        pc = r.get("gap_pct_us") or {}
-        x = r.get("psp") or {}
-        late = (num(x["late_ns_total"] / max(1, x["paced_pkts"]) / 1e3, "us", 1)
-                if x.get("paced_pkts") else "—")
-        rows.append([r["qdisc"], f"{r['rate_mbit']:g} Mbit", mbit(r["rate_bit_s"]), pct(r["rate_error"], 2),
-                     share(r["within10"]), share(r["within25"]),
-                     " / ".join(num(pc.get(k), "", 1) for k in ("p5", "p50", "p95")) if pc else "—",
-                     r["longest_run"], late,
-                     f"{r['capture_drops']}" + (" ⚠" if r["capture_drops"] else "")])
-    out.append(table(["qdisc", "rate", "frame rate", "rate error", "within ±10 %", "within ±25 %",
-                      "gap p5 / p50 / p95 (us)", "longest b2b run", "psp mean lateness", "capture drops"], rows))
+        cap = g(f, "setup", "capture", default="pcap")
+        how = ("a BPF program on the `net_dev_start_xmit` tracepoint (`harness/xmitstamp.py`: no user "
+               "space per packet) stamps them where they leave the sender's veth" if cap == "bpf" else
+               "tcpdump where they leave the sender's veth")
+        if not out:
+            out += ["### A cheap source: pktgen through the qdisc (`bench/vm_gaps.py --source pktgen`)\n",
+                    f"The kernel's pktgen in `queue_xmit` mode sends 1514-byte UDP frames at "
+                    f"{g(f, 'setup', 'overload', default=1.1):g}x the rate through the qdisc under test; the "
+                    f"receiver drops them at its ingress; {how} (a run with capture drops is not a result). "
+                    "pktgen busy-waits between packets, so the guest's CPU is not a per-packet cost here "
+                    "(the saturation runs below give it). Mean lateness: psp's own (xstats late_ns_total / "
+                    "paced packets): how far behind its byte clock it sent.\n"]
+        out += [f"**Guest kernel {_kernel_label(f)}** (`{name}`)\n", R.provenance(name, name) + "\n"]
+        rows = []
+        for r in f["runs"]:
+            if r.get("error"):
+                rows.append([r["qdisc"], f"{r['rate_mbit']:g} Mbit", f"failed: {r['error'][:80]}", "", "", "", "", "", "",
+                             ""])
+                continue
+            pc = r.get("gap_pct_us") or {}
+            x = r.get("psp") or {}
+            late = (num(x["late_ns_total"] / max(1, x["paced_pkts"]) / 1e3, "us", 1)
+                    if x.get("paced_pkts") else "—")
+            rows.append([r["qdisc"], f"{r['rate_mbit']:g} Mbit", mbit(r["rate_bit_s"]), pct(r["rate_error"], 2),
+                         share(r["within10"]), share(r["within25"]),
+                         " / ".join(num(pc.get(k), "", 1) for k in ("p5", "p50", "p95")) if pc else "—",
+                         r["longest_run"], late,
+                         f"{r['capture_drops']}" + (" ⚠" if r["capture_drops"] else "")])
+        out.append(table(["qdisc", "rate", "frame rate", "rate error", "within ±10 %", "within ±25 %",
+                          "gap p5 / p50 / p95 (us)", "longest b2b run", "psp mean lateness", "capture drops"],
+                         rows))
+        out.append("")
     return "\n".join(out)
 
 
 def section_saturation(R: Results) -> str:
-    """pktgen at 2.5 Gbit/s: every qdisc CPU-bound, the carried rate is the path's CPU per packet."""
+    """pktgen far above what the guest carries: every qdisc CPU-bound, the carried rate is the path's CPU per packet."""
     f = R.fig("vm_gaps_pktgen_sat")
     if not f or not f.get("runs"):
         return ""
-    out = ["### CPU per packet: every qdisc CPU-bound (`bench/vm_gaps.py --source pktgen --rates 2500`)\n",
+    top = _sat_rate(f)
+    out = ["### CPU per packet: every qdisc CPU-bound (`bench/vm_gaps.py --source pktgen`)\n",
            R.provenance("vm_gaps_pktgen_sat", "vm_gaps_pktgen_sat") + "\n",
-           "pktgen offers 2.75 Gbit/s of 1514-byte frames to each qdisc set to 2.5 Gbit/s: no qdisc holds a "
-           "packet back, the one vCPU is busy all the time, and the carried frame rate is the whole path's "
-           "CPU time per packet (pktgen, the qdisc, veth, tcpdump's tap and process, the receiver's drop); "
-           "in virtual time 1 ns is one instruction. The difference to another qdisc is the difference of "
-           f"their own costs. Guest kernel {g(f, 'vm', 'kernel', default='?')}; capture "
-           f"{g(f, 'setup', 'capture', default='pcap')}. (Session 5 ran psp and htb again: 1452.9 and "
-           "1481.1 Mbit/s, the same to 0.1 Mbit/s.)\n"]
-    runs = [r for r in f["runs"] if float(r.get("rate_mbit", 0)) == 2500]
+           f"pktgen offers {1.1 * top / 1000:g} Gbit/s of 1514-byte frames to each qdisc set to "
+           f"{top / 1000:g} Gbit/s (the highest rate of these runs; the table of all of them is in "
+           "the JSON): no qdisc holds a packet back, the one vCPU is busy all the time, and the carried "
+           "frame rate is the whole path's CPU time per packet (pktgen, the qdisc, veth, tcpdump's tap "
+           "and process, the receiver's drop); in virtual time 1 ns is one instruction. The difference "
+           "to another qdisc is the difference of their own costs. Guest kernel "
+           f"{g(f, 'vm', 'kernel', default='?')}; capture {g(f, 'setup', 'capture', default='pcap')}.\n"]
+    runs = [r for r in f["runs"] if float(r.get("rate_mbit", 0)) == top]
     rows, base = [], {}
     for r in runs:
         if not r.get("error") and r.get("rate_bit_s"):
@@ -728,14 +755,24 @@ def section_share_pktgen(R: Results) -> str:
                 f"{', veth MTU ' + str(frame - 14) if frame > 1514 else ''}) walks five destination ports "
                 f"packet by packet, one class each, asked to offer every class {g(f, 'setup', 'offered'):g}x "
                 f"the largest ideal share; link {mbit(g(f, 'setup', 'link_bit_s'))}, classes 4, 4, 4, 2, 2 "
-                f"tenths of it; rates counted where the packets leave the sender's veth "
-                f"({'BPF tracepoint' if g(f, 'setup', 'capture') == 'bpf' else 'tcpdump'}) after "
-                f"{g(f, 'setup', 'warmup_s'):g} s, guest kernel {g(f, 'vm', 'kernel', default='?')}, virtual "
-                "time. Offered: what pktgen says it sent per class (its thread shares the one vCPU with "
-                "the qdisc, so it offers less beside a qdisc that costs more); a class offered less than "
-                "its ideal share is not backlogged, and then the split follows the offer. Share error: a "
-                "class's part of what was sent against 2:2:2:1:1; rate error: against 2:2:2:1:1 of the "
-                "link.\n"]
+                + (f"tenths of it; rates from the classes' own byte counters, read "
+                   f"{(next(iter(f['runs'].values())) or {}).get('reads', '?')} times from "
+                   f"{g(f, 'setup', 'warmup_s'):g} s on (no capture: nothing else runs per packet), "
+                   if g(f, "setup", "capture") == "stats" else
+                   f"tenths of it; rates counted where the packets leave the sender's veth "
+                   f"({'BPF tracepoint' if g(f, 'setup', 'capture') == 'bpf' else 'tcpdump'}) after "
+                   f"{g(f, 'setup', 'warmup_s'):g} s, ")
+                + f"guest kernel {g(f, 'vm', 'kernel', default='?')}"
+                + (", ksoftirqd SCHED_FIFO" if g(f, "setup", "ksoftirqd_rt") else "")
+                + ", virtual time. "
+                + ("Offered: the least of the five classes' offer in the window (what it sent, dropped "
+                   "and queued more); backlogged: every class had a queue at every read. "
+                   if g(f, "setup", "capture") == "stats" else
+                   "Offered: what pktgen says it sent per class (its thread shares the one vCPU with "
+                   "the qdisc, so it offers less beside a qdisc that costs more); a class offered less than "
+                   "its ideal share is not backlogged, and then the split follows the offer. ")
+                + "Share error: a class's part of what was sent against 2:2:2:1:1; rate error: against "
+                "2:2:2:1:1 of the link.\n"]
         rows = []
         for q, r in f["runs"].items():
             if r.get("error"):
