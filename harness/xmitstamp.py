@@ -133,7 +133,8 @@ class _Libbpf:
                 ("bpf_map_update_elem", I, [I, P, P, ct.c_uint64]),
                 ("bpf_map_lookup_elem", I, [I, P, P]),
                 ("bpf_map_lookup_batch", I, [I, P, P, P, P, ct.POINTER(U32), P]),
-                ("libbpf_set_print", P, [P])):
+                ("libbpf_set_print", P, [P]),
+                ("libbpf_strerror", I, [I, ct.c_char_p, ct.c_size_t])):
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = res, args
         self.lib = lib
@@ -169,7 +170,10 @@ class _Libbpf:
 
     def error(self, what: str, err: int) -> XmitStampError:
         err = abs(err)
-        why = os.strerror(err) if err else "failed"
+        buf = ct.create_string_buffer(256)
+        # errno text, or libbpf's own for its codes (4000 up: not an ELF file, bad relocation...)
+        why = buf.value.decode() if err and self.lib.libbpf_strerror(err, buf, len(buf)) == 0 \
+            else (os.strerror(err) if err else "failed")
         extra = f" ({self.last_warning})" if self.last_warning else ""
         return XmitStampError(f"{what}: {why}{extra}")
 
@@ -200,10 +204,11 @@ class XmitStamps:
     """One capture: the program loaded with an array of ``slots`` records, pointed at ``dev``
     in ``ns``, attached for the ``with`` block; ``stop()`` detaches, reads and unloads it."""
 
-    def __init__(self, ns: str, dev: str, slots: int = 1 << 20):
+    def __init__(self, ns: str, dev: str, slots: int = 1 << 20, obj: Optional[Path] = None):
         if slots < 1:
             raise XmitStampError(f"slots must be at least 1, not {slots}")
         self.ns, self.dev, self.slots = ns, dev, slots
+        self.obj_path = obj         # None: build_object()'s
         self.records: List[XmitRecord] = []
         self.drops = 0
         self._obj = None
@@ -251,7 +256,7 @@ class XmitStamps:
     # -- libbpf steps
 
     def _load(self) -> None:
-        path = build_object()
+        path = Path(self.obj_path) if self.obj_path else build_object()
         lb = _libbpf()
         with lb.logging_to_python():
             obj = lb.lib.bpf_object__open_file(str(path).encode(), None)
