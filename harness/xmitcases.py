@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from typing import List, Tuple
 
@@ -180,21 +181,21 @@ def check_tcp_gso(tb, port: int = 47200, nbytes: int = 400_000) -> None:
             with in_netns(tb.server_ns):
                 c = socket.create_connection((str(tb.client_v4), port), timeout=10)
             conn, _ = ls.accept()
-            conn.settimeout(10)
-            got = 0
+            conn.settimeout(20)
+            got = []
+            # the receiver reads while the sender writes (a small rmem would block sendall)
+            reader = threading.Thread(target=_read_all, args=(conn, got), daemon=True)
+            reader.start()
             try:
+                c.settimeout(20)
                 c.sendall(b"\x5a" * nbytes)
                 c.shutdown(socket.SHUT_WR)
-                deadline = time.monotonic() + 20
-                while time.monotonic() < deadline:
-                    chunk = conn.recv(1 << 16)
-                    if not chunk:
-                        break
-                    got += len(chunk)
+                reader.join(30)
             finally:
                 c.close()
                 conn.close()
-            assert got == nbytes, f"the receiver got {got} of {nbytes} bytes"
+            assert not reader.is_alive(), "the receiver did not see the end of the stream"
+            assert sum(got) == nbytes, f"the receiver got {sum(got)} of {nbytes} bytes"
         data = [r for r in xs.records if r.proto == TCP and r.dport == port and r.payload > 0]
         assert xs.drops == 0
         assert sum(r.payload for r in data) == nbytes
@@ -205,6 +206,18 @@ def check_tcp_gso(tb, port: int = 47200, nbytes: int = 400_000) -> None:
         assert all(r.l4_off == ETH + IP4 and r.l4_hdr >= 20 for r in data)
     finally:
         ls.close()
+
+
+def _read_all(conn: socket.socket, got: list) -> None:
+    """Read ``conn`` to its end (or a timeout), appending the chunk sizes to ``got``."""
+    try:
+        while True:
+            chunk = conn.recv(1 << 16)
+            if not chunk:
+                return
+            got.append(len(chunk))
+    except OSError:
+        return
 
 
 def check_nothing_left(tb) -> None:
