@@ -1,6 +1,6 @@
 """Packet departure times from the kernel itself: ``XmitStamps`` (``harness/bpf/xmitstamp.c``).
 
-A raw tracepoint on ``net_dev_start_xmit`` writes the time and headers of every skb one device
+A BTF tracepoint program (tp_btf) on ``net_dev_start_xmit`` writes the time and headers of every skb one device
 hands its driver into a BPF array; nothing runs in user space per packet. That is where
 tcpdump's egress tap stamps too, without tcpdump's process competing with the traffic for a
 one-vCPU guest. The array holds ``slots`` records; what did not fit is counted in ``drops`` (a
@@ -230,7 +230,7 @@ class XmitStamps:
             with lb.logging_to_python():
                 link = lb.lib.bpf_program__attach(prog)
             if not link:
-                raise lb.error("attaching to raw tracepoint net_dev_start_xmit", ct.get_errno())
+                raise lb.error("attaching to tracepoint net_dev_start_xmit", ct.get_errno())
             self._link = link
         except BaseException:
             self._close()

@@ -2,7 +2,7 @@
 /*
  * xmitstamp: the time each packet is handed to one device's driver, for pacing measurements.
  *
- * A raw tracepoint on net_dev_start_xmit (the moment a qdisc's output reaches the driver, where
+ * A BTF tracepoint on net_dev_start_xmit (the moment a qdisc's output reaches the driver, where
  * tcpdump's egress tap stamps too) records bpf_ktime_get_ns() and a few header fields of every
  * skb sent by one device (xs_conf: its ifindex and namespace, 0: record nothing) into the
  * array xs_recs;
@@ -22,8 +22,11 @@
  * first veth has the same index as its peer in another fresh one.
  * A tc program on the sender's clsact egress would see packets before the root qdisc (when
  * they are enqueued, not when they leave), one on the receiver's ingress after the backlog
- * pass, so the tracepoint is the place. raw_tp rather than tp_btf: the same attach on every
- * kernel, and the host refuses BPF_PROG_TYPE_TRACING programs (fentry) for lack of privilege.
+ * pass, so the tracepoint is the place. tp_btf rather than raw_tp: its arguments are typed, so
+ * the fields of skb and dev are plain loads the verifier checks against BTF (a third less time
+ * per packet than bpf_probe_read_kernel() for each, measured on the host); only the bytes
+ * behind skb->head (shared info, headers), which BTF does not describe, are copied by helper.
+ * It loads on Debian's 6.1 and 6.12 and on the host (which refuses fentry, not tp_btf).
  */
 
 typedef unsigned char __u8;
@@ -73,13 +76,6 @@ struct net_device {
 	possible_net_t nd_net;
 } CORE;
 
-struct bpf_raw_tracepoint_args {
-	__u64 args[0];
-};
-
-/* a field of a kernel structure, at the running kernel's offset */
-#define KREAD(dst, ptr, field) \
-	bpf_probe_read_kernel(&(dst), sizeof(dst), __builtin_preserve_access_index(&(ptr)->field))
 
 struct xs_rec {
 	__u64 ts_ns;
@@ -142,41 +138,29 @@ static __attribute__((always_inline)) void xs_headers(struct xs_rec *r, const un
 	r->l4_hdr = r->proto == 6 ? (l4[12] >> 4) * 4 : 8;
 }
 
-SEC("raw_tp/net_dev_start_xmit")
-int xs_start_xmit(struct bpf_raw_tracepoint_args *ctx)
+/* trace_net_dev_start_xmit(const struct sk_buff *skb, const struct net_device *dev) */
+SEC("tp_btf/net_dev_start_xmit")
+int xs_start_xmit(__u64 *ctx)
 {
-	struct sk_buff *skb = (struct sk_buff *)ctx->args[0];
-	struct net_device *dev = (struct net_device *)ctx->args[1];
+	struct sk_buff *skb = (struct sk_buff *)ctx[0];
+	struct net_device *dev = (struct net_device *)ctx[1];
 	struct skb_shared_info *shinfo;
 	struct xs_rec r = {}, *slot;
-	unsigned char *head, *data;
 	__u32 zero = 0, one = 1, idx;
 	__u64 *want_if, *want_ns, *claimed, *drops;
-	unsigned int end, inum = 0;
-	struct net *net = 0;
-	int ifindex = 0;
 
 	want_if = bpf_map_lookup_elem(&xs_conf, &zero);
 	want_ns = bpf_map_lookup_elem(&xs_conf, &one);
 	if (!want_if || !want_ns || !*want_if)
 		return 0;
-	KREAD(ifindex, dev, ifindex);
-	if ((__u64)ifindex != *want_if)
-		return 0;
-	KREAD(net, dev, nd_net.net);
-	KREAD(inum, net, ns.inum);
-	if ((__u64)inum != *want_ns)
+	if ((__u64)dev->ifindex != *want_if || (__u64)dev->nd_net.net->ns.inum != *want_ns)
 		return 0;
 	r.ts_ns = bpf_ktime_get_ns();
-	head = data = 0;
-	end = 0;
-	KREAD(r.len, skb, len);
-	KREAD(head, skb, head);
-	KREAD(end, skb, end);
-	KREAD(data, skb, data);
-	shinfo = (struct skb_shared_info *)(head + end);
-	KREAD(r.gso_size, shinfo, gso_size);
-	xs_headers(&r, data);
+	r.len = skb->len;
+	shinfo = (struct skb_shared_info *)(skb->head + skb->end);
+	bpf_probe_read_kernel(&r.gso_size, sizeof(r.gso_size),
+			      __builtin_preserve_access_index(&shinfo->gso_size));
+	xs_headers(&r, skb->data);
 
 	claimed = bpf_map_lookup_elem(&xs_count, &zero);
 	drops = bpf_map_lookup_elem(&xs_count, &one);
