@@ -18,7 +18,7 @@ from typing import List, Tuple
 
 from . import bpfobjs
 from .testbed import in_netns, sh, wait_for
-from .xmitstamp import XmitRecord, XmitStamps
+from .xmitstamp import XmitStamps
 
 UDP, TCP = socket.IPPROTO_UDP, socket.IPPROTO_TCP
 ETH, IP4, IP6, UDPH = 14, 20, 40, 8
@@ -89,10 +89,6 @@ def send_udp(tb, plan: List[Tuple[bool, int, int, int]], rx: Receiver, timeout: 
 
 def frame_len(v6: bool, payload: int) -> int:
     return ETH + (IP6 if v6 else IP4) + UDPH + payload
-
-
-def ours(records: List[XmitRecord], ports) -> List[XmitRecord]:
-    return [r for r in records if r.proto == UDP and (r.sport in ports or r.dport in ports)]
 
 
 def check_exact(tb, base_port: int = 47000) -> None:

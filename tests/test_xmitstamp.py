@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness import xmitcases
-from harness.xmitstamp import XmitStampError, XmitStamps, build_object
+from harness import xmitcases, xmitstamp
+from harness.xmitstamp import XmitStampError, XmitStamps, build_object, object_path
 
 
 def test_records_exactly_the_datagrams_sent(testbed):
@@ -34,3 +34,16 @@ def test_errors_are_one_line(testbed, tmp_path):
     with pytest.raises(XmitStampError) as e:
         XmitStamps(testbed.server_ns, testbed.server_if, obj=bad).__enter__()
     assert "\n" not in str(e.value) and str(bad) in str(e.value), str(e.value)
+
+
+def test_object_cached_by_source_hash(tmp_path, monkeypatch):
+    """Built once per source into the cache (what the host does before a VM boot); without
+    clang a one-line reason, not a traceback."""
+    obj = build_object(tmp_path)
+    assert obj == object_path(tmp_path) and obj.read_bytes()[:4] == b"\x7fELF"
+    mtime = obj.stat().st_mtime_ns
+    assert build_object(tmp_path) == obj and obj.stat().st_mtime_ns == mtime
+    assert [p.name for p in tmp_path.iterdir()] == [obj.name]       # no temporary file left
+    monkeypatch.setattr(xmitstamp, "CLANG", "no-such-clang")
+    with pytest.raises(XmitStampError, match=r"^no-such-clang not found: .*clang"):
+        build_object(tmp_path / "empty")
