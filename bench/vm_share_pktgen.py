@@ -23,8 +23,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 import time
+from typing import Dict
 
 from bench.vm_sharing import (LINK_UNITS, RATES_UNITS, Bed, guest_result, guest_tools, mbit, psp_stats,
                               setup_htb, setup_psp, vm_bench)
@@ -49,6 +51,9 @@ def share_run(bed: Bed, qdisc: str, link_mbit: float, seconds: float, warmup: fl
     source = int(max(ideal) * offered * n)
     set_mtu(bed, frame_bytes - 14)
     try:
+        if capture == "stats":
+            return stats_share_run(bed, qdisc, pacing, classes, ideal, link, source, seconds, warmup,
+                                   frame_bytes, frags)
         with pacing.make_capture(capture, bed.sender_ns, bed.sender_dev, ports) as cap:
             with pacing.Pktgen(bed, source, seconds, port=BASE_PORT, ports=n,
                                frame_bytes=frame_bytes, frags=frags) as pg:
@@ -91,6 +96,76 @@ def share_run(bed: Bed, qdisc: str, link_mbit: float, seconds: float, warmup: fl
             "packets": len(pk), "psp_stats": stats}
 
 
+def class_counters(bed: Bed) -> Dict[int, dict]:
+    """Each class's counters under root f1f0: from ``tc -s class show`` (any qdisc kind: tc
+    prints the generic counters of a kind it does not know, psp's too): minor -> bytes,
+    packets, drops, qlen."""
+    out: Dict[int, dict] = {}
+    cur = None
+    for line in bed.s("tc", "-s", "class", "show", "dev", bed.sender_dev).stdout.splitlines():
+        m = re.match(r"class \S+ f1f0:([0-9a-f]+)", line)
+        if m:
+            cur = out.setdefault(int(m.group(1), 16), {})
+            continue
+        if cur is None:
+            continue
+        m = re.search(r"Sent (\d+) bytes (\d+) pkt \(dropped (\d+)", line)
+        if m:
+            cur.update(bytes=int(m.group(1)), packets=int(m.group(2)), drops=int(m.group(3)))
+        m = re.search(r"backlog \S+ (\d+)p", line)
+        if m:
+            cur["qlen"] = int(m.group(1))
+    return out
+
+
+def stats_share_run(bed: Bed, qdisc: str, pacing, classes, ideal, link, source, seconds, warmup,
+                    frame_bytes, frags, reads: int = 9) -> dict:
+    """The share from the classes' own counters, read ``reads`` times while pktgen runs (from
+    ``warmup`` to 0.2 s before its nominal end), with nothing else running per packet: no capture
+    competes with pktgen and the qdisc for the vCPU. What each class was offered in the window is
+    what it sent, dropped and queued more (sent + drops + queue growth); it was backlogged when its
+    queue was non-empty at every read."""
+    n = len(classes)
+    with pacing.Pktgen(bed, source, seconds, port=BASE_PORT, ports=n,
+                       frame_bytes=frame_bytes, frags=frags) as pg:
+        start = time.monotonic()
+        samples = []
+        for k in range(reads):
+            at = warmup + (seconds - 0.2 - warmup) * k / (reads - 1)
+            pacing.wait_for(lambda: time.monotonic() - start >= at, at + 5, "the next read")
+            samples.append((time.monotonic(), class_counters(bed)))
+        pg.wait()
+        sent = pg.result()
+    stats = psp_stats(bed) if qdisc == "psp" else None
+    (t_a, c_a), (t_b, c_b) = samples[0], samples[-1]
+    span = t_b - t_a
+    meas = []
+    for minor, _rate, _port in classes:
+        a, b = c_a.get(minor, {}), c_b.get(minor, {})
+        meas.append((b.get("bytes", 0) - a.get("bytes", 0)) / span)
+    tot = sum(meas)
+    flows = []
+    for i, (minor, rate, _port) in enumerate(classes):
+        a, b = c_a.get(minor, {}), c_b.get(minor, {})
+        qlens = [c.get(minor, {}).get("qlen", 0) for _t, c in samples]
+        extra_pkts = (b.get("drops", 0) - a.get("drops", 0)) + (qlens[-1] - qlens[0])
+        offered = meas[i] + extra_pkts * frame_bytes / span
+        flows.append({"flow": i + 1, "class_rate_bit_s": rate * 8, "ideal_bit_s": ideal[i] * 8,
+                      "measured_bit_s": meas[i] * 8, "error": meas[i] / ideal[i] - 1,
+                      "share_error": (meas[i] / tot) / (RATES_UNITS[i] / sum(RATES_UNITS)) - 1,
+                      "offered_in_window_bit_s": offered * 8,
+                      "drops_in_window": b.get("drops", 0) - a.get("drops", 0),
+                      "qlen_at_reads": qlens, "backlogged": min(qlens) > 0})
+    return {"qdisc": qdisc, "link_bit_s": link * 8, "frame_bytes": frame_bytes, "pktgen_frags": frags,
+            "offered_bit_s": source * 8, "pktgen": sent, "offered_per_class_bit_s": source * 8 / n,
+            "achieved_per_class_bit_s": min(f["offered_in_window_bit_s"] for f in flows),
+            "every_class_backlogged": all(f["backlogged"] for f in flows), "window_s": round(span, 3),
+            "reads": reads, "total_bit_s": tot * 8, "flows": flows,
+            "max_abs_error": max(abs(f["error"]) for f in flows),
+            "max_abs_share_error": max(abs(f["share_error"]) for f in flows),
+            "capture": "stats", "capture_drops": 0, "valid": True, "psp_stats": stats}
+
+
 def set_mtu(bed: Bed, mtu: int) -> None:
     """Both ends of the veth at ``mtu`` (jumbo frames carry more bytes per packet the guest
     must handle)."""
@@ -125,7 +200,12 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=float, default=0.5)
     ap.add_argument("--offered", type=float, default=1.2,
                     help="each class is offered this x the largest ideal share")
-    ap.add_argument("--capture", choices=("bpf", "pcap"), default="bpf")
+    ap.add_argument("--capture", choices=("bpf", "pcap", "stats"), default="bpf",
+                    help="how each class's rate is counted: bpf/pcap where packets leave the "
+                         "sender's veth, stats: the classes' own byte counters read twice")
+    ap.add_argument("--ksoftirqd-rt", action="store_true",
+                    help="ksoftirqd as SCHED_FIFO in the guest (pacing.ksoftirqd_realtime: 6.1 "
+                         "defers the watchdog's softirq to it)")
     ap.add_argument("--frame-bytes", type=int, default=1514,
                     help="pktgen's frame size; above 1514 both veth ends get MTU frame-14 (9014: "
                          "jumbo frames, 6x the bytes per packet the guest's CPU can send)")
@@ -139,6 +219,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     qdiscs = args.qdiscs.split(",")
     if args.guest:
+        if args.ksoftirqd_rt:
+            guest_tools().ksoftirqd_realtime()
         return guest_result(args.out, runs=run_all(qdiscs, args.link_mbit, args.seconds, args.warmup,
                                                     args.offered, args.capture, args.frame_bytes,
                                                     args.frags))
@@ -152,13 +234,15 @@ def main(argv=None) -> int:
                      "offered": args.offered, "capture": args.capture, "clock": "virtual",
                      "ideal_all_running": "2:2:2:1:1 of the link",
                      "frame_bytes": args.frame_bytes, "pktgen_frags": args.frags,
+                     "ksoftirqd_rt": args.ksoftirqd_rt,
                      "source": f"pktgen queue_xmit, {args.frame_bytes}-byte UDP frames, destination "
                                "port walking 5 ports",
                      "measured": "frame bytes per class leaving the sender's veth"}}
     rc = vm_bench(fig, "bench.vm_share_pktgen",
                   ["--qdiscs", args.qdiscs, "--link-mbit", str(args.link_mbit), "--seconds", str(args.seconds),
                    "--warmup", str(args.warmup), "--offered", str(args.offered), "--capture", args.capture,
-                   "--frame-bytes", str(args.frame_bytes), "--frags", str(args.frags)],
+                   "--frame-bytes", str(args.frame_bytes), "--frags", str(args.frags)]
+                  + (["--ksoftirqd-rt"] if args.ksoftirqd_rt else []),
                   len(qdiscs) * 400 + 400)
     fig["duration_s"] = round(time.monotonic() - t0, 1)
     goals = {f"{q}_max_share_error": round(r["max_abs_share_error"], 5)

@@ -62,7 +62,21 @@ APPEND = "console=ttyS0 panic=-1 tsc=reliable mitigations=off rdinit=/init"
 # timer. A guest with a tickless idle may have no timer for seconds, so each wait for the host
 # (a 9p read) would jump the guest's clock that far and trip the guest's own timeouts. A
 # periodic tick (nohz=off: CONFIG_HZ, 250 on Debian) bounds each jump to 4 ms.
-APPEND_VIRTUAL = "nohz=off"
+#
+# Bulk byte work costs 1 ns a byte in virtual time with `-cpu max`: its ERMS/FSRM flags make the
+# kernel's memset/memcpy/clear_page a `rep stosb`/`rep movsb`, and icount counts every iteration
+# of a rep-prefixed instruction as one instruction, one byte each (a real CPU does 16-64 bytes a
+# cycle). Without them the kernel uses `rep stosq`/`rep movsq` (8 bytes an iteration). And
+# Debian's kernels zero every page allocation (CONFIG_INIT_ON_ALLOC_DEFAULT_ON). A sender's skb
+# buffers come from a 32 KiB page-fragment cache refilled with bottom halves disabled, one refill
+# per ~16 frames of 1514 bytes: ~32 us of zeroing during which no softirq, so no qdisc watchdog,
+# can run. That was the ~40 us gap every qdisc showed ~4000 times a second at 1 Gbit/s (psp 53.8 %
+# of gaps within +-10 % on 6.12; without both 97.0 %; vm/README.md). The pacing measurements want
+# the qdisc's timing, not the emulator's cost of a byte, so virtual time leaves both out
+# (FLOWPACER_VM_CPU overrides the model, for comparisons).
+APPEND_VIRTUAL = "nohz=off init_on_alloc=0"
+CPU_REAL = "max"
+CPU_VIRTUAL = "max,-erms,-fsrm"
 
 
 def host_tsc_khz(cpuinfo: str = "/proc/cpuinfo") -> int:
@@ -167,7 +181,7 @@ def _qemu_cmd(art: "vmbuild.Artifacts", out: Path, mem_mb: int, smp: int,
         accel = ["-accel", "tcg"]
     return [
         QEMU, "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
-        "-machine", "q35", *accel, "-cpu", "max", "-m", str(mem_mb), "-smp", str(smp),
+        "-machine", "q35", *accel, "-cpu", os.environ.get("FLOWPACER_VM_CPU", CPU_VIRTUAL if clock is Clock.VIRTUAL else CPU_REAL), "-m", str(mem_mb), "-smp", str(smp),
         "-kernel", str(art.vmlinux), "-initrd", str(art.initramfs),
         "-append", " ".join(filter(None, (APPEND, APPEND_VIRTUAL if clock is Clock.VIRTUAL else "",
                                           _tsc_append(clock),
