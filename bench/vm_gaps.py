@@ -278,9 +278,7 @@ def main(argv=None) -> int:
                                     "sent, = instructions in virtual time; GSO skbs count as "
                                     "back-to-back wire packets. psp: one class, link 1 Gbit/s; htb: one "
                                     "class, tc's default burst; tbf: bucket of 2 frames; fq: maxrate."}}
-    # a BPF capture compiles its program (bcc) in the guest once: minutes under TCG
-    budget = (len(rates) * len(gsos) * len(qdiscs) * (seconds + 20) + 300
-              + (400 if args.capture == "bpf" else 0))
+    budget = len(rates) * len(gsos) * len(qdiscs) * (seconds + 20) + 300
     ga = ["--rates", ",".join(map(str, rates)), "--qdiscs", args.qdiscs, "--gso", args.gso,
           "--seconds", str(seconds), "--gap-sample", str(args.gap_sample), "--window-ms", str(args.window_ms),
           "--capture", args.capture, "--source", args.source, "--overload", str(args.overload)] \

@@ -104,7 +104,12 @@ def run_guest(module: str, guest_args: Sequence[str], timeout: float, clock: str
     vm/README.md): exact guest time, whatever the host's load. Raises RuntimeError with the
     reason when the run failed."""
     from vm import run as vmrun
+    from harness.xmitstamp import XmitStampError, build_object
     ko = build_psp_for_guest()
+    try:        # the departure capture's object (--capture bpf), so the guest never runs clang
+        build_object()
+    except XmitStampError as e:
+        raise RuntimeError(str(e)) from None
     out = Path(tempfile.mkdtemp(prefix="fpbench-vm-"))
     result = out / "result.json"
     cmd = [sys.executable, "-m", module, "--guest", "--out", str(result), *guest_args]

@@ -13,6 +13,8 @@ Before the boot the psp module is built on the host against the guest's kernel, 
 ``flowpacer/kmod`` in the session's tmp dir (so a build here never races one in the repo); the
 guest tests load it from there (``FLOWPACER_PSP_KO``). ``test_psp_module_builds`` reports a
 failed build with its log; the guest tests that need the module then fail too, never skip.
+The departure capture's BPF object (``harness.xmitstamp.build_object``, clang) is built then
+too, into the repo's cache the guest reads (``test_xmitstamp_object_builds``).
 
 Only the selected guest tests are run in the VM (``-k`` works as on the host).
 ``FLOWPACER_VM_TIMEOUT`` (seconds, default 900) bounds the guest run. The guest's result
@@ -130,6 +132,7 @@ class GuestRuns:
         self.runs: dict = {}
         self.psp_ko = None       # the module built for the guest
         self.psp_build_error = None
+        self.xmitstamp_build_error = None
         self._built = False
 
     def _build(self):
@@ -139,6 +142,13 @@ class GuestRuns:
                 self.psp_ko = vmkmod.build_psp(self.tmp.mktemp("kmod"))
             except vmkmod.KmodError as e:
                 self.psp_build_error = str(e)
+            # the departure capture's BPF object, cached in the repo where the guest finds it
+            # (tests/guest/test_xmitstamp.py fails when it is missing)
+            from harness.xmitstamp import XmitStampError, build_object
+            try:
+                build_object()
+            except XmitStampError as e:
+                self.xmitstamp_build_error = str(e)
 
     def clocks(self):
         return sorted({clock_of(i[len(GUEST_REL) + 1:]) for i in self.selected},
@@ -228,6 +238,12 @@ def test_psp_module_builds(guest_runs):
     guest_runs._build()
     assert guest_runs.psp_build_error is None, guest_runs.psp_build_error
     assert guest_runs.psp_ko is not None and guest_runs.psp_ko.is_file()
+
+
+def test_xmitstamp_object_builds(guest_runs):
+    """The capture's CO-RE object builds on the host (the guest loads it, never compiles)."""
+    guest_runs._build()
+    assert guest_runs.xmitstamp_build_error is None, guest_runs.xmitstamp_build_error
 
 
 @pytest.mark.parametrize("clock", list(vmrun.Clock), ids=[c.value for c in vmrun.Clock])

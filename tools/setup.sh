@@ -10,6 +10,9 @@ PKGS=(
   iproute2 iperf3 ethtool tshark tcpdump curl netcat-openbsd tmux
   build-essential dkms prometheus systemd python3-seccomp vim-tiny
   nginx-light apache2-utils nghttp2-client rsync python3-bcrypt
+  # harness/xmitstamp.py: a CO-RE BPF object built by clang (14, matching llvm-14 here), loaded
+  # through libbpf over ctypes
+  clang libbpf1
   # Debian packaging (make deb, tests/test_deb.py): debhelper, pybuild's pyproject build, dh-dkms,
   # lintian, and mmdebstrap for the test's clean Debian 12 root
   debhelper dh-python dh-dkms pybuild-plugin-pyproject python3-all python3-setuptools lintian
