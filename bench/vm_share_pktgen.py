@@ -133,7 +133,10 @@ def stats_share_run(bed: Bed, qdisc: str, pacing, classes, ideal, link, source, 
         for k in range(reads):
             at = warmup + (seconds - 0.2 - warmup) * k / (reads - 1)
             pacing.wait_for(lambda: time.monotonic() - start >= at, at + 5, "the next read")
-            samples.append((time.monotonic(), class_counters(bed)))
+            t0 = time.monotonic()
+            counters = class_counters(bed)
+            # the counters were read somewhere in tc's run: take its middle as their time
+            samples.append(((t0 + time.monotonic()) / 2, counters))
         pg.wait()
         sent = pg.result()
     stats = psp_stats(bed) if qdisc == "psp" else None
