@@ -25,7 +25,6 @@ Command line (inside the VM, as root)::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
 import dataclasses
 import json
@@ -135,19 +134,6 @@ def ksoftirqd_realtime(prio: int = 1) -> List[int]:
         os.sched_setscheduler(int(pid), os.SCHED_FIFO, os.sched_param(prio))
         pids.append(int(pid))
     return pids
-
-
-@contextlib.contextmanager
-def ksoftirqd_fifo(prio: int = 1):
-    """``ksoftirqd_realtime`` for the ``with`` block, SCHED_OTHER again afterwards (so the
-    tests after it in the same boot see the kernel as it was)."""
-    pids = ksoftirqd_realtime(prio)
-    try:
-        yield pids
-    finally:
-        for pid in pids:
-            with contextlib.suppress(OSError):
-                os.sched_setscheduler(pid, os.SCHED_OTHER, os.sched_param(0))
 
 
 def sh(args: Sequence[str], ns: Optional[str] = None, timeout: float = 30,
