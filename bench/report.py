@@ -390,6 +390,7 @@ def _share_1g(R):
         err = lambda q: g(f, "runs", q, "max_abs_share_error") if g(f, "runs", q, "valid") else None
         offered = g(f, "runs", "psp", "achieved_per_class_bit_s")
         runs.append({"psp": err("psp"), "htb": err("htb"), "frame": g(f, "setup", "frame_bytes", default=1514),
+                     "kernel": _kernel_label(f),
                      "backlogged": g(f, "runs", "psp", "every_class_backlogged"),
                      "offered": offered, "ideal": g(f, "setup", "link_bit_s", default=0) / 4})
     if runs:
@@ -406,7 +407,7 @@ def _share_1g(R):
 
 def _show_share(v):
     def one(r):
-        pfx = f"{r['frame']}-byte frames (pktgen): " if r["frame"] else "TCP: "
+        pfx = (f"{r['frame']}-byte frames (pktgen, {r.get('kernel', '?')}): " if r["frame"] else "TCP: ")
         s = (f"{pfx}psp worst {pct(r['psp'], 2) if r['psp'] is not None else '—'}, htb worst "
              f"{pct(r['htb'], 2) if r['htb'] is not None else '—'}")
         if r["offered"] is not None and not r["backlogged"]:

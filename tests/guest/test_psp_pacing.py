@@ -7,9 +7,8 @@ measurement is taken again: a miss is a failure.
 
 - Precision with TSO/GSO on (psp segments at enqueue and paces each wire packet) at 2, 10 and
   100 Mbit/s, measured where the packets leave the sender's veth (``pacing.sender_capture``):
-  >= 95 % of the inter-packet gaps within +-10 % of the ideal gap (issue 14's goal; 100 % at 2
-  and 10 Mbit/s, 97 % at 100 Mbit/s, where the guest's 250 Hz tick, kept on in virtual time,
-  delays a packet by a few us every 4 ms) and at least 3x htb's share within +-25 % (htb sends the GSO skbs whole: 0 %), never more
+  >= 95 % of the inter-packet gaps within +-10 % of the ideal gap (issue 14's goal; 100 % at
+  2, 10 and 100 Mbit/s on the guest without ERMS and init_on_alloc, vm/README.md) and at least 3x htb's share within +-25 % (htb sends the GSO skbs whole: 0 %), never more
   than 2 packets back to back (gaps under a quarter of the ideal; the simulator proves the
   bound exactly, tests/test_psp_sim.py), on the wire and by the qdisc's own count (xstats
   longest_run), and the frame rate within 0.1 % of the target.
