@@ -225,14 +225,18 @@ def invalid_docs(draw):
     elif kind == "empty_match":
         r["match"] = {}
     elif kind == "ceil_below":
-        rate = units.parse_rate(r["rate"])
+        # a receive-only rule has no rate: give it one with a ceil below it
+        rate = units.parse_rate(r["rate"]) if "rate" in r else 1
         if rate == 1:
             r["rate"] = "16bit"
             r["ceil"] = "8bit"
         else:
             r["ceil"] = units.format_rate(rate - 1)
     elif kind == "missing":
-        del r[draw(st.sampled_from(["name", "match", "rate"]))]
+        # what a rule cannot lack: its name, its match, and the only rate it has (send or
+        # receive; without both it is refused)
+        only = [k for k in ("rate", "receive_rate") if k in r]
+        del r[draw(st.sampled_from(["name", "match"] + (only if len(only) == 1 else [])))]
     return yaml.safe_dump(doc, sort_keys=False, allow_unicode=draw(st.booleans()),
                           default_flow_style=draw(st.sampled_from([False, None, True])))
 
