@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import tempfile
 import time
@@ -19,6 +20,8 @@ from flowpacer.testbed import PY, client_argv, wait_for
 
 from .capture import NlProbe, kernel_objects, live_target_flows  # noqa: F401 (NlProbe re-exported)
 from .daemon import Daemon
+
+GAP_MIN_S = 1.0     # the kill-to-convergence window is measured over at least this
 
 RULES = """\
 interface: IFACE
@@ -60,7 +63,7 @@ def gap_goodput(client: dict, t_from: float, t_to: float, min_span: float = 1.0)
 
 
 def crash_restart(tb, held=500, churn_rate=100, backend="htb", extra=(), doomed_n=50,
-                  unmatched_s=20.0, churn_s=15.0, slow=1.0, probe=None, poll_s=0.02,
+                  unmatched_s=120.0, churn_s=15.0, slow=1.0, probe=None, poll_s=0.02,
                   under_load=None) -> dict:
     """``backend`` and ``extra`` (daemon options) choose the daemon's set-up; ``slow`` scales
     every wait (the VM runs ~10x slower than the host); ``probe`` (an ``NlProbe``) reads the
@@ -129,10 +132,17 @@ def crash_restart(tb, held=500, churn_rate=100, backend="htb", extra=(), doomed_
     shaped = {f["remote"].rsplit(":", 1)[1] for f in d2.status()["flows"]}
     shaped_n = len(shaped)
     mismatch = len(shaped ^ live)
+    # the unmatched download runs until the gap from the kill to convergence is behind it
+    # (a sample every 0.1 s after it), whatever the restart took: SIGTERM ends it there, and
+    # ``unmatched_s`` only bounds it
+    gap_end = max(t_conv, t_kill + GAP_MIN_S) + 0.3
+    wait_for(lambda: time.monotonic() >= gap_end or unmatched.poll() is not None, 5 * slow, 0.05,
+             "a goodput sample after convergence")
+    unmatched.send_signal(signal.SIGTERM)
     holder.stdin.close()
     churn_res = json.loads(churner.communicate(timeout=60 * slow)[0].splitlines()[-1])
     unm = json.loads(unmatched.communicate(timeout=60 * slow)[0].splitlines()[-1])
-    gap_bps, window = gap_goodput(unm, t_kill, t_conv)
+    gap_bps, window = gap_goodput(unm, t_kill, t_conv, GAP_MIN_S)
     wait_for(lambda: objects() == (0, 0), 30 * slow, 0.1, "all flow classes gone")
     d2.stop()
     leaked = objects()

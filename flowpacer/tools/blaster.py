@@ -7,7 +7,9 @@
 answers ``GET /`` with an endless generated body (``GET /N`` with N bytes), one thread per
 client; ``GET /upload/N`` sends N bytes and then reads what the client uploads on the same
 connection until it closes. ``fetch`` downloads for a bounded time and prints one JSON line:
-bytes and goodput (bytes/s) measured after the warm-up, as the receiver saw them.
+bytes and goodput (bytes/s) measured after the warm-up, as the receiver saw them; SIGTERM ends
+the download early, with the same line (a caller that only knows afterwards how long it needs
+the traffic: ``--seconds`` stays the bound).
 """
 from __future__ import annotations
 
@@ -15,12 +17,21 @@ import argparse
 import ctypes
 import json
 import os
+import signal
 import socket
 import sys
 import threading
 import time
 
 CHUNK = b"flowpacer" * 7282  # ~64 KiB of generated payload
+
+
+class _Stop(Exception):
+    """SIGTERM asked a fetch to end now (see main())."""
+
+
+def _stop(signum, frame):
+    raise _Stop()
 
 
 def set_comm(name: str) -> None:
@@ -116,27 +127,30 @@ def fetch(host: str, port: int, seconds: float, warmup: float, name: str, nbytes
     end = t0 + seconds
     samples = []
     next_sample = t0
-    while True:
-        now = time.monotonic()
-        if now >= end:
-            break
-        s.settimeout(max(0.05, end - now))
-        try:
-            n = s.recv_into(buf)
-        except socket.timeout:
-            break
-        if not n:
-            break
-        total += n
-        now = time.monotonic()
-        if interval and now >= next_sample:
-            samples.append((round(now - t0, 4), total))
-            next_sample = now + interval
-        if now - t0 >= warmup:
-            if t_start is None:
-                t_start = now
-            else:
-                measured += n
+    try:
+        while True:
+            now = time.monotonic()
+            if now >= end:
+                break
+            s.settimeout(max(0.05, end - now))
+            try:
+                n = s.recv_into(buf)
+            except socket.timeout:
+                break
+            if not n:
+                break
+            total += n
+            now = time.monotonic()
+            if interval and now >= next_sample:
+                samples.append((round(now - t0, 4), total))
+                next_sample = now + interval
+            if now - t0 >= warmup:
+                if t_start is None:
+                    t_start = now
+                else:
+                    measured += n
+    except _Stop:
+        pass
     t_end = time.monotonic()
     s.close()
     span = (t_end - t_start) if t_start else 0.0
@@ -295,11 +309,12 @@ def main(argv=None) -> int:
     if args.cmd == "serve":
         serve([int(p) for p in args.ports.split(",")], args.v6, args.name)
         return 0
+    signal.signal(signal.SIGTERM, _stop)
     try:
         r = fetch(args.host, args.port, args.seconds, args.warmup, args.name, args.bytes,
                   args.local_port, args.interval, args.path)
-    except OSError as e:
-        print(json.dumps({"error": str(e)}))
+    except (OSError, _Stop) as e:
+        print(json.dumps({"error": str(e) or "stopped before the download began"}))
         return 1
     print(json.dumps(r))
     return 0

@@ -86,7 +86,7 @@ def test_kill_9_and_restart_with_live_flows_and_churn_psp(tb):
     probe = NlProbe(tb)
     try:
         r = crash_restart(tb, held=HELD, churn_rate=CHURN, backend="psp", extra=["--no-tracer"],
-                          doomed_n=doomed, unmatched_s=50.0, churn_s=50.0, slow=4.0, probe=probe,
+                          doomed_n=doomed, unmatched_s=600.0, churn_s=50.0, slow=4.0, probe=probe,
                           poll_s=0.05, under_load=lambda: _import_s(runs=2))
     finally:
         probe.close()
