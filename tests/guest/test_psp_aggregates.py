@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ipaddress
 import subprocess
+import threading
 import time
 
 import pytest
@@ -144,6 +145,53 @@ def groups_of(classes) -> dict:
     return {m: c for m, c in classes.items() if c.xstats and c.xstats["flags"] & enc.PSP_CLASS_F_GROUP}
 
 
+class ClassSampler:
+    """Reads the psp classes every 0.5 s in a thread while the block runs; ``table()``: each
+    class's rate over the longest span it was seen in (minor, parent, rate, flags, Mbit/s sent,
+    eff_rate), which an assertion message shows when a flow or group is off its share."""
+
+    def __init__(self, site, interval=0.5):
+        self.site, self.interval = site, interval
+        self.snaps = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                self.snaps.append((time.monotonic(), self.site.kernel()))
+            except Exception as e:       # a read failing only loses a sample
+                self.snaps.append((time.monotonic(), {"error": repr(e)}))
+            self._stop.wait(self.interval)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join(timeout=guest_timeout(30))
+
+    def table(self) -> str:
+        first, last = {}, {}
+        for t, snap in self.snaps:
+            if "error" in snap:
+                continue
+            for m, c in snap.items():
+                first.setdefault(m, (t, c))
+                last[m] = (t, c)
+        rows = ["classes seen (minor parent rate flags Mbit/s-sent eff_rate group_held):"]
+        for m in sorted(first):
+            (t0, a), (t1, b) = first[m], last[m]
+            dt = t1 - t0
+            sent = (b.stats.get("bytes", 0) - a.stats.get("bytes", 0)) * 8 / dt / 1e6 if dt > 0 else 0
+            x = b.xstats or {}
+            rows.append(f"  {m:x} {b.parent:#x} {(b.rate or 0) * 8 / 1e6:g} "
+                        f"{x.get('flags', 0):#x} {sent:.3f} over {dt:.1f}s "
+                        f"{x.get('eff_rate', 0) * 8 / 1e6:.3f} {x.get('group_held', '-')}")
+        return "\n".join(rows)
+
+
 def wait_quiet(site):
     """An earlier case's classes are gone: only the default class is left."""
     wait_for(lambda: list(site.kernel()) == [2], 15, "the earlier flows' classes to go")
@@ -173,8 +221,9 @@ def test_client_rate_over_parallel_streams_each_client_its_own(site):
     wait_for(lambda: any(c.xstats["group_sum"] > c.rate for c in groups_of(site.kernel()).values()),
              10, "a client group oversubscribed by its backlogged streams")
     st = site.daemon.status()
-    got = {name: received(p) for name, (p, _) in runs.items()}
-    lines = []
+    with ClassSampler(site) as sampled:
+        got = {name: received(p) for name, (p, _) in runs.items()}
+    lines = [sampled.table()]
     for name, (_, v6) in runs.items():
         total, streams = got[name]
         want = payload(8, v6)
