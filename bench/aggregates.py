@@ -162,7 +162,7 @@ def guest_main(out_path: str) -> int:
     import os
     from bench.vm_sharing import guest_tools
     pacing = guest_tools()
-    import psplib
+    from harness import psplib
     psplib.ensure_loaded()
     figures = measure(("psp", "htb"), VM_RATES,
                       ("--no-tracer", "--no-metrics", "--rescan", "0.5"),

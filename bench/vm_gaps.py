@@ -9,7 +9,7 @@ program stamping into a map, ``harness/xmitstamp.py``, no user space per packet;
 stamps to the guest's tmpfs, kernel drops counted, a run with drops marked invalid; the Python
 AF_PACKET capture drops above ~150 Mbit/s) (the qdisc's output, the "wire"
 of a veth; ``pacing.sender_capture`` says why not at the receiver) with its kernel timestamp
-(``tests/guest/pacing.py``: GSO skbs counted as the wire packets a NIC would send back to back).
+(``harness/pacing.py``: GSO skbs counted as the wire packets a NIC would send back to back).
 Figures per run (after a 1 s warm-up): rate error (frame bytes/s over the target), share of gaps
 within ±25 % of the ideal gap, median and p99 gap, the longest run of back-to-back packets (gaps
 under 1/4 of the ideal), most packets in one 1 ms bin, share of empty 1 ms bins, capture drops.
@@ -56,7 +56,7 @@ def cpu_busy_ns() -> int:
 
 
 def psp_xstats(bed: Bed) -> dict:
-    import psplib
+    from harness import psplib
     with psplib.PspNl(bed.sender_ns) as sock:
         return dict(sock.root(bed.sender_dev).xstats)
 

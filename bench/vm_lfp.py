@@ -121,7 +121,7 @@ class TimerProbe:
 def _psp_figures(bed: Bed) -> dict:
     """psp's own lateness, clamps and runs over the case (read before the qdisc goes)."""
     guest_tools()
-    import psplib
+    from harness import psplib
     with psplib.PspNl(bed.sender_ns) as nl:
         x = nl.root(bed.sender_dev).xstats
     return {"mean_lateness_us": round(x["late_ns_total"] / max(1, x["paced_pkts"]) / 1e3, 1),

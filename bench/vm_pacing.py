@@ -1,7 +1,7 @@
 """psp vs htb vs tbf vs fq (maxrate) side by side in one boot of the qemu TCG test VM (issue 4).
 
 For each qdisc, one iperf3 TCP stream over a veth between two network namespaces in the guest
-(``tests/guest/pacing.py``: psp = one paced class fed by a u32 filter on a 1 Gbit/s psp link,
+(``harness/pacing.py``: psp = one paced class fed by a u32 filter on a 1 Gbit/s psp link,
 htb = one class at the rate with tc's default burst, tbf = a bucket of two full frames, fq =
 ``maxrate``), measured at the receiver (goodput) and where the packets leave the sender's veth
 (frames and gaps: the qdisc's output; ``pacing.sender_capture`` says why not at the receiver):
@@ -34,7 +34,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-GUEST_DIR = REPO / "tests" / "guest"
 
 QDISCS = ("psp", "htb", "tbf", "fq")
 RATE_MBIT = (1, 10, 100)               # rate error
@@ -53,9 +52,8 @@ def _duration(rate_mbit: float, quick: bool) -> float:
 
 
 def guest_main(args) -> int:
-    sys.path.insert(0, str(GUEST_DIR))
-    import pacing as P
-    import psplib
+    from harness import pacing as P
+    from harness import psplib
 
     psplib.ensure_loaded()
     setups = {"psp": P.Psp, "htb": P.Htb, "tbf": P.Tbf, "fq": P.Fq}

@@ -38,7 +38,6 @@ from typing import Dict, List, Optional, Sequence
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-GUEST_DIR = REPO / "tests" / "guest"
 KMOD_SOURCES = ("Kbuild", "Makefile", "sch_psp.c", "psp_sched.h", "psp_tree.h", "uapi")
 
 log = logging.getLogger("bench.vm_sharing")
@@ -178,10 +177,8 @@ def vm_bench(fig: dict, module: str, guest_args: Sequence[str], budget: float, k
 
 
 def guest_tools():
-    """tests/guest/pacing.py (capture, analysis, iperf) and psplib (psp over rtnetlink)."""
-    if str(GUEST_DIR) not in sys.path:
-        sys.path.insert(0, str(GUEST_DIR))
-    import pacing  # noqa: F401
+    """harness/pacing.py (capture, analysis, iperf); psp over rtnetlink is harness/psplib.py."""
+    from harness import pacing
     return pacing
 
 
@@ -190,7 +187,7 @@ def mbit(x: float) -> int:
 
 
 class Bed:
-    """flowpacer.testbed.Testbed seen through tests/guest/pacing.py's names: the server's
+    """flowpacer.testbed.Testbed seen through harness/pacing.py's names: the server's
     namespace sends (its veth gets the qdisc under test), the client's receives."""
 
     def __init__(self, tb):
@@ -225,7 +222,7 @@ class Bed:
 def setup_psp(bed: Bed, link_bps: int, classes: Sequence[tuple]) -> None:
     """psp root f1f0: (link rate ``link_bps``), one class per (minor, rate_bps, dport)."""
     guest_tools()
-    import psplib
+    from harness import psplib
     psplib.ensure_loaded()
     bed.clear_qdisc()
     with psplib.PspNl(bed.sender_ns) as nl:
@@ -261,7 +258,7 @@ def setup_htb(bed: Bed, link_bps: int, classes: Sequence[tuple]) -> None:
 def psp_stats(bed: Bed) -> dict:
     """The psp qdisc's and classes' counters (JSON-safe)."""
     guest_tools()
-    import psplib
+    from harness import psplib
 
     def safe(x):
         if isinstance(x, dict):

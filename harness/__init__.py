@@ -11,5 +11,8 @@ same inside the test VM), so it needs no installation.
 - ``harness.fakes``: in-memory backend and flow sources for in-process daemon tests;
 - ``harness.scenarios``: the reliability scenarios (crash/restart, churn soak);
 - ``harness.terminal``: a private tmux server for full-screen commands;
+- ``harness.pacing``: pacing measurements in the VM (qdisc set-ups, iperf3 and pktgen runs,
+  packet captures, gap statistics);
+- ``harness.psplib``: the psp module in the VM (loading it, rtnetlink requests with extack);
 - ``harness.vm``: the qemu test VM runner.
 """

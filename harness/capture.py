@@ -6,7 +6,7 @@
 - ``qdisc_kind``, ``established``: the root qdisc's kind, the established TCP connections.
 
 Packet captures with kernel timestamps (AF_PACKET, GSO segments counted) are in
-``tests/guest/pacing.py`` (``Capture``), which runs in the VM.
+``harness/pacing.py`` (``Capture``), which runs in the VM.
 """
 from __future__ import annotations
 

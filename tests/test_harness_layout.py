@@ -40,6 +40,16 @@ def test_benchmarks_and_harness_do_not_import_tests():
     assert not _bad(_py("harness"), lambda m: m.split(".")[0] in ("tests", "bench"))
 
 
+def test_benchmarks_and_harness_do_not_import_test_files_by_path():
+    """Nor through sys.path: a bare import of a module that is a file under tests/ (the guest
+    tests' directory is put on sys.path by their conftest) means a benchmark or the harness
+    depends on the tests; such tools belong in harness/ (as harness/pacing.py, harness/psplib.py)."""
+    test_stems = {p.stem for p in _py("tests")}
+    assert "conftest" in test_stems and "kmsg" in test_stems, test_stems   # the check sees them
+    bad = _bad(_py("bench", "harness"), lambda m: m.split(".")[0] in test_stems)
+    assert not bad, bad
+
+
 def test_one_testbed_class_and_one_daemon_launcher():
     """``Testbed`` is defined once; the launcher of ``flowpacer run`` in a testbed is
     ``flowpacer.testbed.Daemon`` (the daemon itself is ``flowpacer.app.Daemon``)."""

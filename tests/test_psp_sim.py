@@ -307,7 +307,7 @@ def test_always_late_timer_catches_up_in_pairs_then_clamps():
 
 
 def wire_runs(d, rate: int) -> int:
-    """Longest run as tests/guest/pacing.analyze counts it on the wire: a packet less than a
+    """Longest run as harness/pacing.analyze counts it on the wire: a packet less than a
     quarter of the previous packet's time at ``rate`` after it extends the run."""
     t = d["t"].astype(np.int64)
     if len(t) < 2:

@@ -20,7 +20,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kmsg  # noqa: E402
-import psplib  # noqa: E402
+from harness import psplib  # noqa: E402
 
 IN_VM = os.environ.get("FLOWPACER_IN_VM") == "1"
 

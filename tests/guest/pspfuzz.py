@@ -37,9 +37,9 @@ from typing import Dict, List, Optional, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import psplib  # noqa: E402
-from pacing import Testbed, wait_for  # noqa: E402
-from psplib import (NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE, QDISC, RTM_DELQDISC,  # noqa: E402
+from harness import psplib  # noqa: E402
+from harness.pacing import Testbed, wait_for  # noqa: E402
+from harness.psplib import (NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE, QDISC, RTM_DELQDISC,  # noqa: E402
                     RTM_DELTCLASS, RTM_NEWQDISC, RTM_NEWTCLASS, TC_H_ROOT, PspNl, h)
 from flowpacer.tc import nl as N  # noqa: E402
 from flowpacer.tc import psp as enc  # noqa: E402

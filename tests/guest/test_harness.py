@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import kmsg
-from pacing import Testbed, sh, wait_for
+from harness.pacing import Testbed, sh, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -5,7 +5,7 @@ import struct
 
 import pytest
 
-from pacing import Packet, analyze, mbit, parse_frame, parse_pcap
+from harness.pacing import Packet, analyze, mbit, parse_frame, parse_pcap
 
 RATE = mbit(10)
 GAP_NS = 1514 * 1e9 / RATE      # 1211.2 us

@@ -27,13 +27,13 @@ import time
 
 import pytest
 
-import psplib
+from harness import psplib  # noqa: E402
 from harness import traffic
-from pacing import Capture, Iperf, IPERF_PORT, mbit, to_mbit, window_rate
+from harness.pacing import Capture, Iperf, IPERF_PORT, mbit, to_mbit, window_rate
 from harness.daemon import Daemon
 from harness.servers import iperf3_server
-from pacing import guest_timeout, require_virtual_time, wait_for
-from psplib import RTM_NEWTCLASS, TC_H_ROOT, PspNl, h
+from harness.pacing import guest_timeout, require_virtual_time, wait_for
+from harness.psplib import RTM_NEWTCLASS, TC_H_ROOT, PspNl, h
 from flowpacer.tc import nl as N
 
 from flowpacer.tc import psp as enc

@@ -15,11 +15,11 @@ import subprocess
 
 import pytest
 
-import psplib
+from harness import psplib  # noqa: E402
 from harness.daemon import Daemon
 from harness.testbed import Testbed, client_argv, server_argv, wait_for
 from harness.traffic import WIRE, WIRE6
-from psplib import PspNl
+from harness.psplib import PspNl
 SLOW, FAST = 3_000_000, 8_000_000            # bit/s of the two rules
 RULES = """
     interface: IFACE

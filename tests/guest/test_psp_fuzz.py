@@ -13,9 +13,9 @@ import os
 import random
 from pathlib import Path
 
-import psplib
+from harness import psplib  # noqa: E402
 import pspfuzz
-from pacing import Testbed, wait_for
+from harness.pacing import Testbed, wait_for
 
 ITERATIONS = int(os.environ.get("FLOWPACER_FUZZ_ITERATIONS", "3000"))
 SECONDS = float(os.environ.get("FLOWPACER_FUZZ_SECONDS", "150"))

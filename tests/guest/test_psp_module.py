@@ -10,9 +10,9 @@ import errno
 import struct
 import time
 
-import psplib
-from pacing import Capture, Iperf, IPERF_PORT, Psp, Testbed, mbit, to_mbit, wait_for, window_rate
-from psplib import (NLM_F_CREATE, NLM_F_EXCL, QDISC, RTM_DELTCLASS, RTM_NEWQDISC,  # noqa: F401
+from harness import psplib  # noqa: E402
+from harness.pacing import Capture, Iperf, IPERF_PORT, Psp, Testbed, mbit, to_mbit, wait_for, window_rate
+from harness.psplib import (NLM_F_CREATE, NLM_F_EXCL, QDISC, RTM_DELTCLASS, RTM_NEWQDISC,  # noqa: F401
                     RTM_NEWTCLASS, TC_H_ROOT, PspNl, expect_refused, h)
 from flowpacer.tc import nl as N
 from flowpacer.tc import psp as enc

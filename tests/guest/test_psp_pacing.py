@@ -26,8 +26,8 @@ import time
 
 import pytest
 
-import psplib
-from pacing import (Capture, Htb, Iperf, IPERF_PORT, PacingStats, Psp, mbit, measure, measure_pktgen,
+from harness import psplib  # noqa: E402
+from harness.pacing import (Capture, Htb, Iperf, IPERF_PORT, PacingStats, Psp, mbit, measure, measure_pktgen,
                     require_virtual_time, to_mbit, wait_for, window_rate)
 
 DURATION_S = {2: 5.0, 10: 4.0, 100: 3.0}

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import pytest
 
-import psplib
+from harness import psplib  # noqa: E402
 from flowpacer.control import call
 from harness.capture import NlProbe
 from harness.scenarios import crash_restart, daemon
 from harness.testbed import PY, in_netns, wait_for
-from psplib import PspNl
+from harness.psplib import PspNl
 
 # TCG runs ~10x slower than the host; the numbers it carries (measured, see docs/reliability.md)
 HELD = int(os.environ.get("FLOWPACER_REL_HELD", "500"))

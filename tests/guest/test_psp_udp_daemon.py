@@ -23,14 +23,14 @@ import time
 
 import pytest
 
-import psplib
+from harness import psplib  # noqa: E402
 from harness import traffic
 from harness.capture import kernel_objects, tc_show
 from harness.daemon import Daemon
 from harness.testbed import PY, wait_for
 from harness.udpcases import (PORT, SIZE, ConnectedSenders, after_case, at_rate, conn_flows,
                               peers_at_rate, recv, result, udp_flows, wait_idled_out, wire)
-from psplib import PspNl
+from harness.psplib import PspNl
 
 RATE_BIT = 4_000_000          # TCG's Python streams a few Mbit/s per peer comfortably
 RATE_TXT = "4mbit"

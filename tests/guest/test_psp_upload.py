@@ -19,14 +19,14 @@ import subprocess
 
 import pytest
 
-import psplib
+from harness import psplib  # noqa: E402
 from flowpacer.backend.ingress import ifb_name
 from harness import traffic
 from harness.daemon import Daemon
 from harness.servers import iperf3_server
 from harness.testbed import Testbed, wait_for
 from harness.traffic import WIRE, WIRE6
-from psplib import PspNl
+from harness.psplib import PspNl
 
 RECV = 3_000_000
 CEIL = 6_000_000          # rule borrow: receive-only, receive_ceil (a lone flow borrows up to it)

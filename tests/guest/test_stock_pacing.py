@@ -24,7 +24,7 @@ from typing import Dict, Tuple
 
 import pytest
 
-from pacing import Fq, Htb, PacingStats, Tbf, Testbed, mbit, measure, require_virtual_time, to_mbit
+from harness.pacing import Fq, Htb, PacingStats, Tbf, Testbed, mbit, measure, require_virtual_time, to_mbit
 
 QDISCS = {"htb": Htb, "tbf": Tbf, "fq": Fq}
 RATES_MBIT = (2, 10)

@@ -9,10 +9,10 @@ spaced, not sent in bursts: >= 90 % of the gaps within +-25 % of the ideal gap, 
 """
 from __future__ import annotations
 
-import psplib
+from harness import psplib  # noqa: E402
 from harness.daemon import Daemon
 from harness.testbed import wait_for as host_wait_for
-from pacing import PcapCapture, analyze, mbit, require_virtual_time, to_mbit
+from harness.pacing import PcapCapture, analyze, mbit, require_virtual_time, to_mbit
 
 RULES = """
     interface: IFACE

@@ -20,7 +20,7 @@ Rates are bytes per second (``*_bps``) as everywhere in flowpacer; ``mbit(10)`` 
 
 Command line (inside the VM, as root)::
 
-    python tests/guest/pacing.py matrix [--rates 2,10] [--duration 6] [--qdiscs htb,tbf,fq]
+    python -m harness.pacing matrix [--rates 2,10] [--duration 6] [--qdiscs htb,tbf,fq]
 """
 from __future__ import annotations
 
@@ -68,8 +68,8 @@ def to_mbit(rate_bps: float) -> float:
 
 # the one testbed of the project (flowpacer/testbed.py through the harness package): its
 # server side is the sender here (sender_ns/sender_dev/sender_addr), its client the receiver
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if _REPO not in sys.path:                  # also when run as a script from tests/guest
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:                  # also when run as a script (python harness/pacing.py)
     sys.path.insert(0, _REPO)
 from harness.testbed import Testbed, TestbedError  # noqa: E402
 
@@ -220,7 +220,7 @@ class Psp:
     name: str = "psp"
 
     def __call__(self, tb: Testbed) -> None:
-        import psplib
+        from harness import psplib
         psplib.ensure_loaded()
         with psplib.PspNl(tb.sender_ns) as nl:
             nl.add_qdisc(tb.sender_dev, link_rate_bps=self.link_bps)
