@@ -36,6 +36,14 @@ log = logging.getLogger("bench.vm_share_pktgen")
 BASE_PORT = 5201
 
 
+def flow_row(i: int, rate_bps: float, ideal_bps: float, measured_bps: float, total_bps: float) -> dict:
+    """Class ``i``'s figures (bit/s): its rate, its ideal share of the link, what it carried, the
+    error against the ideal and against its 2:2:2:1:1 part of what all classes carried."""
+    return {"flow": i + 1, "class_rate_bit_s": rate_bps * 8, "ideal_bit_s": ideal_bps * 8,
+            "measured_bit_s": measured_bps * 8, "error": measured_bps / ideal_bps - 1,
+            "share_error": (measured_bps / total_bps) / (RATES_UNITS[i] / sum(RATES_UNITS)) - 1}
+
+
 def share_run(bed: Bed, qdisc: str, link_mbit: float, seconds: float, warmup: float,
               offered: float, capture: str, frame_bytes: int = 1514, frags: int = 0) -> dict:
     pacing = guest_tools()
@@ -75,11 +83,7 @@ def share_run(bed: Bed, qdisc: str, link_mbit: float, seconds: float, warmup: fl
     span = (t_b - t_a) / 1e9
     meas = [got[p] / span for p in ports]
     tot = sum(meas)
-    flows = []
-    for i in range(n):
-        flows.append({"flow": i + 1, "class_rate_bit_s": rates[i] * 8, "ideal_bit_s": ideal[i] * 8,
-                      "measured_bit_s": meas[i] * 8, "error": meas[i] / ideal[i] - 1,
-                      "share_error": (meas[i] / tot) / (RATES_UNITS[i] / sum(RATES_UNITS)) - 1})
+    flows = [flow_row(i, rates[i], ideal[i], meas[i], tot) for i in range(n)]
     # every class backlogged: pktgen (whose rate the guest's CPU bounds) offered each class at
     # least its ideal share; otherwise the split is the offer's, not the qdisc's
     achieved = sent.get("bit_s")
@@ -153,9 +157,7 @@ def stats_share_run(bed: Bed, qdisc: str, pacing, classes, ideal, link, source, 
         qlens = [c.get(minor, {}).get("qlen", 0) for _t, c in samples]
         extra_pkts = (b.get("drops", 0) - a.get("drops", 0)) + (qlens[-1] - qlens[0])
         offered = meas[i] + extra_pkts * frame_bytes / span
-        flows.append({"flow": i + 1, "class_rate_bit_s": rate * 8, "ideal_bit_s": ideal[i] * 8,
-                      "measured_bit_s": meas[i] * 8, "error": meas[i] / ideal[i] - 1,
-                      "share_error": (meas[i] / tot) / (RATES_UNITS[i] / sum(RATES_UNITS)) - 1,
+        flows.append({**flow_row(i, rate, ideal[i], meas[i], tot),
                       "offered_in_window_bit_s": offered * 8,
                       "drops_in_window": b.get("drops", 0) - a.get("drops", 0),
                       "qlen_at_reads": qlens, "backlogged": min(qlens) > 0})
