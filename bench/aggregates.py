@@ -38,7 +38,7 @@ import threading
 import time
 
 from bench.common import percentiles, write
-from harness import traffic
+from harness import pacing, traffic
 from harness.daemon import Daemon
 from harness.headcapture import HeadCapture
 from harness.servers import iperf3_server
@@ -160,8 +160,6 @@ def guest_main(out_path: str) -> int:
     """In the VM: psp (module loaded) and htb with the VM rates; JSON to ``out_path``."""
     import json
     import os
-    from bench.vm_sharing import guest_tools
-    pacing = guest_tools()
     from harness import psplib
     psplib.ensure_loaded()
     figures = measure(("psp", "htb"), VM_RATES,

@@ -31,7 +31,8 @@ import os
 import sys
 import time
 
-from bench.vm_sharing import Bed, guest_result, guest_tools, vm_bench
+from bench.vm_sharing import Bed, guest_result, vm_bench
+from harness import pacing
 
 log = logging.getLogger("bench.vm_gaps")
 
@@ -39,7 +40,7 @@ QDISCS = ("psp", "htb", "tbf", "fq")
 RATES = (10, 100, 1000, 2500)
 
 
-def make_setup(pacing, qdisc: str, target: int):
+def make_setup(qdisc: str, target: int):
     """The qdisc under test at ``target`` bytes/s; psp's link at the veth's 10 Gbit/s, so that
     only the class paces (its 1 Gbit/s default link would cap the runs above 1 Gbit/s)."""
     if qdisc == "psp":
@@ -63,9 +64,8 @@ def psp_xstats(bed: Bed) -> dict:
 
 def one_run(bed: Bed, qdisc: str, rate_mbit: float, gso: bool, seconds: int, gap_sample: int,
             window_ms: int, capture: str = "pcap") -> dict:
-    pacing = guest_tools()
     target = pacing.mbit(rate_mbit)
-    setup = make_setup(pacing, qdisc, target)
+    setup = make_setup(qdisc, target)
     bed.clear_qdisc()
     bed.set_gso(gso)
     setup(bed)
@@ -167,9 +167,8 @@ def pktgen_run(bed: Bed, qdisc: str, rate_mbit: float, seconds: int, capture: st
     """pktgen (queue_xmit, 1514-byte UDP frames at 1.1x the rate) through the qdisc, dropped at
     the receiver's ingress; ``capture`` (tcpdump or the BPF tracepoint) where the packets leave
     the sender's veth."""
-    pacing = guest_tools()
     target = pacing.mbit(rate_mbit)
-    setup = make_setup(pacing, qdisc, target)
+    setup = make_setup(qdisc, target)
     busy0 = cpu_busy_ns()
     sched0 = sched_snapshot()
     st = pacing.measure_pktgen(bed, setup, target, duration=seconds, capture=capture,
@@ -259,7 +258,7 @@ def main(argv=None) -> int:
     gsos = [x == "on" for x in args.gso.split(",")]
     if args.guest:
         if args.ksoftirqd_rt:
-            guest_tools().ksoftirqd_realtime()
+            pacing.ksoftirqd_realtime()
         return guest_result(args.out, runs=run_all(rates, qdiscs, gsos, seconds, args.gap_sample,
                                                     args.window_ms, args.capture, args.source,
                                                     args.overload))

@@ -34,9 +34,9 @@ import threading
 import time
 from pathlib import Path
 
-from bench.vm_sharing import (Bed, guest_progress, guest_result, guest_tools, mbit, setup_htb, setup_psp,
-                              vm_bench,
-                              wait_listening)
+from bench.vm_sharing import (Bed, guest_progress, guest_result, mbit, setup_htb, setup_psp,
+                              vm_bench, wait_listening)
+from harness import pacing
 
 log = logging.getLogger("bench.vm_lfp")
 
@@ -55,7 +55,6 @@ class Path_:
         self.bps = bottleneck_bps
         self.buffer = buffer_bytes
         self.ifb = f"fpifb{bed.tb.tag}"[:15]
-        pacing = guest_tools()
         pacing.modprobe("ifb", "act_mirred", "sch_ingress", "sch_tbf", "cls_u32")
         r = bed.r
         r("ip", "link", "add", self.ifb, "type", "ifb")
@@ -72,7 +71,7 @@ class Path_:
         if rtt_ms <= 0:
             self.bed.r("tc", "qdisc", "del", "dev", self.bed.receiver_dev, "root", check=False)
             return
-        guest_tools().modprobe("sch_netem")
+        pacing.modprobe("sch_netem")
         self.bed.r("tc", "qdisc", "replace", "dev", self.bed.receiver_dev, "root", "netem", "delay",
                    f"{rtt_ms}ms", "limit", "100000")
 
@@ -120,7 +119,6 @@ class TimerProbe:
 
 def _psp_figures(bed: Bed) -> dict:
     """psp's own lateness, clamps and runs over the case (read before the qdisc goes)."""
-    guest_tools()
     from harness import psplib
     with psplib.PspNl(bed.sender_ns) as nl:
         x = nl.root(bed.sender_dev).xstats

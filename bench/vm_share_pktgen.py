@@ -28,8 +28,9 @@ import sys
 import time
 from typing import Dict
 
-from bench.vm_sharing import (LINK_UNITS, RATES_UNITS, Bed, guest_result, guest_tools, mbit, psp_stats,
+from bench.vm_sharing import (LINK_UNITS, RATES_UNITS, Bed, guest_result, mbit, psp_stats,
                               setup_htb, setup_psp, vm_bench)
+from harness import pacing
 
 log = logging.getLogger("bench.vm_share_pktgen")
 
@@ -46,7 +47,6 @@ def flow_row(i: int, rate_bps: float, ideal_bps: float, measured_bps: float, tot
 
 def share_run(bed: Bed, qdisc: str, link_mbit: float, seconds: float, warmup: float,
               offered: float, capture: str, frame_bytes: int = 1514, frags: int = 0) -> dict:
-    pacing = guest_tools()
     n = len(RATES_UNITS)
     unit = mbit(link_mbit) / LINK_UNITS
     rates = [int(r * unit) for r in RATES_UNITS]
@@ -60,7 +60,7 @@ def share_run(bed: Bed, qdisc: str, link_mbit: float, seconds: float, warmup: fl
     set_mtu(bed, frame_bytes - 14)
     try:
         if capture == "stats":
-            return stats_share_run(bed, qdisc, pacing, classes, ideal, link, source, seconds, warmup,
+            return stats_share_run(bed, qdisc, classes, ideal, link, source, seconds, warmup,
                                    frame_bytes, frags)
         with pacing.make_capture(capture, bed.sender_ns, bed.sender_dev, ports) as cap:
             with pacing.Pktgen(bed, source, seconds, port=BASE_PORT, ports=n,
@@ -122,7 +122,7 @@ def class_counters(bed: Bed) -> Dict[int, dict]:
     return out
 
 
-def stats_share_run(bed: Bed, qdisc: str, pacing, classes, ideal, link, source, seconds, warmup,
+def stats_share_run(bed: Bed, qdisc: str, classes, ideal, link, source, seconds, warmup,
                     frame_bytes, frags, reads: int = 9) -> dict:
     """The share from the classes' own counters, read ``reads`` times while pktgen runs (from
     ``warmup`` to 0.2 s before its nominal end), with nothing else running per packet: no capture
@@ -225,7 +225,7 @@ def main(argv=None) -> int:
     qdiscs = args.qdiscs.split(",")
     if args.guest:
         if args.ksoftirqd_rt:
-            guest_tools().ksoftirqd_realtime()
+            pacing.ksoftirqd_realtime()
         return guest_result(args.out, runs=run_all(qdiscs, args.link_mbit, args.seconds, args.warmup,
                                                     args.offered, args.capture, args.frame_bytes,
                                                     args.frags))

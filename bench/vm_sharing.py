@@ -38,6 +38,8 @@ from typing import Dict, List, Optional, Sequence
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+from harness import pacing  # noqa: E402  (capture, analysis, iperf3, sh in the guest)
+
 KMOD_SOURCES = ("Kbuild", "Makefile", "sch_psp.c", "psp_sched.h", "psp_tree.h", "uapi")
 
 log = logging.getLogger("bench.vm_sharing")
@@ -176,12 +178,6 @@ def vm_bench(fig: dict, module: str, guest_args: Sequence[str], budget: float, k
     return 0
 
 
-def guest_tools():
-    """harness/pacing.py (capture, analysis, iperf); psp over rtnetlink is harness/psplib.py."""
-    from harness import pacing
-    return pacing
-
-
 def mbit(x: float) -> int:
     return int(round(x * 1e6 / 8))
 
@@ -191,7 +187,6 @@ class Bed:
     namespace sends (its veth gets the qdisc under test), the client's receives."""
 
     def __init__(self, tb):
-        pacing = guest_tools()
         self._sh = pacing.sh
         self.tb = tb
         self.sender_ns, self.receiver_ns = tb.server_ns, tb.client_ns
@@ -221,7 +216,6 @@ class Bed:
 
 def setup_psp(bed: Bed, link_bps: int, classes: Sequence[tuple]) -> None:
     """psp root f1f0: (link rate ``link_bps``), one class per (minor, rate_bps, dport)."""
-    guest_tools()
     from harness import psplib
     psplib.ensure_loaded()
     bed.clear_qdisc()
@@ -238,7 +232,6 @@ def setup_htb(bed: Bed, link_bps: int, classes: Sequence[tuple]) -> None:
     """flowpacer's htb layout: root f1f0:, link class :1, default :2, flow classes under :1 at
     their rate (ceil = rate) with flowpacer's burst and quantum."""
     from flowpacer.backend.htb import DEFAULT_SHARE, burst_for, quantum_for
-    pacing = guest_tools()
     pacing.modprobe("sch_htb", "cls_u32")
     bed.clear_qdisc()
 
@@ -257,7 +250,6 @@ def setup_htb(bed: Bed, link_bps: int, classes: Sequence[tuple]) -> None:
 
 def psp_stats(bed: Bed) -> dict:
     """The psp qdisc's and classes' counters (JSON-safe)."""
-    guest_tools()
     from harness import psplib
 
     def safe(x):
@@ -275,7 +267,6 @@ def psp_stats(bed: Bed) -> dict:
 
 
 def wait_listening(bed: Bed, ports: Sequence[int], timeout: float = 20) -> None:
-    pacing = guest_tools()
 
     def ok():
         out = bed.r("ss", "-Hltn").stdout
@@ -291,7 +282,6 @@ def frame_bytes(pk) -> int:
 
 def sharing_run(bed: Bed, qdisc: str, unit_bps: int, spacing: int, hold: int, bin_s: float,
                 settle: float) -> dict:
-    pacing = guest_tools()
     n = len(RATES_UNITS)
     ports = [BASE_PORT + i for i in range(n)]
     rates = [r * unit_bps for r in RATES_UNITS]

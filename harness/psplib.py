@@ -22,18 +22,15 @@ import errno
 import os
 import struct
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from flowpacer.tc import nl
+from flowpacer.tc import psp as enc
+from flowpacer.testbed import in_netns
 
-from flowpacer.tc import nl  # noqa: E402
-from flowpacer.tc import psp as enc  # noqa: E402
-from flowpacer.testbed import in_netns  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 MODULE = "sch_psp"
 MAJOR = 0xF1F0

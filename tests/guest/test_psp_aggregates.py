@@ -27,7 +27,7 @@ import time
 
 import pytest
 
-from harness import psplib  # noqa: E402
+from harness import psplib
 from harness import traffic
 from harness.pacing import Capture, Iperf, IPERF_PORT, mbit, to_mbit, window_rate
 from harness.daemon import Daemon

@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 
-from harness import psplib  # noqa: E402
+from harness import psplib
 from harness.daemon import Daemon
 from harness.testbed import Testbed, client_argv, server_argv, wait_for
 from harness.traffic import WIRE, WIRE6

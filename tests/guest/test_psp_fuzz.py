@@ -13,7 +13,7 @@ import os
 import random
 from pathlib import Path
 
-from harness import psplib  # noqa: E402
+from harness import psplib
 import pspfuzz
 from harness.pacing import Testbed, wait_for
 

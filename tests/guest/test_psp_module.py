@@ -10,7 +10,7 @@ import errno
 import struct
 import time
 
-from harness import psplib  # noqa: E402
+from harness import psplib
 from harness.pacing import Capture, Iperf, IPERF_PORT, Psp, Testbed, mbit, to_mbit, wait_for, window_rate
 from harness.psplib import (NLM_F_CREATE, NLM_F_EXCL, QDISC, RTM_DELTCLASS, RTM_NEWQDISC,  # noqa: F401
                     RTM_NEWTCLASS, TC_H_ROOT, PspNl, expect_refused, h)

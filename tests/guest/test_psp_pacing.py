@@ -26,7 +26,7 @@ import time
 
 import pytest
 
-from harness import psplib  # noqa: E402
+from harness import psplib
 from harness.pacing import (Capture, Htb, Iperf, IPERF_PORT, PacingStats, Psp, mbit, measure, measure_pktgen,
                     require_virtual_time, to_mbit, wait_for, window_rate)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import psplib  # noqa: E402
+from harness import psplib
 from flowpacer.control import call
 from harness.capture import NlProbe
 from harness.scenarios import crash_restart, daemon

@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from harness import psplib  # noqa: E402
+from harness import psplib
 from harness import traffic
 from harness.capture import kernel_objects, tc_show
 from harness.daemon import Daemon

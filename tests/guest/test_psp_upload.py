@@ -19,7 +19,7 @@ import subprocess
 
 import pytest
 
-from harness import psplib  # noqa: E402
+from harness import psplib
 from flowpacer.backend.ingress import ifb_name
 from harness import traffic
 from harness.daemon import Daemon

@@ -9,7 +9,7 @@ spaced, not sent in bursts: >= 90 % of the gaps within +-25 % of the ideal gap, 
 """
 from __future__ import annotations
 
-from harness import psplib  # noqa: E402
+from harness import psplib
 from harness.daemon import Daemon
 from harness.testbed import wait_for as host_wait_for
 from harness.pacing import PcapCapture, analyze, mbit, require_virtual_time, to_mbit
