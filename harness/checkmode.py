@@ -127,8 +127,17 @@ def install() -> Path:
     _replace(vm.run, "run", "boot the qemu VM", "vm")
     _replace(harness.vm, "run", "boot the qemu VM", "vm")
     import pyroute2.netns
-    for name in ("create", "create_socket", "setns", "pushns", "attach"):
-        _replace(pyroute2.netns, name, "make or enter a network namespace (pyroute2)")
+    what = "make or enter a network namespace (pyroute2)"
+    for name in ("create", "setns", "pushns", "attach"):
+        _replace(pyroute2.netns, name, what)
+    # every pyroute2 socket is made here; only one in another namespace is refused
+    plain_socket = pyroute2.netns.create_socket
+
+    def create_socket(netns=None, *a, **kw):
+        if netns is not None:
+            refuse(what)
+        return plain_socket(None, *a, **kw)
+    pyroute2.netns.create_socket = create_socket
     try:
         import bcc
     except ImportError:       # no bcc here: nothing can compile a program in this process
