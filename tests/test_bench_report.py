@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 
@@ -76,6 +78,7 @@ def test_report_py_renders_no_section_of_its_own():
             "reliability"} == owners
 
 
+@pytest.mark.slow          # draws the 16 plots: 5-9 s
 def test_report_is_what_the_committed_results_give():
     """Every suite benchmark has its part in a chapter, the goals are in order, and REPORT.md
     is what bench/results/*.json render to now (plots into a temporary directory)."""
