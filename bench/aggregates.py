@@ -44,6 +44,8 @@ from harness.headcapture import HeadCapture
 from harness.servers import iperf3_server
 from harness.testbed import Testbed, wait_for
 
+from .reportkit import ResultIndex, g, mbit, pct, share, table
+
 RULES = """
     interface: IFACE
     backend: BACKEND
@@ -210,6 +212,43 @@ def main(argv=None) -> int:
         show(figures)
     print(f"written {path}")
     return 0
+
+
+# ============================================================== report
+# This benchmark's part of bench/REPORT.md (bench/report.py puts it in its chapter) and its goals.
+
+def report_section(R: ResultIndex) -> str:
+    """Issue 15: client_rate and total_rate caps, psp and htb side by side in the VM (a chapter
+    of its own, only when there is a result)."""
+    f = R.fig("aggregates_psp")
+    if not f or not f.get("psp"):
+        return ""
+    out = ["## Aggregate caps: client_rate and total_rate (`bench/aggregates.py --vm`)\n",
+           R.provenance("aggregates", "aggregates_psp") + "\n",
+           f"Real `iperf3 -R` through the daemon in one VM boot (guest kernel "
+           f"{g(f, 'vm', 'kernel', default='?')}, {g(f, 'clock', default='?')} time), psp and htb "
+           "with the same rules: `client` is one client's streams under its client_rate, `total` "
+           "three clients under the rule's total_rate. Payload against the cap's payload; each "
+           "stream's gaps (p10 / p50 / p99) against its share's nominal gap, and the part of its "
+           "packets that left back to back.\n"]
+    rows = []
+    for q in ("psp", "htb"):
+        for case in ("client", "total"):
+            c = g(f, q, case)
+            if not c:
+                continue
+            streams = [s for cl in c.get("clients", []) for s in cl.get("streams", [])]
+            if not streams:
+                continue
+            dev = [abs(s["gap_us"][k] / s["nominal_gap_us"] - 1) for s in streams
+                   for k in ("p10", "p50", "p99")]
+            b2b = max(s["back_to_back"] for s in streams)
+            rows.append([q, case, mbit(c["cap_bps"] * 8), mbit(c["payload_bps"] * 8),
+                         pct(c["off_cap"], 2), str(len(streams)),
+                         share(max(dev), 1), share(b2b, 1)])
+    out.append(table(["qdisc", "case", "cap", "payload", "off the cap", "streams",
+                      "worst gap p10/p50/p99 off nominal", "most back-to-back"], rows))
+    return "\n".join(out) + "\n"
 
 
 if __name__ == "__main__":

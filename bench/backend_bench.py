@@ -22,6 +22,7 @@ import json
 import subprocess
 import sys
 import time
+from typing import List
 
 from flowpacer.backend import tc as tcb
 from flowpacer.backend.htb import HtbCodec
@@ -30,6 +31,7 @@ from harness.daemon import Daemon
 from harness.testbed import PY, Testbed, in_netns, wait_for
 
 from .common import RESULTS, percentiles, write
+from .reportkit import Goal, ResultIndex, g, num, pyplot, savefig, table
 
 MBIT = 125_000
 
@@ -260,6 +262,107 @@ def main(argv=None) -> int:
     print(json.dumps(goals, indent=2))
     print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+# ============================================================== report
+# This benchmark's part of bench/REPORT.md (bench/report.py puts it in its chapter) and its goals.
+
+def _daemon_step(R, flows):
+    for s in g(R.fig("backend"), "daemon", "steps", default=[]) or []:
+        if s.get("flows") == flows:
+            return s
+    return None
+
+
+def report_section(R: ResultIndex) -> str:
+    """Install cost per flow and the daemon at scale (chapter 4, after daemon_bench's part)."""
+    plt = pyplot()
+    b = R.fig("backend")
+    out = ["Install cost and scale: " + R.provenance("backend", "backend") + "\n"]
+    sc = g(b, "install_scale") or ({"1000": b["install"]} if g(b, "install") else {})
+    if sc:
+        rows = []
+        for n, r in sorted(sc.items(), key=lambda kv: int(kv[0])):
+            rows.append([f"{int(n):,}".replace(",", " "), num(r["batched_add_ms_per_flow"], "", 3),
+                         num(r["batched_remove_ms_per_flow"], "", 3), num(r["single_add_ms"]["p50"], "", 3),
+                         num(r["single_add_ms"]["p99"], "", 2), num(r["single_remove_ms"]["p50"], "", 3)])
+        out.append("**Class + filter install cost** (htb backend, flowpacer's own netlink requests; ms per flow):\n")
+        out.append(table(["flows", "add, one plan", "remove, one plan", "add one by one p50", "p99",
+                          "remove one by one p50"], rows))
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        ns = sorted(int(n) for n in sc)
+        for key, lab in (("batched_add_ms_per_flow", "add (one plan)"), ("batched_remove_ms_per_flow", "remove (one plan)")):
+            ax.plot(ns, [sc[str(n)][key] for n in ns], "o-", label=lab)
+        ax.plot(ns, [sc[str(n)]["single_add_ms"]["p50"] for n in ns], "s--", label="add one by one, p50")
+        ax.axhline(0.3, color="g", ls="--", lw=0.8, label="goal 0.3 ms")
+        ax.set_xscale("log")
+        ax.set_xlabel("flows")
+        ax.set_ylabel("ms per flow")
+        ax.legend(fontsize=8)
+        out.append(savefig(fig, "install_cost.png"))
+    steps = g(b, "daemon", "steps")
+    if steps:
+        idle = g(b, "daemon", "idle") or {}
+        rows = [["0 (idle)", "", num(idle.get("rss_bytes", 0) / 1e6, "MB"), num(idle.get("peak_rss_bytes", 0) / 1e6, "MB"),
+                 "", num(g(idle, "scrape_s", "p50"), "s", 3), ""]]
+        for s in steps:
+            rows.append([f"{s['flows']:,}".replace(",", " "), num(s["open_to_all_shaped_s"], "s", 2),
+                         num(s["rss_bytes"] / 1e6, "MB"), num(s["peak_rss_bytes"] / 1e6, "MB"),
+                         num(s["status_call_s"], "s", 3), num(s["scrape_s"]["p50"], "s", 3),
+                         f"{s['scrape_flow_series']:,}".replace(",", " ") + f" flows, {s['scrape_bytes'] / 1e6:.1f} MB"])
+        out.append("**Daemon at scale** (one daemon, live shaped flows raised step by step; the scrape is "
+                   "`GET http://127.0.0.1:9717/metrics` inside the server's namespace, median of "
+                   f"{g(steps[-1], 'scrape_s', 'n')}):\n")
+        out.append(table(["flows", "new flows shaped in", "RSS", "peak RSS", "status call", "scrape", "scrape size"], rows))
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        xs = [s["flows"] for s in steps]
+        ax.plot(xs, [s["rss_bytes"] / 1e6 for s in steps], "o-", label="RSS (MB)")
+        ax.axhline(150, color="g", ls="--", lw=0.8, label="goal 150 MB")
+        ax.set_ylim(bottom=0)
+        ax.set_xscale("log")
+        ax.set_xlabel("live shaped flows")
+        ax.set_ylabel("MB")
+        ax2 = ax.twinx()
+        ax2.plot(xs, [s["scrape_s"]["p50"] for s in steps], "s--", color="C3", label="scrape (s)")
+        ax2.plot(xs, [s["status_call_s"] for s in steps], "^:", color="C2", label="status call (s)")
+        ax2.set_ylabel("s")
+        ax2.set_ylim(bottom=0)
+        h1, l1 = ax.get_legend_handles_labels()
+        h2, l2 = ax2.get_legend_handles_labels()
+        ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper left")
+        out.append(savefig(fig, "daemon_scale.png"))
+    msteps = {s["flows"]: s for s in g(b, "daemon_mixed", "steps", default=[]) or []}
+    if steps and msteps:
+        rows = []
+        for s in steps:
+            m = msteps.get(s["flows"])
+            if m:
+                rows.append([f"{s['flows']:,}".replace(",", " "), num(s["open_to_all_shaped_s"], "s", 2),
+                             num(m["open_to_all_shaped_s"], "s", 2), num(s["rss_bytes"] / 1e6, "MB"),
+                             num(m["rss_bytes"] / 1e6, "MB"), num(s["status_call_s"], "s", 3),
+                             num(m["status_call_s"], "s", 3), num(s["scrape_s"]["p50"], "s", 3),
+                             num(m["scrape_s"]["p50"], "s", 3)])
+        out.append("**Daemon at scale, IPv4 only vs half of the flows over IPv6** (the same steps, one "
+                   "IPv4 and one IPv6 holder process per step):\n")
+        out.append(table(["flows", "shaped in, IPv4", "half IPv6", "RSS, IPv4", "half IPv6",
+                          "status call, IPv4", "half IPv6", "scrape, IPv4", "half IPv6"], rows))
+    return "\n".join(out)
+
+
+def report_goals() -> List[Goal]:
+    ms = lambda v: num(v, "ms/flow", 3)
+    return [
+        Goal(1, 2, "install 1 000 flows (class + filter, one plan) <= 0.3 ms per flow", "backend", "backend",
+             lambda R: g(R.fig("backend"), "install", "batched_add_ms_per_flow"), lambda v: v <= 0.3, ms),
+        Goal(2, 2, "remove 1 000 flows <= 0.3 ms per flow", "backend", "backend",
+             lambda R: g(R.fig("backend"), "install", "batched_remove_ms_per_flow"), lambda v: v <= 0.3, ms),
+        Goal(4, 2, "daemon RSS with 10 000 flows <= 150 MB", "backend", "backend",
+             lambda R: g(_daemon_step(R, 10_000), "rss_bytes"), lambda v: v <= 150e6,
+             lambda v: num(v / 1e6, "MB")),
+        Goal(21, 5, "scrape of 10 000 flows < 1 s", "backend", "backend",
+             lambda R: g(_daemon_step(R, 10_000), "scrape_s", "p50"), lambda v: v < 1,
+             lambda v: num(v, "s", 3) + " (median)"),
+    ]
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import List
 
 from flowpacer.backend import tc as tcb
 from flowpacer.backend.htb import HtbCodec, burst_for, quantum_for
@@ -40,6 +41,7 @@ from flowpacer.model import FlowKey, Op, OpKind, Shape
 from flowpacer.testbed import Testbed, in_netns
 
 from .common import percentiles, write
+from .reportkit import COLORS, Goal, ResultIndex, g, num, pyplot, savefig, share, table
 
 LINK = 12_500_000_000            # 100 Gbit/s in bytes/s: far above what a veth carries
 SERVER_PORT = 5201
@@ -264,6 +266,65 @@ def main(argv=None) -> int:
     print(json.dumps({"ratio_to_1_filter": fig["ratio_to_1_filter"], "goals": goals}, indent=2))
     print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+# ============================================================== report
+# This benchmark's part of bench/REPORT.md (bench/report.py puts it in its chapter) and its goals.
+
+def report_section(R: ResultIndex) -> str:
+    plt = pyplot()
+    out = [R.provenance("classify", "classify") + "\n"]
+    f = R.fig("classify")
+    tp = g(f, "throughput_bit_s")
+    if not tp:
+        return "\n".join(out)
+    s = f.get("setup", {})
+    out.append(f"iperf3 -R, fixed client port, {s.get('seconds_per_run')} s per run, {s.get('rounds')} rounds "
+               f"alternating layouts and counts, GSO on; median of the rounds (the ratio: median of each round's ratio "
+               f"to that round's 1-filter run). `hashed` is flowpacer's layout "
+               f"(two levels of 256-bucket u32 tables), `linear` plain u32 filters at one prio in one bucket "
+               f"(chained on past 4 094 per table), the target installed last. `none`: no qdisc at all.\n")
+    counts = [str(c) for c in s.get("counts", [])]
+    rows = []
+    base_none = g(tp, "none", "0", "median")
+    for c in counts:
+        h = g(tp, "hashed", c, "median")
+        li = g(tp, "linear", c, "median")
+        rows.append([c, num(h and h / 1e9, "Gbit/s", 2), share(g(f, "ratio_to_1_filter", "hashed", c)),
+                     num(li and li / 1e9, "Gbit/s", 2), share(g(f, "ratio_to_1_filter", "linear", c)),
+                     num(g(f, "install_s", "linear", c, "p50"), "s", 2)])
+    out.append(table(["filters", "hashed", "of 1 filter", "linear", "of 1 filter", "linear install"], rows))
+    if base_none:
+        out.append(f"No qdisc: {num(base_none / 1e9, 'Gbit/s', 2)} (median). Target filter matched in every run: "
+                   f"{all(all(v.values()) for v in (g(f, 'target_filter_matched') or {}).values())}.\n")
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    xs = [int(c) for c in counts]
+    for lay in ("hashed", "linear"):
+        ax.plot(xs, [g(tp, lay, c, "median", default=float("nan")) / 1e9 for c in counts], "o-", label=lay,
+                color=COLORS[lay])
+        for c in counts:
+            ys = g(tp, lay, c, "samples") or []
+            ax.scatter([int(c)] * len(ys), [y / 1e9 for y in ys], s=8, color=COLORS[lay], alpha=0.4)
+    if base_none:
+        ax.axhline(base_none / 1e9, color="k", ls=":", lw=0.8, label="no qdisc")
+    h1 = g(tp, "hashed", counts[0], "median") if counts else None
+    if h1:
+        ax.axhline(0.9 * h1 / 1e9, color="g", ls="--", lw=0.8, label="90 % of hashed, 1 filter")
+    ax.set_xscale("log")
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("filters installed")
+    ax.set_ylabel("Gbit/s (dots: single runs)")
+    ax.legend(fontsize=8)
+    out.append(savefig(fig, "classification.png"))
+    return "\n".join(out)
+
+
+def report_goals() -> List[Goal]:
+    return [
+        Goal(3, 2, "with 10 000 flows installed, one flow's throughput >= 90 % of the 1-flow case (hashed)",
+             "classify", "classify", lambda R: g(R.fig("classify"), "ratio_to_1_filter", "hashed", "10000"),
+             lambda v: v >= 0.9, lambda v: share(v)),
+    ]
 
 
 if __name__ == "__main__":

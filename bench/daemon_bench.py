@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import List
 
 from flowpacer.backend.tc import DEFAULT_MINOR, MAJOR
 from flowpacer.tc import nl
@@ -30,6 +31,7 @@ from harness.daemon import Daemon
 from harness.testbed import PY, Testbed, in_netns, wait_for
 
 from .common import RESULTS, percentiles, write
+from .reportkit import Goal, ResultIndex, g, num, pyplot, savefig, share, table
 
 RULES = """
     interface: IFACE
@@ -282,6 +284,97 @@ def main(argv=None) -> int:
     write("daemon", figures, goals)
     print(json.dumps(goals, indent=2))
     return 0
+
+
+# ============================================================== report
+# This benchmark's part of bench/REPORT.md (bench/report.py puts it in its chapter) and its goals.
+
+def report_section(R: ResultIndex) -> str:
+    """Time-to-shape, churn and unshaped bytes (chapter 4; backend_bench's install cost and
+    scale follow)."""
+    plt = pyplot()
+    d = R.fig("daemon")
+    out = ["Time-to-shape, churn and unshaped bytes: " + R.provenance("daemon", "daemon") + "\n"]
+    tts = g(d, "time_to_shape", "time_to_shape_us")
+    if tts:
+        ap = g(d, "time_to_shape", "apply_us") or {}
+        out.append(f"**Time-to-shape** (accept() return in the target, as the tracer stamps it, to the netlink "
+                   f"ack of the flow's filter) at {g(d, 'time_to_shape', 'offered_flows_per_s')} new flows/s, "
+                   f"{tts.get('n')} flows (the daemon keeps percentiles of its last 4 096 samples):\n")
+        rows = [["time-to-shape", *(num(tts.get(k, 0) / 1000, "ms", 2) for k in ("p50", "p90", "p99", "max"))],
+                ["of which the netlink apply", *(num(ap.get(k, 0) / 1000, "ms", 2) for k in ("p50", "p90", "p99", "max"))]]
+        mx = g(d, "time_to_shape_mixed", "time_to_shape_us")
+        if mx:      # the same with half of the flows over IPv6 (issue 12)
+            mxa = g(d, "time_to_shape_mixed", "apply_us") or {}
+            rows += [["time-to-shape, half IPv6", *(num(mx.get(k, 0) / 1000, "ms", 2) for k in ("p50", "p90", "p99", "max"))],
+                     ["of which the netlink apply, half IPv6",
+                      *(num(mxa.get(k, 0) / 1000, "ms", 2) for k in ("p50", "p90", "p99", "max"))]]
+        out.append(table(["", "p50", "p90", "p99", "max"], rows))
+        ks = ("p50", "p90", "p99", "max")
+        fig, ax = plt.subplots(figsize=(6, 3))
+        xs = range(len(ks))
+        ax.bar([x - 0.2 for x in xs], [tts.get(k, 0) / 1000 for k in ks], 0.4, label="time-to-shape")
+        ax.bar([x + 0.2 for x in xs], [ap.get(k, 0) / 1000 for k in ks], 0.4, label="netlink apply")
+        ax.hlines([1, 2], [-0.5, 1.5], [0.5, 2.5], colors="g", linestyles="--", lw=1, label="goals (p50 1 ms, p99 2 ms)")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(ks)
+        ax.set_ylabel("ms")
+        ax.legend(fontsize=8)
+        out.append(savefig(fig, "time_to_shape.png"))
+    steps = g(d, "churn", "steps")
+    if steps:
+        out.append("**Churn** (open + read + close, 2 client processes; a step counts as kept up when the "
+                   "classes drain within 2 s of its end and no tracer event is lost):\n")
+        out.append(table(["offered /s", "achieved /s", "daemon CPU", "drain after", "lost events", "op errors"],
+                         [[s["offered_per_s"], num(s["achieved_per_s"], "", 0), share(s["daemon_cpu_share"], 0),
+                           num(s["drain_after_s"], "s", 2), s["lost_events"], s["op_errors"]] for s in steps]))
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        ax.plot([s["offered_per_s"] for s in steps], [s["achieved_per_s"] for s in steps], "o-", label="achieved")
+        ax.plot([s["offered_per_s"] for s in steps], [s["offered_per_s"] for s in steps], "k:", lw=0.8)
+        ax.axhline(2000, color="g", ls="--", lw=0.8, label="goal 2000/s")
+        ax2 = ax.twinx()
+        ax2.bar([s["offered_per_s"] for s in steps], [100 * s["daemon_cpu_share"] for s in steps], width=150,
+                alpha=0.25, color="C1", label="daemon CPU %")
+        ax2.set_ylabel("daemon CPU (% of one core)")
+        ax.set_xlabel("offered open+close per s")
+        ax.set_ylabel("achieved per s")
+        ax.legend(loc="upper left", fontsize=8)
+        out.append(savefig(fig, "daemon_churn.png"))
+    mixed = g(d, "churn_mixed", "steps")
+    if mixed:
+        out.append("**Churn with half of the flows over IPv6** (the same, one of the two client processes "
+                   f"connecting over IPv6; sustained {g(d, 'churn_mixed', 'sustained_flows_per_s') or 0:.0f}/s, "
+                   f"IPv4 only {g(d, 'churn', 'sustained_flows_per_s') or 0:.0f}/s):\n")
+        out.append(table(["offered /s", "achieved /s", "daemon CPU", "drain after", "lost events", "op errors"],
+                         [[s["offered_per_s"], num(s["achieved_per_s"], "", 0), share(s["daemon_cpu_share"], 0),
+                           num(s["drain_after_s"], "s", 2), s["lost_events"], s["op_errors"]] for s in mixed]))
+    un = g(d, "unshaped")
+    if un:
+        u = un["unshaped_bytes"]
+        out.append(f"**Unshaped bytes per flow** (a server that writes {un['payload_bytes'] // 1024} KiB at once "
+                   f"right after accept(); bytes through the default class before the flow's filter was in, "
+                   f"{un['flows']} flows): p50 {num(u['p50'] / 1024, 'KiB')}, p90 {num(u['p90'] / 1024, 'KiB')}, "
+                   f"max {num(u['max'] / 1024, 'KiB')}; {un['flows_with_any_unshaped_payload']} of {un['flows']} flows "
+                   f"sent some payload unshaped.\n")
+    return "\n".join(out)
+
+
+def report_goals() -> List[Goal]:
+    ms = lambda v: num(v, "ms/flow", 3)
+    return [
+        Goal(5, 3, "time-to-shape p50 <= 1 ms at 200 new flows/s", "daemon", "daemon",
+             lambda R: g(R.fig("daemon"), "time_to_shape", "time_to_shape_us", "p50"), lambda v: v <= 1000,
+             lambda v: num(v / 1000, "ms", 2)),
+        Goal(6, 3, "time-to-shape p99 <= 2 ms at 200 new flows/s", "daemon", "daemon",
+             lambda R: g(R.fig("daemon"), "time_to_shape", "time_to_shape_us", "p99"), lambda v: v <= 2000,
+             lambda v: num(v / 1000, "ms", 2)),
+        Goal(7, 3, "churn >= 2000 open+close/s sustained", "daemon", "daemon",
+             lambda R: g(R.fig("daemon"), "churn", "sustained_flows_per_s"), lambda v: v >= 2000,
+             lambda v: num(v, "flows/s", 0) + (" (highest step offered)" if v >= 3900 else "")),
+        Goal(8, 3, "unshaped bytes per flow (report)", "daemon", "daemon",
+             lambda R: g(R.fig("daemon"), "unshaped", "unshaped_bytes"), None,
+             lambda v: f"p50 {num(v['p50'] / 1024, 'KiB')}, p90 {num(v['p90'] / 1024, 'KiB')} (frame bytes) of a 256 KiB reply"),
+    ]
 
 
 if __name__ == "__main__":

@@ -32,6 +32,9 @@ import subprocess
 import sys
 import threading
 import time
+from typing import List
+
+from .reportkit import Goal, ResultIndex, g, num, pct as pct_text, pyplot, savefig, table
 
 log = logging.getLogger(__name__)
 
@@ -525,6 +528,58 @@ def main(argv=None) -> int:
     print(json.dumps(brief, indent=2))
     print(f"written: {args.out}")
     return 0
+
+
+# ============================================================== report
+# This benchmark's part of bench/REPORT.md (bench/report.py puts it in its chapter) and its goals.
+
+def report_section(R: ResultIndex) -> str:
+    plt = pyplot()
+    out = [R.provenance("tracer", "tracer") + "\n"]
+    t = R.get("tracer")
+    if not t or "round_trip" not in t:
+        return "\n".join(out)
+    rt = t["round_trip"]
+    labels = {"no_tracer": "no tracer", "tracer_filtering_non_target": "tracer, another process watched",
+              "tracer_watching_target": "tracer watching the looping process"}
+    rows = [[labels.get(k, k), num(v["p50_median_of_rounds"], "us"), num(v["p99_median_of_rounds"], "us"),
+             num(v["iterations_per_s_median"], "/s", 0), pct_text((v.get("p50_vs_no_tracer_pct") or 0) / 100)]
+            for k, v in rt.items()]
+    out.append("connect() + accept() + close() of both ends over loopback (median of rounds):\n")
+    out.append(table(["", "p50", "p99", "iterations/s", "p50 vs no tracer"], rows))
+    el = t.get("event_latency", {})
+    if el:
+        out.append(table(["event latency (return of the call to the event out of poll())", "p50", "p90", "p99", "max"],
+                         [[k, *(num(g(v, "return_to_poll", p), "us") for p in ("p50", "p90", "p99", "max"))]
+                          for k, v in el.items()]))
+    sp = t.get("sustained_paced") or []
+    if sp:
+        out.append(table(["offered flows/s", "achieved", "events lost"],
+                         [[x["offered_flows_per_s"], x["achieved_flows_per_s"], x["lost"]] for x in sp]))
+    cost = t.get("bpf_program_cost") or {}
+    if cost:
+        progs = sorted({p for v in cost.values() for p in v})
+        out.append("In-kernel cost per program run over the same loop (kernel.bpf_stats_enabled, which "
+                   "adds two clock reads per run: upper bounds). `cgroup:ft_udp_egress` runs for every "
+                   "packet any local socket sends (here the loop's TCP packets): what all traffic pays "
+                   "for following connected UDP sockets.\n")
+        out.append(table(["program", *cost.keys()],
+                         [[p, *(num(g(cost, k, p, "ns_per_run"), "ns") for k in cost)] for p in progs]))
+    fig, ax = plt.subplots(figsize=(6, 2.8))
+    ks = list(rt)
+    ax.barh([labels.get(k, k) for k in ks], [rt[k]["p50_median_of_rounds"] for k in ks], color="C0", label="p50")
+    ax.set_xlabel("us per connect+accept+close round trip (p50)")
+    out.append(savefig(fig, "tracer_roundtrip.png"))
+    return "\n".join(out)
+
+
+def report_goals() -> List[Goal]:
+    return [
+        Goal(9, 3, "connect+accept latency with / without the tracer (report)", "tracer", "tracer",
+             lambda R: (g(R.get("tracer"), "round_trip", "no_tracer", "p50_median_of_rounds"),
+                        g(R.get("tracer"), "round_trip", "tracer_watching_target", "p50_median_of_rounds")),
+             None, lambda v: f"p50 {num(v[0], 'us')} without, {num(v[1], 'us')} with (watched)"),
+    ]
 
 
 if __name__ == "__main__":

@@ -30,9 +30,13 @@ import logging
 import os
 import sys
 import time
+from typing import List
 
 from bench.vm_sharing import Bed, guest_result, vm_bench
 from harness import pacing
+
+from .reportkit import (COLORS, Goal, ResultIndex, Unavailable, g, kernel_label, mbit, num, pct,
+                        pyplot, savefig, share, table)
 
 log = logging.getLogger("bench.vm_gaps")
 
@@ -291,6 +295,285 @@ def main(argv=None) -> int:
     path = write(args.name or name, fig, {})
     print(f"wrote {path}", file=sys.stderr)
     return rc
+
+
+# ============================================================== report
+# This benchmark's part of bench/REPORT.md (bench/report.py puts it in its chapter) and its goals.
+
+# pacing figures (from vm_gaps): a dict per (qdisc, rate_mbit, gso) with rate_error, within25,
+# longest_run; see pacing_rows()
+def pacing_rows(R) -> List[dict]:
+    f = R.fig("vm_gaps")
+    if not f:
+        return []
+    if f.get("unavailable") or f.get("failed"):
+        raise Unavailable(f.get("unavailable") or "the VM run failed")
+    rows = []
+    for r in f.get("runs", []) or []:
+        rows.append(r)
+    return rows
+
+
+# issue 14's gap runs: TCP, and pktgen on 6.1 as shipped, 6.1 with ksoftirqd SCHED_FIFO, 6.12
+GAPS14 = (("iperf3", "vm_gaps"), ("pktgen", "vm_gaps_pktgen"), ("pktgen", "vm_gaps_pktgen_rt"),
+          ("pktgen", "vm_gaps_pktgen_612"))
+
+
+def _issue14(R, key, rates=(100, 1000)):
+    """psp's ``key`` at each rate from a valid (no capture drops) run: TCP (vm_gaps, GSO on)
+    and the cheap source (vm_gaps_pktgen), each where measured; judged on the better."""
+    out = {}
+    for rate in rates:
+        vals = {}
+        for src, name in GAPS14:
+            f = R.fig(name) or {}
+            label = f"{src} ({kernel_label(f)})"
+            for r in f.get("runs", []) or []:
+                if r.get("qdisc") == "psp" and float(r.get("rate_mbit")) == rate \
+                        and (src == "pktgen" or r.get("gso", True)) \
+                        and not r.get("error") and r.get("valid", r.get("capture_drops") == 0):
+                    vals[label] = r.get(key)
+        out[rate] = vals
+    if all(not v for v in out.values()):
+        return None
+    return out
+
+
+def _best14(vals, key):
+    xs = [v for v in vals.values() if v is not None]
+    if not xs:
+        return None
+    return max(xs) if key == "within10" else min(xs, key=abs)
+
+
+def _show14(v, fmt):
+    return "; ".join(f"{r:g} Mbit: " + (", ".join(f"{src} {fmt(x)}" for src, x in vals.items())
+                                        or "no valid run") for r, vals in v.items())
+
+
+def _issue14_cpu(R):
+    out = {}
+    for r in pacing_rows(R):
+        if r.get("error") or r.get("cpu_ns_per_pkt") is None or float(r["rate_mbit"]) not in (100, 1000):
+            continue
+        out.setdefault((float(r["rate_mbit"]), "on" if r["gso"] else "off"), {})[r["qdisc"]] = r["cpu_ns_per_pkt"]
+    return out or None
+
+
+def _sat_rate(f) -> float:
+    """The saturation runs' highest target (where every qdisc is CPU-bound)."""
+    return max((float(r.get("rate_mbit", 0)) for r in (f or {}).get("runs", []) or []), default=0.0)
+
+
+def _sat_cost(R):
+    f = R.fig("vm_gaps_pktgen_sat")
+    top = _sat_rate(f)
+    out = {r["qdisc"]: 1514 * 8 * 1e9 / r["rate_bit_s"]
+           for r in f.get("runs", []) or [] if not r.get("error") and r.get("rate_bit_s")
+           and float(r.get("rate_mbit", 0)) == top}
+    return out or None
+
+
+def report_section(R: ResultIndex) -> str:
+    """Chapter 1's matrix: the four qdiscs in the VM, then the pktgen and saturation runs."""
+    out = ["The whole matrix (`bench/vm_gaps.py`, one VM boot, the four qdiscs back to back with the same "
+           "traffic at every rate and GSO setting):\n",
+           R.provenance("vm_gaps", "vm_gaps") + "\n"]
+    f = R.fig("vm_gaps")
+    if not f:
+        return "\n".join(out)
+    if f.get("unavailable") or f.get("failed"):
+        out.append(f"**Could not run here:** {f.get('unavailable') or f.get('failed')[-500:]}\n")
+        return "\n".join(out)
+    rows = [r for r in f.get("runs", [])]
+    setup = f.get("setup", {})
+    out.append(setup.get("description", "") + "\n")
+    hdr = ["qdisc", "rate", "GSO", "iperf3 goodput", "rate error", "within ±10 %", "within ±25 %",
+           "median gap / ideal", "p99 gap", "longest b2b run", "max pkts per ms", "empty ms",
+           "guest CPU per packet", "capture drops"]
+    trs = []
+    for r in rows:
+        if r.get("error"):
+            trs.append([r["qdisc"], f"{r['rate_mbit']:g} Mbit", "on" if r["gso"] else "off",
+                        f"failed: {r['error'][:80]}"] + [""] * 10)
+            continue
+        trs.append([r["qdisc"], f"{r['rate_mbit']:g} Mbit", "on" if r["gso"] else "off",
+                    mbit(r["iperf_bit_s"]) if r.get("iperf_bit_s") else "—", pct(r["rate_error"], 2),
+                    share(r["within10"]) if r.get("within10") is not None else "—",
+                    share(r["within25"]), f"{num(r['median_gap_us'], 'us')} / {num(r['ideal_gap_us'], 'us')}",
+                    num(r["p99_gap_us"], "us"), r["longest_run"], r["max_per_ms"], share(r["empty_ms"]),
+                    num(r.get("cpu_ns_per_pkt"), "ns"),
+                    f"{r['capture_drops']}" + (" ⚠" if r["capture_drops"] > 0 else "")])
+    out.append(table(hdr, trs))
+    if any(not r.get("error") and r["capture_drops"] > 0 for r in rows):
+        out.append("⚠: the capture lost packets: that run's gap figures are not a result (the goals "
+                   "only count runs without drops).\n")
+    out.append("Guest CPU per packet: the guest's busy CPU time over the run (TCP sender and receiver, "
+               "qdisc, capture) per 1448-byte segment sent; in virtual time one ns is one instruction, "
+               "so the difference between qdiscs at the same rate is their own cost.\n")
+    out.append("Rate error: frame bytes per second over the target (a full-size frame is 1514 bytes, so "
+               "TCP goodput is 1448/1514 of it). Within ±25 %: share of gaps within a quarter of the ideal "
+               "gap for that packet. Back-to-back: a gap under a quarter of the ideal.\n")
+    out.append(pacing_plots(rows))
+    out.append(section_pktgen(R))
+    out.append(section_saturation(R))
+    return "\n".join(out)
+
+
+PKTGEN_GAPS = ("vm_gaps_pktgen", "vm_gaps_pktgen_rt", "vm_gaps_pktgen_612")
+
+
+def section_pktgen(R: ResultIndex) -> str:
+    """The same qdiscs driven by pktgen (queue_xmit, dropped at the receiver's ingress): 6.1 as
+    shipped, 6.1 with ksoftirqd SCHED_FIFO, 6.12."""
+    out = []
+    for name in PKTGEN_GAPS:
+        f = R.fig(name)
+        if not f or not f.get("runs"):
+            continue
+        cap = g(f, "setup", "capture", default="pcap")
+        how = ("a BPF program on the `net_dev_start_xmit` tracepoint (`harness/xmitstamp.py`: no user "
+               "space per packet) stamps them where they leave the sender's veth" if cap == "bpf" else
+               "tcpdump where they leave the sender's veth")
+        if not out:
+            out += ["### A cheap source: pktgen through the qdisc (`bench/vm_gaps.py --source pktgen`)\n",
+                    f"The kernel's pktgen in `queue_xmit` mode sends 1514-byte UDP frames at "
+                    f"{g(f, 'setup', 'overload', default=1.1):g}x the rate through the qdisc under test; the "
+                    f"receiver drops them at its ingress; {how} (a run with capture drops is not a result). "
+                    "pktgen busy-waits between packets, so the guest's CPU is not a per-packet cost here "
+                    "(the saturation runs below give it). Mean lateness: psp's own (xstats late_ns_total / "
+                    "paced packets): how far behind its byte clock it sent.\n"]
+        out += [f"**Guest kernel {kernel_label(f)}** (`{name}`)\n", R.provenance(name, name) + "\n"]
+        rows = []
+        for r in f["runs"]:
+            if r.get("error"):
+                rows.append([r["qdisc"], f"{r['rate_mbit']:g} Mbit", f"failed: {r['error'][:80]}", "", "", "", "", "", "",
+                             ""])
+                continue
+            pc = r.get("gap_pct_us") or {}
+            x = r.get("psp") or {}
+            late = (num(x["late_ns_total"] / max(1, x["paced_pkts"]) / 1e3, "us", 1)
+                    if x.get("paced_pkts") else "—")
+            rows.append([r["qdisc"], f"{r['rate_mbit']:g} Mbit", mbit(r["rate_bit_s"]), pct(r["rate_error"], 2),
+                         share(r["within10"]), share(r["within25"]),
+                         " / ".join(num(pc.get(k), "", 1) for k in ("p5", "p50", "p95")) if pc else "—",
+                         r["longest_run"], late,
+                         f"{r['capture_drops']}" + (" ⚠" if r["capture_drops"] else "")])
+        out.append(table(["qdisc", "rate", "frame rate", "rate error", "within ±10 %", "within ±25 %",
+                          "gap p5 / p50 / p95 (us)", "longest b2b run", "psp mean lateness", "capture drops"],
+                         rows))
+        out.append("")
+    return "\n".join(out)
+
+
+def section_saturation(R: ResultIndex) -> str:
+    """pktgen far above what the guest carries: every qdisc CPU-bound, the carried rate is the path's CPU per packet."""
+    f = R.fig("vm_gaps_pktgen_sat")
+    if not f or not f.get("runs"):
+        return ""
+    top = _sat_rate(f)
+    out = ["### CPU per packet: every qdisc CPU-bound (`bench/vm_gaps.py --source pktgen`)\n",
+           R.provenance("vm_gaps_pktgen_sat", "vm_gaps_pktgen_sat") + "\n",
+           f"pktgen offers {1.1 * top / 1000:g} Gbit/s of 1514-byte frames to each qdisc set to "
+           f"{top / 1000:g} Gbit/s (the highest rate of these runs; the table of all of them is in "
+           "the JSON): no qdisc holds a packet back, the one vCPU is busy all the time, and the carried "
+           "frame rate is the whole path's CPU time per packet (pktgen, the qdisc, veth, tcpdump's tap "
+           "and process, the receiver's drop); in virtual time 1 ns is one instruction. The difference "
+           "to another qdisc is the difference of their own costs. Guest kernel "
+           f"{g(f, 'vm', 'kernel', default='?')}; capture {g(f, 'setup', 'capture', default='pcap')}.\n"]
+    runs = [r for r in f["runs"] if float(r.get("rate_mbit", 0)) == top]
+    rows, base = [], {}
+    for r in runs:
+        if not r.get("error") and r.get("rate_bit_s"):
+            base[r["qdisc"]] = 1514 * 8 * 1e9 / r["rate_bit_s"]
+    for r in runs:
+        if r.get("error"):
+            rows.append([r["qdisc"], f"failed: {r['error'][:80]}", "", "", ""])
+            continue
+        ns = base[r["qdisc"]]
+        rows.append([r["qdisc"], mbit(r["rate_bit_s"]), num(ns, "ns"),
+                     num(ns - base["htb"], "ns") if "htb" in base else "—",
+                     num(ns - base["fq"], "ns") if "fq" in base else "—"])
+    out.append(table(["qdisc", "carried", "CPU per packet (whole path)", "vs htb", "vs fq"], rows))
+    return "\n".join(out)
+
+
+def pacing_plots(rows: List[dict]) -> str:
+    plt = pyplot()
+    ok = [r for r in rows if not r.get("error") and r.get("gaps_sample_us")]
+    if not ok:
+        return ""
+    md = []
+    rates = sorted({r["rate_mbit"] for r in ok})
+    for gso in (True, False):
+        sel = [r for r in ok if r["gso"] == gso]
+        if not sel:
+            continue
+        fig, axes = plt.subplots(1, len(rates), figsize=(4.2 * len(rates), 3.4), squeeze=False)
+        for ax, rate in zip(axes[0], rates):
+            for r in sel:
+                if r["rate_mbit"] != rate:
+                    continue
+                xs = sorted(x / r["ideal_gap_us"] for x in r["gaps_sample_us"])
+                ys = [(i + 1) / len(xs) for i in range(len(xs))]
+                ax.step(xs, ys, where="post", label=r["qdisc"], color=COLORS.get(r["qdisc"]))
+            ax.axvline(1.0, color="k", lw=0.8, ls="--")
+            ax.axvspan(0.75, 1.25, color="0.9")
+            ax.set_xscale("symlog", linthresh=0.1)
+            ax.set_xlim(0, 20)
+            ax.set_title(f"{rate:g} Mbit/s, GSO {'on' if gso else 'off'}")
+            ax.set_xlabel("gap / ideal gap")
+        axes[0][0].set_ylabel("CDF of inter-packet gaps")
+        axes[0][0].legend(fontsize=8)
+        md.append(savefig(fig, f"pacing_gap_cdf_gso_{'on' if gso else 'off'}.png"))
+    # packets per 1 ms bin, a window of each run (GSO on): rates down, qdiscs across
+    for gso in (True, False):
+        sel = [r for r in ok if r["gso"] == gso and r.get("per_ms_sample")]
+        if not sel:
+            continue
+        qd = list(dict.fromkeys(r["qdisc"] for r in sel))
+        fig, axes = plt.subplots(len(rates), len(qd), figsize=(3.2 * len(qd), 1.7 * len(rates)),
+                                 squeeze=False, sharey="row", sharex=True)
+        for i, rate in enumerate(rates):
+            ideal = rate * 1e6 / 8 / 1514 / 1000
+            for j, q in enumerate(qd):
+                ax = axes[i][j]
+                r = next((x for x in sel if x["qdisc"] == q and x["rate_mbit"] == rate), None)
+                if r is not None:
+                    ys = r["per_ms_sample"]
+                    ax.bar(range(len(ys)), ys, width=1.0, color=COLORS.get(q), linewidth=0)
+                ax.axhline(ideal, color="k", ls="--", lw=0.7)
+                if i == 0:
+                    ax.set_title(q)
+                if j == 0:
+                    ax.set_ylabel(f"{rate:g} Mbit\npkts/ms", fontsize=8)
+        for ax in axes[-1]:
+            ax.set_xlabel("ms")
+        fig.suptitle(f"packets per 1 ms bin, a window of each run (GSO {'on' if gso else 'off'}); "
+                     "dashed: the ideal", fontsize=10)
+        md.append(savefig(fig, f"pacing_per_ms_gso_{'on' if gso else 'off'}.png"))
+    return "\n".join(md)
+
+
+def report_goals() -> List[Goal]:
+    return [
+        Goal(16, 14, "VM, virtual time: psp >= 95 % of gaps within ±10 % at 100 Mbit and 1 Gbit (GSO on, capture without drops)",
+             "vm_gaps", "vm_gaps", lambda R: _issue14(R, "within10"),
+             lambda v: all((_best14(x, "within10") or 0) >= 0.95 for x in v.values()),
+             lambda v: _show14(v, share)),
+        Goal(17, 14, "VM, virtual time: psp rate error <= 0.1 % at 100 Mbit and 1 Gbit (GSO on)", "vm_gaps", "vm_gaps",
+             lambda R: _issue14(R, "rate_error"),
+             lambda v: all(_best14(x, "rate_error") is not None and abs(_best14(x, "rate_error")) <= 0.001
+                           for x in v.values()),
+             lambda v: _show14(v, lambda x: pct(x, 3))),
+        Goal(19, 14, "VM: CPU per packet with each qdisc, all CPU-bound (pktgen far above what the guest carries; report)",
+             "vm_gaps_pktgen_sat", "vm_gaps_pktgen_sat", _sat_cost, None,
+             lambda v: ", ".join(f"{q} {num(ns, 'ns')}" for q, ns in v.items())),
+        Goal(20, 14, "VM: psp per-packet guest CPU beside htb's and fq's at 100 Mbit and 1 Gbit (report)",
+             "vm_gaps", "vm_gaps", _issue14_cpu, None,
+             lambda v: "; ".join(f"{r:g} Mbit GSO {g}: " + ", ".join(
+                 f"{q} {num(c, 'ns')}" for q, c in qs.items()) for (r, g), qs in v.items())),
+    ]
 
 
 if __name__ == "__main__":

@@ -38,6 +38,8 @@ from bench.vm_sharing import (Bed, guest_progress, guest_result, mbit, setup_htb
                               vm_bench, wait_listening)
 from harness import pacing
 
+from .reportkit import COLORS, ResultIndex, g, mbit as mbit_text, num, pyplot, savefig, share, table
+
 log = logging.getLogger("bench.vm_lfp")
 
 TCP_PORT = 5201
@@ -290,6 +292,95 @@ def main(argv=None) -> int:
     path = write("vm_lfp", fig, {})
     print(f"wrote {path}", file=sys.stderr)
     return rc
+
+
+# ============================================================== report
+# This benchmark's part of bench/REPORT.md (bench/report.py puts it in its chapter) and its goals.
+
+def report_section(R: ResultIndex) -> str:
+    plt = pyplot()
+    out = [R.provenance("vm_lfp", "vm_lfp") + "\n"]
+    f = R.fig("vm_lfp")
+    if not f:
+        return "\n".join(out)
+    s = f.get("setup", {})
+    out.append(f"In the VM: a {num(s.get('bottleneck_bit_s', 0) / 1e6, 'Mbit/s')} bottleneck with a "
+               f"{num(s.get('buffer_bytes', 0) / 1024, 'KiB')} queue ({s.get('bottleneck', '')}), RTT made by "
+               f"{s.get('delay', '')}; pacers at {share(s.get('margin'), 0)} of the bottleneck (split over the TCP "
+               f"flows; the UDP stream's {num(s.get('udp_bit_s', 0) / 1e6, 'Mbit/s')} left out), "
+               f"{s.get('seconds_per_case', '?')} s per case, GSO on. `none` is CUBIC without a qdisc.\n")
+    if f.get("unavailable") or f.get("failed"):
+        out.append(f"**Could not run here:** {(f.get('unavailable') or f.get('failed'))[-500:]}\n")
+        return "\n".join(out)
+    if f.get("incomplete"):
+        out.append(f"**Incomplete run:** the guest was cut off after {len(f.get('cases', []))} cases; the "
+                   f"table has the cases it finished ({f['incomplete'].splitlines()[0][:200]}).\n")
+    clock = g(f, "vm", "clock")
+    if clock:
+        out.append(f"VM clock: {clock} (virtual: exact guest time whatever the host's load).\n")
+    cal = f.get("calibration") or {}
+    out.append(f"Calibration: one unpaced flow without added delay carries {mbit_text(cal.get('goodput_bit_s'))} "
+               f"through the bottleneck.\n")
+    cases = f.get("cases", [])
+    rows = []
+    for c in cases:
+        u = c.get("udp") or {}
+        rows.append([f"{c['rtt_ms']:g} ms", c["mix"], c["pacer"], mbit_text(c["tcp_goodput_bit_s"]),
+                     mbit_text(c["tcp_goodput_second_half_bit_s"]), share(c["bottleneck"]["loss"], 2),
+                     c["tcp_retransmits"],
+                     "" if not u else f"{num(u.get('lost_percent'), '%', 2)} / {num(u.get('jitter_ms'), 'ms', 3)}"])
+    out.append(table(["RTT", "traffic", "pacer", "TCP goodput", "2nd half", "bottleneck loss", "TCP retrans",
+                      "UDP loss / jitter"], rows))
+    rtts = sorted({c["rtt_ms"] for c in cases})
+    mixes = list(dict.fromkeys(c["mix"] for c in cases))
+    pacers = list(dict.fromkeys(c["pacer"] for c in cases))
+    if cases:
+        fig, axes = plt.subplots(1, len(mixes), figsize=(4.5 * len(mixes), 3.4), squeeze=False, sharey=True)
+        w = 0.8 / max(1, len(pacers))
+        for ax, mix in zip(axes[0], mixes):
+            for j, p in enumerate(pacers):
+                ys = [next((c["tcp_goodput_bit_s"] / 1e6 for c in cases if c["mix"] == mix and c["pacer"] == p
+                            and c["rtt_ms"] == r), 0) for r in rtts]
+                ax.bar([i + j * w for i in range(len(rtts))], ys, w, label=p, color=COLORS.get(p))
+            ax.set_xticks([i + w * (len(pacers) - 1) / 2 for i in range(len(rtts))])
+            ax.set_xticklabels([f"{r:g} ms" for r in rtts])
+            ax.axhline(s.get("bottleneck_bit_s", 0) / 1e6, color="k", ls=":", lw=0.8)
+            ax.set_title(f"TCP goodput, {mix}")
+        axes[0][0].set_ylabel("Mbit/s (dotted: bottleneck)")
+        axes[0][0].legend(fontsize=8)
+        out.append(savefig(fig, "lfp_goodput.png"))
+        udp = [c for c in cases if c.get("udp")]
+        if udp:
+            fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+            w = 0.8 / max(1, len(pacers))
+            for j, p in enumerate(pacers):
+                loss = [next((c["udp"].get("lost_percent") or 0 for c in udp if c["pacer"] == p and c["rtt_ms"] == r), 0)
+                        for r in rtts]
+                jit = [next((c["udp"].get("jitter_ms") or 0 for c in udp if c["pacer"] == p and c["rtt_ms"] == r), 0)
+                       for r in rtts]
+                xs = [i + j * w for i in range(len(rtts))]
+                axes[0].bar(xs, loss, w, label=p, color=COLORS.get(p))
+                axes[1].bar(xs, jit, w, label=p, color=COLORS.get(p))
+            for ax, t in zip(axes, ("UDP loss (%)", "UDP jitter (ms)")):
+                ax.set_xticks([i + w * (len(pacers) - 1) / 2 for i in range(len(rtts))])
+                ax.set_xticklabels([f"{r:g} ms" for r in rtts])
+                ax.set_title(t + ", next to one TCP flow")
+            axes[0].legend(fontsize=8)
+            out.append(savefig(fig, "lfp_udp.png"))
+        # goodput over time at the largest RTT, one TCP flow
+        big = [c for c in cases if c["rtt_ms"] == rtts[-1] and c["mix"] == mixes[0]]
+        if big and any(c["tcp_flows"] and c["tcp_flows"][0].get("receiver_series_bit_s") for c in big):
+            fig, ax = plt.subplots(figsize=(8, 3))
+            for c in big:
+                ys = c["tcp_flows"][0].get("receiver_series_bit_s") or []
+                ax.plot(range(1, len(ys) + 1), [y / 1e6 for y in ys], marker="o", ms=3, label=c["pacer"],
+                        color=COLORS.get(c["pacer"]))
+            ax.set_xlabel("s")
+            ax.set_ylabel("Mbit/s at the receiver")
+            ax.set_title(f"one TCP flow, RTT {rtts[-1]:g} ms")
+            ax.legend(fontsize=8)
+            out.append(savefig(fig, "lfp_timeseries.png"))
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

@@ -26,11 +26,13 @@ import os
 import re
 import sys
 import time
-from typing import Dict
+from typing import Dict, List
 
 from bench.vm_sharing import (LINK_UNITS, RATES_UNITS, Bed, guest_result, mbit, psp_stats,
                               setup_htb, setup_psp, vm_bench)
 from harness import pacing
+
+from .reportkit import Goal, ResultIndex, g, kernel_label, mbit as mbit_text, num, pct, table
 
 log = logging.getLogger("bench.vm_share_pktgen")
 
@@ -256,6 +258,109 @@ def main(argv=None) -> int:
     path = write(name, fig, goals)
     print(f"wrote {path}", file=sys.stderr)
     return rc
+
+
+# ============================================================== report
+# This benchmark's part of bench/REPORT.md (bench/report.py puts it in its chapter) and its goals.
+
+SHARE_PKTGEN = ("vm_share_pktgen", "vm_share_pktgen_612")
+
+
+def _share_1g(R):
+    runs = []
+    for name in SHARE_PKTGEN:
+        f = R.fig(name)
+        if not f.get("runs"):
+            continue
+        err = lambda q: g(f, "runs", q, "max_abs_share_error") if g(f, "runs", q, "valid") else None
+        offered = g(f, "runs", "psp", "achieved_per_class_bit_s")
+        runs.append({"psp": err("psp"), "htb": err("htb"), "frame": g(f, "setup", "frame_bytes", default=1514),
+                     "kernel": kernel_label(f),
+                     "backlogged": g(f, "runs", "psp", "every_class_backlogged"),
+                     "offered": offered, "ideal": g(f, "setup", "link_bit_s", default=0) / 4})
+    if runs:
+        return {"runs": runs, "psp": min((r["psp"] for r in runs if r["psp"] is not None and r["backlogged"]),
+                                         default=None)}
+    f = R.fig("vm_sharing")
+    unit = g(f, "setup", "unit_mbit")
+    if not unit or unit * 10 < 1000:
+        return None
+    err = lambda q: g(f, "vm", "runs", q, "all_running", "max_abs_error")
+    return {"runs": [{"psp": err("psp"), "htb": err("htb"), "frame": None, "backlogged": True,
+                      "offered": None, "ideal": None}], "psp": err("psp")}
+
+
+def _show_share(v):
+    def one(r):
+        pfx = (f"{r['frame']}-byte frames (pktgen, {r.get('kernel', '?')}): " if r["frame"] else "TCP: ")
+        s = (f"{pfx}psp worst {pct(r['psp'], 2) if r['psp'] is not None else '—'}, htb worst "
+             f"{pct(r['htb'], 2) if r['htb'] is not None else '—'}")
+        if r["offered"] is not None and not r["backlogged"]:
+            s += (f" (not every class backlogged: pktgen offered {r['offered'] / 1e6:.0f} Mbit/s per "
+                  f"class beside psp, the largest share is {r['ideal'] / 1e6:.0f})")
+        return s
+    return "; ".join(one(r) for r in v["runs"])
+
+
+def report_section(R: ResultIndex) -> str:
+    """4,4,4,2,2 on a 1 Gbit/s link, five classes offered the same load by pktgen (1514-byte
+    and jumbo frames)."""
+    out = []
+    for name in SHARE_PKTGEN:
+        f = R.fig(name)
+        if not f or not f.get("runs"):
+            continue
+        frame = g(f, "setup", "frame_bytes", default=1514)
+        out += [f"### Five classes offered the same load: pktgen to five ports, {frame}-byte frames "
+                f"(`bench/vm_share_pktgen.py{' --frame-bytes ' + str(frame) if frame != 1514 else ''}`)\n",
+                R.provenance(name, name) + "\n",
+                f"pktgen (queue_xmit, {frame}-byte UDP frames"
+                f"{', veth MTU ' + str(frame - 14) if frame > 1514 else ''}) walks five destination ports "
+                f"packet by packet, one class each, asked to offer every class {g(f, 'setup', 'offered'):g}x "
+                f"the largest ideal share; link {mbit_text(g(f, 'setup', 'link_bit_s'))}, classes 4, 4, 4, 2, 2 "
+                + (f"tenths of it; rates from the classes' own byte counters, read "
+                   f"{(next(iter(f['runs'].values())) or {}).get('reads', '?')} times from "
+                   f"{g(f, 'setup', 'warmup_s'):g} s on (no capture: nothing else runs per packet), "
+                   if g(f, "setup", "capture") == "stats" else
+                   f"tenths of it; rates counted where the packets leave the sender's veth "
+                   f"({'BPF tracepoint' if g(f, 'setup', 'capture') == 'bpf' else 'tcpdump'}) after "
+                   f"{g(f, 'setup', 'warmup_s'):g} s, ")
+                + f"guest kernel {g(f, 'vm', 'kernel', default='?')}"
+                + (", ksoftirqd SCHED_FIFO" if g(f, "setup", "ksoftirqd_rt") else "")
+                + ", virtual time. "
+                + ("Offered: the least of the five classes' offer in the window (what it sent, dropped "
+                   "and queued more); backlogged: every class had a queue at every read. "
+                   if g(f, "setup", "capture") == "stats" else
+                   "Offered: what pktgen says it sent per class (its thread shares the one vCPU with "
+                   "the qdisc, so it offers less beside a qdisc that costs more); a class offered less than "
+                   "its ideal share is not backlogged, and then the split follows the offer. ")
+                + "Share error: a class's part of what was sent against 2:2:2:1:1; rate error: against "
+                "2:2:2:1:1 of the link.\n"]
+        rows = []
+        for q, r in f["runs"].items():
+            if r.get("error"):
+                rows.append([q, f"failed: {r['error'][:80]}", "", "", "", "", ""])
+                continue
+            off = r.get("achieved_per_class_bit_s")
+            rows.append([q, " / ".join(num(x["measured_bit_s"] / 1e6, "", 1) for x in r["flows"]),
+                         " / ".join(num(x["ideal_bit_s"] / 1e6, "", 1) for x in r["flows"]),
+                         mbit_text(r["total_bit_s"]),
+                         "—" if off is None else (mbit_text(off) + ("" if r.get("every_class_backlogged")
+                                                               else " (not every class backlogged)")),
+                         pct(r["max_abs_share_error"], 2), pct(r["max_abs_error"], 2)
+                         + ("" if r.get("valid") else " (capture drops ⚠)")])
+        out.append(table(["qdisc", "measured Mbit/s", "ideal Mbit/s", "total", "offered per class",
+                          "max share error", "max rate error"], rows))
+        out.append("")
+    return "\n".join(out) + ("\n" if out else "")
+
+
+def report_goals() -> List[Goal]:
+    return [
+        Goal(18, 14, "VM, virtual time: 4,4,4,2,2 on a 1 Gbit/s psp link, every flow within 1 % of 2:2:2:1:1 (all running)",
+             "vm_sharing", "vm_sharing", _share_1g, lambda v: v["psp"] is not None and v["psp"] <= 0.01,
+             _show_share),
+    ]
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 from harness import pacing  # noqa: E402  (capture, analysis, iperf3, sh in the guest)
+from .reportkit import ResultIndex, num, pyplot, savefig, share, table  # noqa: E402
 
 KMOD_SOURCES = ("Kbuild", "Makefile", "sch_psp.c", "psp_sched.h", "psp_tree.h", "uapi")
 
@@ -460,6 +461,76 @@ def main(argv=None) -> int:
     path = write("vm_sharing", fig, goals)
     print(f"wrote {path}", file=sys.stderr)
     return rc
+
+
+# ============================================================== report
+# This benchmark's part of bench/REPORT.md (bench/report.py puts it in its chapter) and its goals.
+
+# chapter 2's heading of this part when vm_share_pktgen's comes first
+HEADING = "### TCP flows started one after another (`bench/vm_sharing.py`)\n"
+
+
+def report_section(R: ResultIndex) -> str:
+    plt = pyplot()
+    out = [R.provenance("vm_sharing", "vm_sharing") + "\n"]
+    f = R.fig("vm_sharing")
+    if not f:
+        return "\n".join(out)
+    s = f.get("setup", {})
+    out.append(f"Five TCP flows with class rates 4, 4, 4, 2, 2 units on a link of 10 units "
+               f"(1 unit = {s.get('unit_mbit', '?')} Mbit/s), started {s.get('spacing_s', '?')} s apart "
+               f"(the seed: 10 s), all running for {s.get('hold_s', '?')} s after the last start; rate per "
+               f"{s.get('bin_s', '?')} s from a capture at the receiver. Ideal with all five running: 2:2:2:1:1 "
+               f"of the link. The error is measured/ideal − 1 per running flow, after {num(s.get('settle_s'), '', 1)} s "
+               f"of settling.\n")
+    runs = []
+    if "vm" not in f:
+        out.append("**The VM part (psp and htb in the VM) is not in this result**: it was run with `--no-vm`.\n")
+    for where in ("vm", "host"):
+        part = f.get(where) or {}
+        if part.get("unavailable") or part.get("failed"):
+            out.append(f"**{where.upper()} part could not run:** {(part.get('unavailable') or part.get('failed'))[-400:]}\n")
+        for q, r in (part.get("runs") or {}).items():
+            runs.append((f"{q} ({'VM, 6.1' if where == 'vm' else 'host'})", r))
+    if not runs:
+        return "\n".join(out)
+    rows = []
+    for label, r in runs:
+        for ph in r["phases"]:
+            rows.append([label, ph["flows_running"],
+                         " / ".join(f"{x['measured_bit_s'] / 1e6:.2f}" for x in ph["flows"]),
+                         " / ".join(f"{x['ideal_bit_s'] / 1e6:.2f}" for x in ph["flows"]),
+                         f"{ph['total_bit_s'] / 1e6:.2f} of {ph['link_bit_s'] / 1e6:.0f}",
+                         share(ph["max_abs_error"]), share(ph.get("max_abs_share_error"))])
+    out.append(table(["qdisc", "flows running", "measured Mbit/s", "ideal Mbit/s", "total Mbit/s",
+                      "max rate error", "max share error"], rows))
+    over = [(label, r["all_running"]["total_bit_s"] / r["all_running"]["link_bit_s"]) for label, r in runs
+            if r.get("all_running") and r["all_running"]["total_bit_s"] > 1.05 * r["all_running"]["link_bit_s"]]
+    if over:
+        who = "; ".join(f"{label}: {x:.2f}x the link" for label, x in over)
+        out.append(f"The flows together send more than the link ({who}). htb's link class does not cap its "
+                   "children's guaranteed rates: every flow class keeps its own rate whatever the sum, so the "
+                   "rates stay 2:2:2:1:1 among themselves (the share error) but the link is oversubscribed by "
+                   "the sum; on a real link of 10 units the device queue, not htb, would decide who gets what. "
+                   "psp scales every backlogged class by link / sum.\n")
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 3.0 * len(runs)), squeeze=False, sharex=True)
+    for ax, (label, r) in zip(axes[:, 0], runs):
+        t = r["t_s"]
+        for i, (k, ys) in enumerate(sorted(r["rate_bit_s"].items())):
+            ax.plot(t, [y / 1e6 for y in ys], lw=1.2, label=f"flow {k} ({r['class_rates_bit_s'][i] / 1e6:g})")
+        tot = [sum(v[j] for v in r["rate_bit_s"].values()) / 1e6 for j in range(len(t))]
+        ax.plot(t, tot, color="k", lw=0.8, alpha=0.5, label="total")
+        ax.axhline(r["link_bit_s"] / 1e6, color="k", ls=":", lw=0.8)
+        for ph in r["phases"]:
+            a, b = ph["window_s"]
+            for x in ph["flows"]:
+                ax.hlines(x["ideal_bit_s"] / 1e6, a, b, colors="k", linestyles="--", lw=0.7)
+        ax.set_title(label, fontsize=10)
+        ax.set_ylabel("Mbit/s")
+    axes[0][0].legend(fontsize=7, ncol=7, loc="upper left")
+    axes[-1][0].set_xlabel("time (s); dashed: ideal share, dotted: the link")
+    out.append(savefig(fig, "sharing_rates.png"))
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

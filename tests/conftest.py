@@ -3,6 +3,13 @@ import os
 
 import pytest
 
+from harness import checkmode
+
+# Fixtures that need root and the running kernel (namespaces, qdiscs, the daemon): a test that
+# uses one, directly or through another fixture, is marked `kernel` when collected, so `make
+# check` leaves it out without anyone having to remember the marker.
+KERNEL_FIXTURES = frozenset({"root", "testbed", "module_testbed", "daemon", "make_daemon"})
+
 # Tests under tests/guest run inside the qemu VM (tests/test_vm.py boots it and runs them there).
 if os.environ.get("FLOWPACER_IN_VM"):
     collect_ignore = ["test_vm.py"]          # the bridge runs on the host only
@@ -10,8 +17,30 @@ elif not os.environ.get("FLOWPACER_COLLECT_GUEST"):
     collect_ignore = ["guest"]
 
 
+@pytest.hookimpl(tryfirst=True)          # before `-m` deselects
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if KERNEL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.kernel)
+
+
+def pytest_configure(config):
+    """`make check` (FLOWPACER_CHECK=1): whatever needs root or the VM fails with the marker the
+    test lacks (harness/checkmode.py)."""
+    if checkmode.active():
+        config._flowpacer_check_bin = checkmode.install()
+
+
+def pytest_unconfigure(config):
+    bindir = getattr(config, "_flowpacer_check_bin", None)
+    if bindir is not None:
+        checkmode.uninstall_shims(bindir)
+
+
 @pytest.fixture(scope="session")
 def root():
+    if checkmode.active():
+        checkmode.refuse("use the root fixture")
     if os.geteuid() != 0:
         pytest.fail("these tests need root: they create network namespaces and qdiscs")
 

@@ -556,6 +556,7 @@ def test_status_json_and_top_show_the_groups():
     assert "(total 30 Mbit/s)" in text
 
 
+@pytest.mark.kernel          # root: chown, root-owned files
 def test_the_daemon_logs_the_warnings_of_its_rules(tmp_path, caplog):
     from flowpacer import app
     f = tmp_path / "rules.yaml"

@@ -238,6 +238,7 @@ def test_only_get_and_head_of_metrics(serve):
     assert _raw(srv, b"GET /metrics HTTP/1.1\r\n" + b"X: y\r\n" * 2000).startswith(b"HTTP/1.1 431 ")
 
 
+@pytest.mark.slow
 def test_idle_connections_are_capped_timed_out_and_cannot_lock_scrapes_out(serve):
     srv = serve(head_timeout_s=5.0)
     threads = threading.active_count()
@@ -275,6 +276,7 @@ def test_idle_connections_are_capped_timed_out_and_cannot_lock_scrapes_out(serve
     assert srv.refused["timeout"] >= 1
 
 
+@pytest.mark.slow
 def test_clients_that_leave_mid_answer_leave_no_trace(serve, caplog):
     srv = serve(Fixed(200_000))                 # a ~6 MB exposition
     caplog.set_level(logging.DEBUG, logger="flowpacer.metrics")
@@ -420,6 +422,7 @@ def test_bad_web_config_is_one_line(tmp_path, text, why):
     assert why in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.kernel          # root: chown, root-owned files
 def test_unix_socket_listener(serve, tmp_path):
     d = tmp_path / "m"
     d.mkdir(mode=0o750)
