@@ -90,10 +90,11 @@ def test_a_failing_tracer_is_restarted_then_degrades_to_sock_diag_visibly(tmp_pa
 def test_a_tracer_that_recovers_after_one_failure_keeps_running(tmp_path):
     tr, sd = FakeTracer(), FakeSockDiag()
     with inprocess_daemon(tmp_path, RULES, tracer=tr, sockdiag=sd) as d:
-        fails = iter([RuntimeError("transient")])
-        tr.fail_with = lambda: next(fails)
+        def once():
+            tr.fail_with = None     # the restarted stage polls normally, however soon it runs
+            return RuntimeError("transient")
+        tr.fail_with = once
         wait_for(lambda: stage(d, "tracer")["failures"] == 1, 5, what="one failure")
-        tr.fail_with = None
         wait_for(lambda: stage(d, "tracer")["state"] == "running", 5, what="running again")
         f = flow(key(2, 4))
         sd.flows = {f.key: f}
