@@ -38,7 +38,7 @@ from typing import Dict, List, Optional, Set, Tuple
 from . import cgroupbpf, model
 from .cgroupbpf import cgroup2_root, link_create  # noqa: F401  (cgroup2_root: tests use it)
 from .errors import TracerUnavailable
-from .model import Direction, FlowKey, OpKind, RuleSet
+from .model import Direction, FlowKey, RuleSet
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,6 @@ VIEW_COUNTERS = ("claimed", "bound", "refilled", "returned", "released", "exhaus
                  "rebound", "closed", "sweeps", "freed_by_sweep", "bad_records")
 
 POOL_TARGET = 48           # ready classes per rule (< POOL_SLOTS): 24 ms of claims at 2 000 flows/s
-CLAIM_WAIT_S = 5.0         # a claim whose flow the daemon has not seen by then is given back
 GRACE_S = 0.005            # a sock_ops run that saw the old rules has finished by then
 # the sockets' priorities are swept (a sock_diag dump of every socket: tens of ms at thousands
 # of sockets, during which the pools are not refilled) only for ids whose close report has not
