@@ -347,7 +347,7 @@ class Daemon:
         taken back are deleted by the reconciler's one writer."""
         try:
             last = fb.close()
-            if last is not None and last.returned:
+            if last is not None:
                 self.reconciler.on_claims(last)
         except Exception as e:
             log.warning("first byte close: %s", e)

@@ -263,7 +263,9 @@ def plan_pools(report: PoolReport, holding: PoolHolding, flows: Mapping[FlowKey,
     if closed:
         pp.first.append(PoolOp(OpKind.POOL_CLOSED, classids=tuple(sorted(closed))))
         pp.closed = len(closed)
-    spare = [c for c in report.returned if c in ready]
+    # a detached program takes nothing any more: every ready class goes (also ones a grant
+    # that never reached the rings made)
+    spare = sorted(ready) if report.closing else [c for c in report.returned if c in ready]
     for rule, n_ready in report.pools:
         need = report.target - n_ready
         if need <= 0:

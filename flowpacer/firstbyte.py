@@ -703,8 +703,8 @@ class FirstByte:
 
     # ------------------------------------------------------------------ close
     def close(self) -> Optional[model.PoolReport]:
-        """Detach. Returns the last report: the ready classes taken back from the rings, for
-        the reconciler to delete (``on_claims``); None when it was not started."""
+        """Detach. Returns the last report (``closing``: the reconciler deletes every ready
+        class, ``on_claims``); None when it was not started."""
         with self._poll_lock, self._lock:
             b = self._bpf
             if b is None:
@@ -723,4 +723,5 @@ class FirstByte:
             b.cleanup()
             self.summary = "stopped"
             log.info("first-byte sock_ops detached")
-            return model.PoolReport(self._epoch, (), self.pool_target, returned=tuple(free))
+            return model.PoolReport(self._epoch, (), self.pool_target, returned=tuple(free),
+                                    closing=True)

@@ -392,6 +392,7 @@ class PoolReport:
     returned: Tuple[int, ...] = ()                  # ready classes taken back from the rings
     priorities: Optional[FrozenSet[int]] = None     # a sweep of the sockets' priorities
     replan: bool = False                            # the pools were made anew this round
+    closing: bool = False                           # the program is detached: no pool stays
 
 
 @dataclass(frozen=True, slots=True)

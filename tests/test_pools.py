@@ -64,6 +64,10 @@ def test_a_reload_reuses_the_classes_taken_back_and_deletes_the_rest():
     pp = _plan(PoolReport(7, ((BURST, 0),), 3, returned=returned[:1]), PoolHolding(7, ready))
     assert [(o.kind, o.count) for o in pp.fills] == [(OpKind.POOL_CHANGE, 0),
                                                       (OpKind.POOL_FILL, 2)]
+    # the program detached: every ready class goes, also ones no ring held
+    pp = _plan(PoolReport(7, (), 3, returned=returned[:1], closing=True), PoolHolding(7, ready))
+    assert not pp.fills and [(o.kind, o.classids) for o in pp.first] == \
+        [(OpKind.POOL_DELETE, tuple(sorted(ready)))]
 
 
 def test_claims_of_another_bookkeeping_are_stale_and_nothing_is_planned():
@@ -247,5 +251,6 @@ def test_claims_reach_the_flows_through_the_reconciler_with_no_io_under_its_lock
         assert seen["sweep"] > sweeps and fb.view().ids_held == 1
         assert key(1) in b.flows and key(2) in b.flows     # the flows re-applied
     assert d.firstbyte is fb and not fb.live      # shut down: drained
+    assert not b.pool.classes, "a clean stop deletes the ready classes"
     assert seen["sleep"] >= 3 and seen["map"] > 50
     assert bad == [], f"done while holding the reconciler's lock: {sorted(set(bad))}"
