@@ -254,3 +254,47 @@ def test_claims_reach_the_flows_through_the_reconciler_with_no_io_under_its_lock
     assert not b.pool.classes, "a clean stop deletes the ready classes"
     assert seen["sleep"] >= 3 and seen["map"] > 50
     assert bad == [], f"done while holding the reconciler's lock: {sorted(set(bad))}"
+
+
+# ------------------------------------------------ kernel: pool ops in one batch on real htb
+
+@pytest.mark.kernel
+def test_pool_ops_and_a_rebound_flow_go_to_the_kernel_in_one_batch(testbed):
+    from flowpacer.backend.pool import POOL_FIRST_MINOR
+    from flowpacer.model import PoolOp
+    from flowpacer.testbed import in_netns
+    from tests.test_backend_htb import backend, classes, key as hkey, n_filters
+    tb = testbed
+    b = backend(tb)
+    s = Shape("burst", RATE, RATE)
+    name = lambda cid: f"f1f0:{cid & 0xFFFF:x}"       # noqa: E731
+    with in_netns(tb.server_ns):
+        res = b.apply([PoolOp(OpKind.POOL_FILL, "burst", s, count=3)])
+        made = res.pool_made["burst"]
+        assert len(made) == 3 and all(c & 0xFFFF >= POOL_FIRST_MINOR for c in made)
+        assert {name(c) for c in made} <= classes(tb) and n_filters(tb) == 0
+        k1, k2 = hkey(tb, 7100, 40001), hkey(tb, 7100, 40002)
+        assert b.apply([Op(OpKind.ADD, k1, s)]).added == 1
+        own = b.classid_of(k1)
+        # the socket of k1 claimed made[0] after k1 got its own class: one plan rebinds it
+        plan = [PoolOp(OpKind.POOL_CLAIM, classids=(made[0],), key=k1, at_ns=1)] \
+            + engine.plan({k1: s}, {k1: s}, rebind={k1}) \
+            + [PoolOp(OpKind.POOL_FILL, "burst", s, count=1)]
+        res = b.apply(plan)
+        assert not res.errors and (res.removed, res.added) == (1, 1)
+        assert b.classid_of(k1) == made[0] and name(own) not in classes(tb)
+        assert n_filters(tb) == 1 and len(res.pool_made["burst"]) == 1
+        # a claim no flow takes is given back: its class goes, its id waits for the socket
+        res = b.apply([PoolOp(OpKind.POOL_CLAIM, classids=(made[1],), key=k2, at_ns=1),
+                       PoolOp(OpKind.POOL_RELEASE, key=k2)])
+        assert name(made[1]) not in classes(tb) and made[1] & 0xFFFF in b.pool.awaiting
+        # reuse with another rate, then delete the rest: nothing of the pool is left
+        ready = sorted(b.pool.classes)
+        res = b.apply([PoolOp(OpKind.POOL_CHANGE, "up", Shape("up", 2 * RATE, 2 * RATE),
+                              classids=tuple(ready))])
+        assert res.pool_made["up"] == ready and set(b.pool.classes.values()) == {"up"}
+        b.apply([PoolOp(OpKind.POOL_DELETE, classids=tuple(ready))])
+        assert not {name(c) for c in ready} & classes(tb) and not b.pool.classes
+        assert b.apply([Op(OpKind.REMOVE, k1)]).removed == 1
+        assert n_filters(tb) == 0
+        b.teardown()
