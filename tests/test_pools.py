@@ -260,12 +260,28 @@ def test_claims_reach_the_flows_through_the_reconciler_with_no_io_under_its_lock
 
 @pytest.mark.kernel
 def test_pool_ops_and_a_rebound_flow_go_to_the_kernel_in_one_batch(testbed):
+    from flowpacer.backend import tc as tcb
+    from flowpacer.backend.htb import HtbCodec
     from flowpacer.backend.pool import POOL_FIRST_MINOR
     from flowpacer.model import PoolOp
     from flowpacer.testbed import in_netns
-    from tests.test_backend_htb import backend, classes, key as hkey, n_filters
     tb = testbed
-    b = backend(tb)
+
+    def tc_lines(what):
+        return tb.run(tb.server_ns, ["tc", what, "show", "dev", tb.server_if]).stdout.splitlines()
+
+    def classes(_tb):
+        return {ln.split()[2] for ln in tc_lines("class") if ln.startswith("class ")}
+
+    def n_filters(_tb):
+        return sum("flowid" in ln for ln in tc_lines("filter"))
+
+    def hkey(_tb, lport, rport):
+        return FlowKey(tb.server_v4, lport, tb.client_v4, rport)
+
+    with in_netns(tb.server_ns):
+        b = tcb.TcBackend(HtbCodec(), tb.server_if, 125_000_000)
+        b.setup()
     s = Shape("burst", RATE, RATE)
     name = lambda cid: f"f1f0:{cid & 0xFFFF:x}"       # noqa: E731
     with in_netns(tb.server_ns):
