@@ -264,12 +264,9 @@ class Daemon:
                         "the handshake", e)
             return Stage.disabled("firstbyte", f"unavailable: {e}")
         self.firstbyte = fb
-        fb.step(self.reconciler, self._usable_backend(), [])
+        self._first_byte_round(fb, [])
         self.tracer_status += f"; {fb.summary}"
         return self._stage("firstbyte", self._first_byte, GiveUp.DEGRADE, stall_s=10.0)
-
-    def _usable_backend(self):
-        return self.supervisor.backend if self.supervisor.usable else None
 
     def _first_byte(self, ctx: StageContext) -> None:
         fb = self.firstbyte
@@ -277,9 +274,20 @@ class Daemon:
             claims = fb.poll(100)
             ctx.beat()
             said = fb.summary
-            fb.step(self.reconciler, self._usable_backend(), claims)
+            self._first_byte_round(fb, claims)
             if fb.summary != said:      # a reload: status names the rules shaped from byte one
                 self.tracer_status = self.tracer_status.replace(said, fb.summary)
+
+    def _first_byte_round(self, fb, claims) -> None:
+        """The claims to the reconciler as events, the pools' ids back to the source. Only
+        ``on_claims`` holds the reconciler's lock; the source's drains, sweeps and map writes
+        run outside it. A new bookkeeping (start, rebuild) or new rules take a second round
+        at once: the pools are made anew."""
+        for _ in range(3):
+            grant = self.reconciler.on_claims(fb.report(claims))
+            claims = []
+            if not fb.granted(grant):
+                return
 
     # --------------------------------------------------------------- stages
     def _trace(self, ctx: StageContext) -> None:
@@ -322,11 +330,7 @@ class Daemon:
             log.error("first-byte shaping stopped (%s): flows get their class after the "
                       "handshake", why)
             fb, self.firstbyte = self.firstbyte, None
-            try:
-                with self.lock:
-                    fb.close(self.supervisor.backend)
-            except Exception as e:
-                log.debug("first byte close: %s", e)
+            self._close_first_byte(fb)
         if stage.name == "tracer":
             self.tracer_status = f"sock_diag polling only (tracer failed: {why})"
             log.error("flow source degraded: %s; flows are found by sock_diag every %.1f s",
@@ -337,6 +341,16 @@ class Daemon:
                     t.close()
                 except Exception as e:
                     log.debug("tracer close: %s", e)
+
+    def _close_first_byte(self, fb) -> None:
+        """Detach (the drain's wait outside the reconciler's lock), then the ready classes
+        taken back are deleted by the reconciler's one writer."""
+        try:
+            last = fb.close()
+            if last is not None:
+                self.reconciler.on_claims(last)
+        except Exception as e:
+            log.warning("first byte close: %s", e)
 
     def _fatal(self, stage: Stage, why: str) -> None:
         self.exit_code = 1
@@ -509,10 +523,7 @@ class Daemon:
             except Exception as e:
                 log.debug("tracer close: %s", e)
         if self.firstbyte is not None:
-            try:
-                self.firstbyte.close(self.supervisor.backend)
-            except Exception as e:
-                log.debug("first byte close: %s", e)
+            self._close_first_byte(self.firstbyte)
         self.supervisor.shutdown()
         if self._control is not None:
             self._control.close()

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import fnmatch
 import ipaddress
-from typing import Dict, FrozenSet, Iterable, List, Mapping, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import (Collection, Dict, FrozenSet, Iterable, List, Mapping, Optional, Set, Tuple)
 
 from .model import (DEFAULT_IDLE_TIMEOUT_NS, Direction, Flow, FlowKey, Group, GroupKind,
-                    IPAddress, Op, OpKind, Protocol, Rule, RuleSet, Shape)
+                    IPAddress, Op, OpKind, PoolHolding, PoolOp, PoolReport, Protocol, Rule,
+                    RuleSet, Shape)
 
 COMM_LEN = 15      # TASK_COMM_LEN - 1: what the kernel reports of a process name
 
@@ -105,7 +107,8 @@ def desired_receive(flows: Mapping[FlowKey, Flow], ruleset: RuleSet) -> Dict[Flo
     return out
 
 
-def plan(want: Mapping[FlowKey, Shape], have: Mapping[FlowKey, Shape]) -> List[Op]:
+def plan(want: Mapping[FlowKey, Shape], have: Mapping[FlowKey, Shape],
+         rebind: Collection[FlowKey] = ()) -> List[Op]:
     """Operations that turn ``have`` into ``want``: removals first (they free room), then rate
     changes (in place, the class and its queue stay), then additions; each group in key order
     (``FlowKey``'s total order: IPv4 and IPv6 keys mix). A flow whose rates are right but whose
@@ -113,12 +116,16 @@ def plan(want: Mapping[FlowKey, Shape], have: Mapping[FlowKey, Shape]) -> List[O
     kernel, but status and metrics name the rule that shapes it. The same goes for a flow whose
     groups have the kernel's rates but other names (``Shape.rates`` is what the kernel sees).
     Flows of rules with aggregates change when their groups' rates or levels change: the backend
-    moves them under their new parents."""
-    removes = [Op(OpKind.REMOVE, k) for k in sorted(have.keys() - want.keys())]
+    moves them under their new parents.
+
+    ``rebind``: flows whose socket claimed a first-byte class after they got a class of their
+    own (issue 16): their class goes (REMOVE) and their ADD takes the claimed one."""
+    rebind = {k for k in rebind if k in have and k in want}
+    removes = [Op(OpKind.REMOVE, k) for k in sorted((have.keys() - want.keys()) | rebind)]
     changes, relabels, adds = [], [], []
     for k in sorted(want):
         s = want[k]
-        cur = have.get(k)
+        cur = None if k in rebind else have.get(k)
         if cur is None:
             adds.append(Op(OpKind.ADD, k, s))
         elif cur.rates != s.rates:
@@ -174,3 +181,102 @@ def watch_filter(ruleset: RuleSet) -> Tuple[Optional[FrozenSet[str]], Optional[F
         else:
             return None, None
     return frozenset(comms), frozenset(uids)
+
+
+# ------------------------------------------------------------ first-byte pools (issue 16)
+
+CLAIM_WAIT_NS = 5_000_000_000   # a claim whose flow has not shown up by then is given back
+
+
+@dataclass
+class PoolPlan:
+    """``engine.plan_pools``'s answer: pool ops to apply before the flows' ops (``first``:
+    sweep, claims, releases, closes, deletes) and after them (``fills``), the flows to plan
+    now (``dirty``: their ADD takes their claim; ``rebind``: they had a class already), and
+    what became of the claims."""
+    first: List[PoolOp] = field(default_factory=list)
+    fills: List[PoolOp] = field(default_factory=list)
+    dirty: Set[FlowKey] = field(default_factory=set)
+    rebind: Set[FlowKey] = field(default_factory=set)
+    stale: int = 0
+    bound: int = 0
+    bound_by_rule: Dict[str, int] = field(default_factory=dict)
+    released: int = 0
+    closed: int = 0
+
+
+def _sends_by(flow: Flow, ruleset: RuleSet) -> bool:
+    r = first_match(ruleset.rules, flow)
+    return r is not None and r.sends
+
+
+def plan_pools(report: PoolReport, holding: PoolHolding, flows: Mapping[FlowKey, Flow],
+               classed: Collection[FlowKey], ruleset: RuleSet, now_ns: int,
+               claim_wait_ns: int = CLAIM_WAIT_NS) -> PoolPlan:
+    """The pool ops of one first-byte round, from the source's ``report`` (claims, closed
+    sockets, a sweep, each kernel rule's ready count, classes taken back), the backend's pool
+    (``holding``), the live flows, the claim keys that have a class of their own (``classed``)
+    and the rules. Pure.
+
+    A claim counts only when its class is one of the pool's ready ones (else it is stale: the
+    pool was remade since). A claimed flow the rules shape is planned now and its ADD takes
+    the class; a claim is given back when its flow is planned and not shaped by it (no rule
+    wants it, or its ADD failed), when its socket closed, or after ``claim_wait_ns`` without
+    its flow. Each pool is topped up to ``report.target``: classes taken back at a reload are
+    reused first (their rates changed), the rest made; unused ones deleted."""
+    pp = PoolPlan()
+    if report.epoch != holding.epoch:
+        pp.stale = len(report.claims)     # ids of another bookkeeping: nothing to do with them
+        return pp
+    if report.priorities is not None:
+        pp.first.append(PoolOp(OpKind.POOL_SWEEP, priorities=frozenset(report.priorities)))
+    ready = set(holding.ready)
+    pending = dict(holding.claims)
+    new: Dict[FlowKey, int] = {}
+    for c in report.claims:
+        if c.classid not in ready:
+            pp.stale += 1
+            continue
+        ready.discard(c.classid)
+        pp.bound += 1
+        pp.bound_by_rule[c.rule] = pp.bound_by_rule.get(c.rule, 0) + 1
+        pp.first.append(PoolOp(OpKind.POOL_CLAIM, classids=(c.classid,), key=c.key,
+                               at_ns=now_ns))
+        pending[c.key] = (c.classid, now_ns)
+        new[c.key] = c.classid
+    closed = set(report.closed)
+    for key in sorted(pending):
+        cid, since = pending[key]
+        f = flows.get(key)
+        # a flow sock_diag found before its accept() has no owner yet: the rules cannot be
+        # judged on it, the tracer's OPEN will tell
+        planned = f is not None and f.proc.pid != 0
+        if key in new and f is not None:
+            if _sends_by(f, ruleset):
+                pp.dirty.add(key)
+                if key in classed:
+                    pp.rebind.add(key)
+                continue
+        if planned or cid in closed or now_ns - since > claim_wait_ns:
+            pp.first.append(PoolOp(OpKind.POOL_RELEASE, key=key))
+            pp.released += 1
+    if closed:
+        pp.first.append(PoolOp(OpKind.POOL_CLOSED, classids=tuple(sorted(closed))))
+        pp.closed = len(closed)
+    # a detached program takes nothing any more: every ready class goes (also ones a grant
+    # that never reached the rings made)
+    spare = sorted(ready) if report.closing else [c for c in report.returned if c in ready]
+    for rule, n_ready in report.pools:
+        need = report.target - n_ready
+        if need <= 0:
+            continue
+        shape = shape_of(rule)
+        reuse, spare = spare[:need], spare[need:]
+        if reuse:
+            pp.fills.append(PoolOp(OpKind.POOL_CHANGE, rule.name, shape,
+                                   classids=tuple(reuse)))
+        if need > len(reuse):
+            pp.fills.append(PoolOp(OpKind.POOL_FILL, rule.name, shape, count=need - len(reuse)))
+    if spare:
+        pp.first.append(PoolOp(OpKind.POOL_DELETE, classids=tuple(spare)))
+    return pp

@@ -8,11 +8,13 @@ the callbacks, the rule masks and the pool protocol). This module owns it:
   globs, users, ports, direction, remote prefixes; not exe patterns, process globs or rules with
   aggregate rates), and the bit masks the program reads;
 * ``FirstByte``: compiles and attaches the program (a bpf_link on the cgroup v2 root: it is
-  detached when the daemon's fd closes, also on a crash; nothing is pinned), keeps a pool of
-  ready classes per kernel-decided rule in the backend (``backend/pool.py``), and turns the
-  program's claims into flow OPEN events. ``step()`` is the one entry point of the stage: it
-  binds the claims to the backend, hands the events to the reconciler (which installs the flow's
-  own u32 filter on the claimed class), gives back claims no rule wants, and refills the pools.
+  detached when the daemon's fd closes, also on a crash; nothing is pinned), owns its maps and
+  the rings of ready classes per kernel-decided rule, and turns the program's records into
+  claim events. It holds neither the reconciler nor the backend: each round of the firstbyte
+  stage (app.py) is ``poll`` (claims), ``report`` (what the rings need; the drain, the sweep of
+  the sockets' priorities), the reconciler's ``on_claims`` (the engine plans the pool ops, the
+  backend applies them with the flows' ops in one batch) and ``granted`` (the class ids made,
+  written into the rings). Only ``on_claims`` holds the reconciler's lock.
 
 Needs: cgroup v2 mounted, bpf_link for cgroups (5.7), bpf_get_netns_cookie in sock_ops (5.15),
 the current-task helpers in cgroup sock_addr programs (the bind/connect hooks that learn a
@@ -36,7 +38,7 @@ from typing import Dict, List, Optional, Set, Tuple
 from . import cgroupbpf, model
 from .cgroupbpf import cgroup2_root, link_create  # noqa: F401  (cgroup2_root: tests use it)
 from .errors import TracerUnavailable
-from .model import Direction, FlowKey, OpKind, RuleSet
+from .model import Direction, FlowKey, RuleSet
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +67,6 @@ VIEW_COUNTERS = ("claimed", "bound", "refilled", "returned", "released", "exhaus
                  "rebound", "closed", "sweeps", "freed_by_sweep", "bad_records")
 
 POOL_TARGET = 48           # ready classes per rule (< POOL_SLOTS): 24 ms of claims at 2 000 flows/s
-CLAIM_WAIT_S = 5.0         # a claim whose flow the daemon has not seen by then is given back
 GRACE_S = 0.005            # a sock_ops run that saw the old rules has finished by then
 # the sockets' priorities are swept (a sock_diag dump of every socket: tens of ms at thousands
 # of sockets, during which the pools are not refilled) only for ids whose close report has not
@@ -268,17 +269,10 @@ def _set_bytes(obj, name: str, raw: bytes) -> None:
     ctypes.memmove(ctypes.addressof(obj) + getattr(type(obj), name).offset, raw, len(raw))
 
 
-@dataclass(frozen=True)
-class Claim:
-    event: model.FlowEvent
-    classid: int
-    rule: int
-
-
 @dataclass
 class _Pool:
+    """One kernel rule's ring of ready classes (the program's side of the pool)."""
     rule: model.Rule
-    shape: model.Shape
     fill: int = 0                                            # next ticket to write
     slots: Dict[int, int] = field(default_factory=dict)      # ticket -> class id (not yet taken)
 
@@ -300,13 +294,18 @@ class FirstByte:
         self.owner_hooks = 0
         self._raw: List[bytes] = []
         self._pools: Dict[int, _Pool] = {}
-        self._pending: Dict[FlowKey, tuple] = {}     # claims not bound yet: (since, class id)
         self._new_listeners = False
         self._closed: List[int] = []                             # class ids of closed sockets
         self._compiled: Optional[Compiled] = None
         self._rules_seen: Optional[tuple] = None
-        self._backend = None
-        self._epoch = -1
+        self._live = False                   # claims on (config.live written)
+        self._epoch = -1                     # the backend pool bookkeeping the rings' ids are of
+        # what the last grant said: its bookkeeping, the rules to follow, the pool ids held by
+        # open sockets and awaiting a close, and how long the oldest has waited
+        self._grant_epoch = -1
+        self._grant_rules: Optional[RuleSet] = None
+        self._ids = (0, 0)
+        self._oldest_wait_s = 0.0
         self._counts = {"claims": 0, "bound": 0, "released": 0, "rebound": 0, "bad_records": 0,
                         "stale": 0, "closed": 0, "sweeps": 0, "freed_by_sweep": 0,
                         "refilled": 0, "returned": 0}
@@ -471,20 +470,29 @@ class FirstByte:
     def _take(self, rule: int) -> int:
         return self._bpf[b"fb_take"][ctypes.c_int(rule)].value
 
-    def _put(self, rule: int, pool: _Pool, classids: List[int]) -> None:
+    def _set_take(self, rule: int, ticket: int) -> None:
+        self._bpf[b"fb_take"][ctypes.c_int(rule)] = ctypes.c_uint64(ticket)
+
+    def _set_slot(self, index: int, classid: int) -> None:
+        self._bpf[b"fb_pool"][ctypes.c_int(index)] = ctypes.c_uint32(classid)
+
+    def _set_fill(self, rule: int, ticket: int) -> None:
+        self._bpf[b"fb_fill"][ctypes.c_int(rule)] = ctypes.c_uint64(ticket)
+
+    def _put(self, rule: int, pool: _Pool, classids) -> None:
         """Write slots, then advance fill (the program reads fill first, then the slot)."""
-        t = self._bpf[b"fb_pool"]
         for cid in classids:
-            t[ctypes.c_int(rule * POOL_SLOTS + pool.fill % POOL_SLOTS)] = ctypes.c_uint32(cid)
+            self._set_slot(rule * POOL_SLOTS + pool.fill % POOL_SLOTS, cid)
             pool.slots[pool.fill] = cid
             pool.fill += 1
-        self._bpf[b"fb_fill"][ctypes.c_int(rule)] = ctypes.c_uint64(pool.fill)
+        self._set_fill(rule, pool.fill)
 
     # ----------------------------------------------------------------- pools
     def _drain(self) -> List[int]:
         """Switch claims off; the class ids of every pool ticket not taken (already taken ones
         are claims whose events are on their way)."""
         self._write_config(0)
+        self._live = False
         time.sleep(GRACE_S)     # a run that read the old config ends within microseconds
         free = []
         for r, pool in self._pools.items():
@@ -492,55 +500,34 @@ class FirstByte:
             free += [cid for t, cid in pool.slots.items() if t >= take]
         return free
 
-    def _replan(self, backend, ruleset: RuleSet) -> None:
-        same_backend = backend is self._backend and backend.pool_epoch == self._epoch
-        free = self._drain() if self._bpf is not None else []
-        self._counts["returned"] += len(free)
-        if not same_backend:
-            free = []           # those classes went with the old backend's qdisc
+    def _remake(self, ruleset: RuleSet) -> None:
+        """New rings for ``ruleset``'s kernel rules (claims are off: drained before). The
+        classes come with the next grant."""
         old_fill = {r: p.fill for r, p in self._pools.items()}
         self._pools = {}
         c = compile_rules(ruleset)
         self._compiled = c
         self._write_rules(c)
-        spare = list(free)
-        from .engine import shape_of
         for r, rule in sorted(c.kernel.items()):
-            shape = shape_of(rule)
             # tickets only grow (no ABA for the program's compare-and-swap); the old ones not
-            # taken were drained above, so take jumps to fill (claims are off: we may write it)
+            # taken were drained, so take jumps to fill (claims are off: we may write it)
             fill = max(self._take(r), old_fill.get(r, 0))
-            self._bpf[b"fb_take"][ctypes.c_int(r)] = ctypes.c_uint64(fill)
-            pool = _Pool(rule, shape, fill=fill)
-            self._pools[r] = pool
-            reuse, spare = spare[:self.pool_target], spare[self.pool_target:]
-            got = backend.pool_change(reuse, shape) if reuse else []
-            got += backend.pool_create(shape, self.pool_target - len(got))
-            self._put(r, pool, got)
-        if spare:
-            backend.pool_delete(spare)
-        self._backend, self._epoch = backend, backend.pool_epoch
+            self._set_take(r, fill)
+            self._pools[r] = _Pool(rule, fill=fill)
         self._rules_seen = ruleset.rules
         names = {r.name for r in c.kernel.values()}
         self._rule_claims = {n: k for n, k in self._rule_claims.items() if n in names}
-        self._write_config(c.live, c)
         self.summary = c.summary()
-        log.info("%s; %d pool classes ready", self.summary, backend.pool_classes())
 
-    def refill(self, backend) -> int:
-        """Top every pool up to its target; how many classes were made."""
-        made = 0
-        for r, pool in self._pools.items():
+    def _ready(self) -> Tuple[Tuple[model.Rule, int], ...]:
+        """Each kernel rule with the classes ready in its ring (taken slots forgotten)."""
+        out = []
+        for r, pool in sorted(self._pools.items()):
             take = self._take(r)
             for t in [t for t in pool.slots if t < take]:
                 del pool.slots[t]
-            need = self.pool_target - (pool.fill - take)
-            if need > 0:
-                got = backend.pool_create(pool.shape, need)
-                self._put(r, pool, got)
-                made += len(got)
-        self._counts["refilled"] += made
-        return made
+            out.append((pool.rule, pool.fill - take))
+        return tuple(out)
 
     # ---------------------------------------------------------------- events
     def _on_event(self, _ctx, data, size) -> None:
@@ -549,12 +536,16 @@ class FirstByte:
         except Exception:
             self._counts["bad_records"] += 1
 
-    def poll(self, timeout_ms: int) -> List[Claim]:
+    def _ring_poll(self, timeout_ms: int) -> None:
+        self._bpf.ring_buffer_poll(max(0, int(timeout_ms)))
+
+    def poll(self, timeout_ms: int) -> List[model.ClaimEvent]:
+        """The program's claims since the last poll (closes and new listeners are kept for
+        the next ``report``)."""
         with self._poll_lock:
-            b = self._bpf
-            if b is None:
+            if self._bpf is None:
                 return []
-            b.ring_buffer_poll(max(0, int(timeout_ms)))
+            self._ring_poll(timeout_ms)
             raw, self._raw = self._raw, []
         out = []
         for rec in raw:
@@ -572,117 +563,97 @@ class FirstByte:
         self._counts["claims"] += len(out)
         return out
 
-    def _to_claim(self, r) -> Claim:
-        (ts, classid, rule, pid, uid, family, lport, rport, direction, flags,
-         laddr, raddr, comm) = r
+    def _to_claim(self, r) -> model.ClaimEvent:
+        (_ts, classid, rule, _pid, _uid, family, lport, rport, _direction, _flags,
+         laddr, raddr, _comm) = r
         if family == 4:
             la, ra = ipaddress.IPv4Address(laddr[:4]), ipaddress.IPv4Address(raddr[:4])
         else:
             la, ra = ipaddress.IPv6Address(laddr), ipaddress.IPv6Address(raddr)
-        key = FlowKey(la, lport, ra, rport)
-        if flags & FB_F_ATTRIBUTED:
-            name = comm.split(b"\0", 1)[0].decode("utf-8", "replace")
-            try:
-                exe = os.readlink(f"/proc/{pid}/exe") if pid else ""
-            except OSError:
-                exe = ""
-            proc = model.ProcessInfo(pid=pid, comm=name, exe=exe, uid=uid)
-        else:
-            proc = model.ProcessInfo(pid=0)
-        d = Direction.INBOUND if direction == FB_DIR_INBOUND else Direction.OUTBOUND
-        flow = model.Flow(key, d, proc, model.FlowSource.TRACER, 0, ts)
-        return Claim(model.FlowEvent(model.EventKind.OPEN, flow), classid, rule)
+        pool = self._pools.get(rule)
+        return model.ClaimEvent(FlowKey(la, lport, ra, rport), classid,
+                                pool.rule.name if pool is not None else "")
 
-    # ------------------------------------------------------------------ step
-    def step(self, rec, backend, claims: List[Claim]) -> None:
-        """One round, under the reconciler's lock: claims bound to their flows in the backend,
-        unused claims given back, pools refilled (remade after a reload or a backend rebuild).
-
-        A claim is a hint, not a flow event: the flow itself is opened and closed by the tracer
-        (or sock_diag) as before, so OPEN and CLOSE keep their one ordered source; the flow's
-        ADD then takes the claimed class. A flow that got its class before its claim was seen
-        is given the claimed one instead (the socket sends into that)."""
-        prios = None
-        if backend is not None and self._bpf is not None and backend is self._backend \
-                and backend.pool_epoch == self._epoch and backend.pool_ids_waiting(SWEEP_S) \
-                and time.monotonic() - self._swept_at >= SWEEP_S:
-            prios = self._priorities()      # the periodic sweep's dump, outside the lock
-        with self._lock, rec.lock:
+    # ----------------------------------------------------------------- round
+    # A round of the firstbyte stage (app.py): ``report`` (outside the reconciler's lock: the
+    # sweep's sock_diag dump, the drain's sleep, map reads and writes), the reconciler's
+    # ``on_claims`` (under it: one apply), ``granted`` (outside it: the new ids into the rings).
+    #
+    # A claim is a hint, not a flow event: the flow itself is opened and closed by the tracer
+    # (or sock_diag) as before, so OPEN and CLOSE keep their one ordered source; the flow's ADD
+    # then takes the claimed class. A flow that got its class before its claim was seen is
+    # given the claimed one instead (the socket sends into that).
+    def report(self, claims: List[model.ClaimEvent]) -> model.PoolReport:
+        """What the reconciler needs this round. When the last grant named another pool
+        bookkeeping (a rebuild, a fall-back, the start) or other rules (a reload), the rings
+        are drained and made anew first."""
+        with self._lock:
             if self._bpf is None:
-                return
+                return model.PoolReport(self._epoch)
             if self._new_listeners:
                 self._new_listeners = False
                 self._seed_listeners()
-            if backend is None:
-                return
+            closed, self._closed = tuple(self._closed), []
+            prios = None
+            returned: Tuple[int, ...] = ()
+            replan = False
             now = time.monotonic()
-            fresh = backend is not self._backend or backend.pool_epoch != self._epoch
-            closed, self._closed = self._closed, []
-            if fresh:
-                # before any pool id is handed out on a new bookkeeping (rebuild, fall-back,
-                # start), the ids still-open sockets carry are held back; claims are off first,
-                # so that no socket takes an old pool's id after the sweep read the sockets
-                self._write_config(0)
-                time.sleep(GRACE_S)
+            if self._grant_epoch != self._epoch and self._grant_rules is not None:
+                # before any pool id is handed out on a new bookkeeping, the ids still-open
+                # sockets carry are held back; claims are off first, so that no socket takes
+                # an old pool's id after the sweep read the sockets. The old classes went with
+                # the old bookkeeping: nothing is returned, the old claims and closes are void.
+                self._counts["returned"] += len(self._drain())
                 prios = self._priorities()
+                self._remake(self._grant_rules)
+                self._epoch = self._grant_epoch
+                claims, closed, replan = [], (), True
+            elif self._grant_rules is not None and self._grant_rules.rules != self._rules_seen:
+                free = self._drain()
+                self._counts["returned"] += len(free)
+                self._remake(self._grant_rules)
+                returned, replan = tuple(free), True
+            elif self._oldest_wait_s >= SWEEP_S and now - self._swept_at >= SWEEP_S:
+                prios = self._priorities()  # ids whose close report has not come: a sweep
             if prios is not None:
                 self._swept_at = now
-                self._counts["freed_by_sweep"] += backend.pool_sockets_hold(prios)
                 self._counts["sweeps"] += 1
-            marked = False
-            for c in claims:
-                key = c.event.flow.key
-                if fresh or not backend.pool_claimed(key, c.classid):
-                    self._counts["stale"] += 1
-                    log.debug("stale claim of %x by %s", c.classid, key)
-                    continue
-                self._counts["bound"] += 1
-                pool = self._pools.get(c.rule)
-                if pool is not None:
-                    n = pool.rule.name
-                    self._rule_claims[n] = self._rule_claims.get(n, 0) + 1
-                self._pending[key] = (now, c.classid)
-                log.debug("claim of %x by %s", c.classid, key)
-                cur = backend.classid_of(key)
-                if cur is not None and cur != c.classid:
-                    log.debug("%s had class %x before its claim of %x: rebound", key, cur,
-                              c.classid)
-                    backend.apply([model.Op(OpKind.REMOVE, key)])
-                    self._counts["rebound"] += 1
-                if key in rec.table.flows:
-                    rec.table.dirty.add(key)
-                    marked = True
-            if marked:
-                rec.apply_dirty()
-            gone = set()
-            if closed and not fresh:
-                gone = set(closed)
-                self._counts["closed"] += len(closed)
-            pend = backend.pool_pending()
-            flows = rec.table.flows
-            for key, (since, cid) in list(self._pending.items()):
-                f = flows.get(key)
-                # a flow sock_diag found before its accept() has no owner yet: the rules
-                # cannot be judged on it, the tracer's OPEN will tell
-                planned = f is not None and f.proc.pid != 0
-                if key not in pend:
-                    del self._pending[key]              # the flow's ADD took it
-                elif planned or cid in gone or now - since > CLAIM_WAIT_S:
-                    # planned and not shaped (no rule wants it, the apply failed), or its flow
-                    # never showed up: the class goes, its id waits for the flow's end
-                    log.debug("claim of %x by %s given back (%s)", cid, key,
-                              "planned" if planned else
-                              "closed" if cid in gone else "timed out")
-                    backend.pool_release(key)
-                    del self._pending[key]
-                    self._counts["released"] += 1
-            for cid in gone:
-                backend.pool_socket_closed(cid)
-            if fresh or rec.rules.rules != self._rules_seen:
-                self._pending.clear()
-                self._replan(backend, rec.rules)
+            return model.PoolReport(self._epoch, self._ready(), self.pool_target, tuple(claims),
+                                    closed, returned,
+                                    frozenset(prios) if prios is not None else None, replan)
+
+    def granted(self, grant: model.PoolGrant) -> bool:
+        """The reconciler's answer: the new classes into the rings, claims on again after a
+        drain. True when another round is due at once (the pools must be made anew)."""
+        with self._lock:
+            if self._bpf is None:
+                return False
+            self._grant_rules = grant.rules
+            if not grant.applied:
+                return False
+            self._grant_epoch = grant.epoch
+            self._ids = (grant.ids_held, grant.ids_awaiting)
+            self._oldest_wait_s = grant.oldest_wait_s
+            if grant.epoch != self._epoch:
+                self._counts["stale"] += grant.stale
+                return True
+            for name in ("stale", "bound", "released", "rebound", "closed", "freed_by_sweep"):
+                self._counts[name] += getattr(grant, name)
+            for n, k in grant.bound_by_rule.items():
+                self._rule_claims[n] = self._rule_claims.get(n, 0) + k
+            made = 0
+            for r, pool in sorted(self._pools.items()):
+                ids = grant.made.get(pool.rule.name, ())
+                if ids:
+                    self._put(r, pool, ids)
+                    made += len(ids)
+            if not self._live and self._compiled is not None:
+                self._write_config(self._compiled.live, self._compiled)
+                self._live = True
+                log.info("%s; %d pool classes ready", self.summary, grant.ready_classes)
             else:
-                self.refill(backend)
+                self._counts["refilled"] += made
+            return grant.rules is not None and grant.rules.rules != self._rules_seen
 
     def _priorities(self) -> Optional[Set[int]]:
         try:
@@ -693,16 +664,23 @@ class FirstByte:
             return None
 
     # ------------------------------------------------------------------ stats
+    def _counters(self) -> Optional[List[int]]:
+        t = self._bpf[b"fb_counters"]
+        out = []
+        for i in range(len(COUNTERS)):
+            try:
+                out.append(sum(t[ctypes.c_int(i)]))
+            except Exception:
+                out.append(None)
+        return out
+
     def stats(self) -> Dict[str, int]:
         out = dict(self._counts)
         b = self._bpf
         if b is not None:
-            t = b[b"fb_counters"]
-            for i, name in enumerate(COUNTERS):
-                try:
-                    out[name] = sum(t[ctypes.c_int(i)])
-                except Exception:
-                    pass
+            for name, v in zip(COUNTERS, self._counters()):
+                if v is not None:
+                    out[name] = v
             out["pool_ready"] = sum(p.fill - self._take(r) for r, p in self._pools.items())
         return out
 
@@ -718,38 +696,32 @@ class FirstByte:
                     ready = 0
                 pools.append(model.FirstBytePool(p.rule.name, ready,
                                                  self._rule_claims.get(p.rule.name, 0)))
-            b = self._backend
-            fresh = b is None or b.pool_epoch != self._epoch
-            held = 0 if fresh else b.pool_ids_held()
-            waiting = 0 if fresh else b.pool_ids_waiting()
+            held, waiting = self._ids if self._grant_epoch == self._epoch else (0, 0)
         st["exhausted"] = st.get("pool_empty", 0)
         return model.FirstByteView(tuple(pools), {k: int(st.get(k, 0)) for k in VIEW_COUNTERS},
                                    held, waiting)
 
     # ------------------------------------------------------------------ close
-    def close(self, backend=None) -> None:
-        """Detach; the unclaimed pool classes go when the backend is still ours."""
+    def close(self) -> Optional[model.PoolReport]:
+        """Detach. Returns the last report (``closing``: the reconciler deletes every ready
+        class, ``on_claims``); None when it was not started."""
         with self._poll_lock, self._lock:
             b = self._bpf
             if b is None:
-                return
+                return None
             try:
                 log.info("first byte: %s", ", ".join(f"{k} {v}" for k, v in self.stats().items()))
             except Exception as e:
                 log.debug("first byte stats: %s", e)
             free = self._drain()
+            self._counts["returned"] += len(free)
             for fd in self._link_fds:
                 os.close(fd)
             self._link_fds = []
-            if backend is not None and backend is self._backend \
-                    and backend.pool_epoch == self._epoch and free:
-                try:
-                    backend.pool_delete(free)
-                except Exception as e:
-                    log.warning("first byte: pool classes not deleted (%s); the next start's "
-                                "adoption removes them", e)
             self._bpf = None
             self._pools = {}
             b.cleanup()
             self.summary = "stopped"
             log.info("first-byte sock_ops detached")
+            return model.PoolReport(self._epoch, (), self.pool_target, returned=tuple(free),
+                                    closing=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import ipaddress
 from dataclasses import dataclass, field
-from typing import Optional, Tuple, Union
+from typing import Dict, FrozenSet, Mapping, Optional, Tuple, Union
 
 IPAddress = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
 IPNetwork = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
@@ -313,6 +313,10 @@ class ApplyResult:
     changed: int = 0
     removed: int = 0
     errors: list = field(default_factory=list)   # list[OpError]
+    # first-byte pools (issue 16): the class ids made ready (POOL_FILL, POOL_CHANGE) per rule
+    # name, in the order they were made, and how many awaited ids a POOL_SWEEP freed
+    pool_made: Dict[str, list] = field(default_factory=dict)
+    pool_freed_by_sweep: int = 0
 
 
 class OpKind(str, enum.Enum):
@@ -320,6 +324,21 @@ class OpKind(str, enum.Enum):
     CHANGE = "change"
     REMOVE = "remove"
     RELABEL = "relabel"      # same rates, another rule: bookkeeping only, nothing to the kernel
+    # first-byte pools (issue 16), carried by a ``PoolOp``: the backend's pool of ready classes
+    POOL_FILL = "pool_fill"        # make ``count`` ready classes of ``shape`` for ``rule``
+    POOL_CHANGE = "pool_change"    # give the ready classes ``classids`` ``shape`` (a reload
+    #                                reuses them for ``rule``)
+    POOL_DELETE = "pool_delete"    # delete the ready (unclaimed) classes ``classids``
+    POOL_CLAIM = "pool_claim"      # the socket of flow ``key`` took ready class ``classids[0]``:
+    #                                the flow's ADD takes that class
+    POOL_RELEASE = "pool_release"  # the claim of ``key`` is not used: its class goes, its id
+    #                                waits for the socket's close
+    POOL_CLOSED = "pool_closed"    # the sockets that claimed ``classids`` are closed
+    POOL_SWEEP = "pool_sweep"      # a sweep found ``priorities`` on the namespace's open sockets
+
+    @property
+    def is_pool(self) -> bool:
+        return self.value.startswith("pool_")
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,6 +353,76 @@ class Op:
 class OpError:
     op: Op
     reason: str                        # one line, with the kernel's extack text when it gave one
+
+
+@dataclass(frozen=True, slots=True)
+class PoolOp:
+    """One step of a plan on the first-byte pools (issue 16); ``kind`` is a ``POOL_*`` OpKind.
+    Planned by ``engine.plan_pools`` and applied by the send side's backend in the same batch
+    as the flows' ops (``ApplyResult.pool_made`` says what was made)."""
+    kind: OpKind
+    rule: str = ""                                  # FILL, CHANGE: the rule the pool is for
+    shape: Optional["Shape"] = None                 # FILL, CHANGE
+    count: int = 0                                  # FILL
+    classids: Tuple[int, ...] = ()                  # CHANGE, DELETE, CLAIM, CLOSED
+    key: Optional[FlowKey] = None                   # CLAIM, RELEASE
+    priorities: FrozenSet[int] = frozenset()        # SWEEP
+    at_ns: int = 0                                  # CLAIM: when it was bound (monotonic)
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimEvent:
+    """The first-byte program gave flow ``key``'s socket the ready class ``classid`` of the
+    pool of rule ``rule`` at the end of its handshake (issue 16)."""
+    key: FlowKey
+    classid: int
+    rule: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolReport:
+    """What the first-byte source hands the reconciler each round (``Reconciler.on_claims``):
+    its claims, and what its rings need. Built outside the reconciler's lock."""
+    epoch: int                                      # the pool bookkeeping its ids belong to
+    #                                                 (``PoolHolding.epoch``; -1: none yet)
+    pools: Tuple[Tuple["Rule", int], ...] = ()      # (kernel rule, classes ready in its ring)
+    target: int = 0                                 # ready classes wanted per pool
+    claims: Tuple[ClaimEvent, ...] = ()
+    closed: Tuple[int, ...] = ()                    # class ids whose claiming socket closed
+    returned: Tuple[int, ...] = ()                  # ready classes taken back from the rings
+    priorities: Optional[FrozenSet[int]] = None     # a sweep of the sockets' priorities
+    replan: bool = False                            # the pools were made anew this round
+    closing: bool = False                           # the program is detached: no pool stays
+
+
+@dataclass(frozen=True, slots=True)
+class PoolHolding:
+    """The send backend's pool as the engine plans from it (a copy)."""
+    epoch: int                                      # changes when the bookkeeping is dropped
+    ready: FrozenSet[int] = frozenset()             # class ids made and not claimed
+    claims: Mapping[FlowKey, Tuple[int, int]] = field(default_factory=dict)
+    #                                                 key -> (class id, bound at ns): no ADD yet
+
+
+@dataclass(frozen=True, slots=True)
+class PoolGrant:
+    """The reconciler's answer to a ``PoolReport``: the ids to write into the rings and what
+    became of the claims. ``applied`` False: no usable backend, nothing was done."""
+    applied: bool
+    epoch: int
+    rules: Optional["RuleSet"] = None               # the rules the pools must follow now
+    made: Mapping[str, Tuple[int, ...]] = field(default_factory=dict)   # rule -> class ids
+    stale: int = 0
+    bound: int = 0
+    bound_by_rule: Mapping[str, int] = field(default_factory=dict)
+    released: int = 0
+    rebound: int = 0
+    closed: int = 0
+    freed_by_sweep: int = 0
+    ready_classes: int = 0                          # the backend's ready classes after it
+    ids_held: int = 0
+    ids_awaiting: int = 0
+    oldest_wait_s: float = 0.0                      # the longest an awaited id has waited
 
 
 # ------------------------------------------------------------ health/status

@@ -1,12 +1,15 @@
 """The reconciler: flow table + engine + apply + retry, under one lock.
 
     tracer events ─┐
-    sock_diag ─────┴─> FlowTable ─dirty keys─> engine.plan ─> backend.apply
-                                   ^                              │
-                                   └──── failed keys (retried) ───┘
+    sock_diag ─────┼─> FlowTable ─dirty keys─> engine.plan ─┬─> backend.apply
+    first-byte ────┘    (claims) ──> engine.plan_pools ─────┘        │
+    claims                 ^                                          │
+                           └──────── failed keys (retried) ───────────┘
 
-Both flow sources call in here (the tracer from its thread, the reconcile pass from the main
-loop); every change to the table or the backend happens under ``lock``. A dirty key is only
+Every flow source calls in here (the tracer and the first-byte stage from their threads, the
+reconcile pass from the main loop); every change to the table or the backend happens under
+``lock``, and nothing else does: no sleep, no sock_diag dump, no BPF map write is done while
+it is held (the first-byte source does those before and after ``on_claims``). A dirty key is only
 forgotten once its plan was applied: an exception part-way through puts the batch back, an op
 the kernel refused is retried at the next pass, and a backend that is not usable (interface
 gone, qdisc lost or foreign) keeps them dirty until it is.
@@ -24,7 +27,7 @@ from . import engine
 from .errors import FlowpacerError
 from .flows import FlowTable
 from .metrics import LatencyHistogram
-from .model import FlowKey, FlowSource, OpKind, RuleSet
+from .model import FlowKey, FlowSource, OpKind, PoolGrant, PoolReport, RuleSet
 from .supervisor import BackendSupervisor
 
 log = logging.getLogger(__name__)
@@ -69,6 +72,31 @@ class Reconciler:
             self.expire_idle()
             self.apply_dirty()
 
+    def on_claims(self, report: PoolReport) -> PoolGrant:
+        """A first-byte round (issue 16): its claims bound, the flows they are for planned, the
+        pools topped up, all in one apply on the send backend. The answer carries the class ids
+        made for each rule's pool (the source writes them into its rings, after this returns)."""
+        with self.lock:
+            sup = self.supervisor
+            b = sup.backend
+            pool = getattr(b, "pool", None)
+            if b is None or not sup.usable or pool is None:
+                return PoolGrant(False, report.epoch, self.rules)
+            flows = self.table.flows
+            classed = {c.key for c in report.claims if b.shape_of(c.key) is not None}
+            pp = engine.plan_pools(report, pool.holding(), flows, classed, self.rules,
+                                   self.clock_ns())
+            self.table.dirty.update(pp.dirty)
+            res = self.apply_dirty(before=pp.first, after=pp.fills, rebind=pp.rebind)
+            made = {r: tuple(ids) for r, ids in res.pool_made.items()} if res else {}
+            return PoolGrant(True, pool.epoch, self.rules, made, stale=pp.stale, bound=pp.bound,
+                             bound_by_rule=dict(pp.bound_by_rule), released=pp.released,
+                             rebound=len(pp.rebind), closed=pp.closed,
+                             freed_by_sweep=res.pool_freed_by_sweep if res else 0,
+                             ready_classes=len(pool.classes), ids_held=pool.ids_held(),
+                             ids_awaiting=pool.ids_waiting(),
+                             oldest_wait_s=pool.oldest_wait_s())
+
     def expire_idle(self) -> None:
         """UDP flows idle for their rule's idle_timeout end (the caller holds the lock)."""
         if self.table.idle_since:
@@ -93,18 +121,20 @@ class Reconciler:
             self.apply_dirty()
 
     # --------------------------------------------------------------- apply
-    def apply_dirty(self):
-        """Plan and apply every dirty key (the caller holds the lock)."""
+    def apply_dirty(self, before=(), after=(), rebind=()):
+        """Plan and apply every dirty key (the caller holds the lock); ``before``/``after``:
+        first-byte pool ops for the send side's batch, ``rebind``: keys whose class is replaced
+        by the one their socket claimed (``engine.plan_pools``)."""
         keys = self.table.take_dirty()
-        if not keys:
+        if not keys and not before and not after:
             return None
         try:
-            return self._apply(keys)
+            return self._apply(keys, before, after, rebind)
         except BaseException:
             self.table.dirty.update(keys)      # nothing is lost: planned again next time
             raise
 
-    def _apply(self, keys):
+    def _apply(self, keys, before=(), after=(), rebind=()):
         """The send side's plan, then the receive side's (issue 17), each on its backend."""
         sup = self.supervisor
         b = sup.backend
@@ -113,7 +143,8 @@ class Reconciler:
             return None
         flows = self.table.flows
         live = {k: flows[k] for k in keys if k in flows}
-        res = self._apply_side(b, engine.desired(live, self.rules), keys, flows)
+        res = self._apply_side(b, engine.desired(live, self.rules), keys, flows,
+                               before=before, after=after, rebind=rebind)
         rx = sup.rx
         if rx is not None and sup.rx_usable:
             rres = self._apply_side(rx, engine.desired_receive(live, self.rules), keys, flows,
@@ -128,14 +159,16 @@ class Reconciler:
                     res.errors.extend(rres.errors)
         return res
 
-    def _apply_side(self, b, want, keys, flows, latency: bool = True):
-        """``latency``: count the time from a flow's event to its class (the send side's)."""
+    def _apply_side(self, b, want, keys, flows, latency: bool = True, before=(), after=(),
+                    rebind=()):
+        """``latency``: count the time from a flow's event to its class (the send side's);
+        ``before``/``after``: pool ops around the flows' ones, in the same batch."""
         have = {}
         for k in keys:
             s = b.shape_of(k)
             if s is not None:
                 have[k] = s
-        ops = engine.plan(want, have)
+        ops = list(before) + engine.plan(want, have, rebind) + list(after)
         if not ops:
             return None
         t0 = self.clock_ns()

@@ -2,7 +2,8 @@
 supervision (stage failures, restart adoption, fall-back, reload, watchdog) is tested
 in-process. Pure bookkeeping: nothing here touches the kernel. Real-kernel behaviour is tested
 with the real backend elsewhere; these fakes only have to keep the backend's contract
-(idempotent apply, per-op errors, installed/shape_of/flows_snapshot, check/audit/forget).
+(idempotent apply, per-op errors, installed/shape_of/flows_snapshot, check/audit/forget,
+first-byte pool ops). ``FakeFirstByte`` is the first-byte source over in-memory maps.
 """
 from __future__ import annotations
 
@@ -10,9 +11,13 @@ import contextlib
 import threading
 from typing import Callable, Dict, List, Optional
 
+from flowpacer.backend.filters import LayoutFull
+from flowpacer.backend.pool import Pool
 from flowpacer.errors import BackendError
+from flowpacer.firstbyte import (EVENT, FB_DIR_INBOUND, FB_DIR_OUTBOUND, FB_F_CLOSED,
+                                 POOL_SLOTS, FirstByte)
 from flowpacer.model import (ApplyResult, BackendHealth, ClassStats, FlowKey, Op, OpError,
-                             OpKind, Shape)
+                             OpKind, PoolOp, Shape)
 
 
 class FakeBackend:
@@ -32,6 +37,7 @@ class FakeBackend:
         self.torn_down = False
         self.closed = False
         self._next = 0x10
+        self.pool = Pool(0xF1F0)        # first-byte pools (issue 16): bookkeeping only
 
     # set-up and health
     def setup(self) -> None:
@@ -49,6 +55,7 @@ class FakeBackend:
 
     def forget(self) -> None:
         self.flows.clear()
+        self.pool.forget()
 
     def resync(self) -> None:
         pass
@@ -62,6 +69,10 @@ class FakeBackend:
 
     # flows
     def _install(self, key: FlowKey, shape: Shape) -> None:
+        claimed = self.pool.take_claim(key)      # a claimed pool class is the flow's
+        if claimed is not None:
+            self.flows[key] = (0xF1F00000 | claimed, shape)
+            return
         self.flows[key] = (0xF1F00000 | self._next, shape)
         self._next += 1
 
@@ -78,10 +89,15 @@ class FakeBackend:
         res = ApplyResult()
         for op in plan:
             self.applied.append(op)
+            if isinstance(op, PoolOp):
+                self._apply_pool(op, res)
+                continue
             cur = self.flows.get(op.key)
             if op.kind is OpKind.REMOVE:
                 if cur is not None:
                     del self.flows[op.key]
+                    if cur[0] & 0xFFFF >= 0xC000:
+                        self.pool.free_minor(cur[0] & 0xFFFF)
                     res.removed += 1
             elif cur is not None:
                 if (cur[1].rate_bps, cur[1].ceil_bps) != (op.shape.rate_bps, op.shape.ceil_bps):
@@ -95,6 +111,42 @@ class FakeBackend:
                 self._install(op.key, op.shape)
                 res.added += 1
         return res
+
+    def _apply_pool(self, op: PoolOp, res: ApplyResult) -> None:
+        """The pool ops as TcBackend applies them (backend/pool.py), without a kernel."""
+        pool, k = self.pool, op.kind
+        if k is OpKind.POOL_SWEEP:
+            res.pool_freed_by_sweep += pool.sockets_hold(op.priorities)
+        elif k is OpKind.POOL_CLOSED:
+            for cid in op.classids:
+                pool.socket_closed(cid)
+        elif k is OpKind.POOL_CLAIM:
+            ok, old = pool.claim(op.key, op.classids[0], op.at_ns)
+            if ok and old is not None:
+                pool.free_minor(old & 0xFFFF)
+        elif k is OpKind.POOL_RELEASE:
+            cid = pool.drop_claim(op.key)
+            if cid is not None:
+                pool.free_minor(cid & 0xFFFF)
+        elif k is OpKind.POOL_DELETE:
+            for cid in op.classids:
+                if pool.classes.pop(cid, None) is not None:
+                    pool.free_minor(cid & 0xFFFF, claimed=False)
+        elif k is OpKind.POOL_CHANGE:
+            made = res.pool_made.setdefault(op.rule, [])
+            for cid in op.classids:
+                if cid in pool.classes:
+                    pool.classes[cid] = op.rule
+                    made.append(cid)
+        elif k is OpKind.POOL_FILL:
+            made = res.pool_made.setdefault(op.rule, [])
+            for _ in range(op.count):
+                try:
+                    cid = 0xF1F00000 | pool.alloc_minor()
+                except LayoutFull:
+                    break
+                pool.classes[cid] = op.rule
+                made.append(cid)
 
     def flows_snapshot(self):
         return [(k, c, s) for k, (c, s) in self.flows.items()]
@@ -210,10 +262,112 @@ class FakeTracer:
         self.closed = True
 
 
+class _FakeBpf:
+    def cleanup(self) -> None:
+        pass
+
+
+class FakeFirstByte(FirstByte):
+    """A ``flowpacer.firstbyte.FirstByte`` whose kernel side (the sock_ops program, its maps
+    and ring buffer) is in memory: ``claim`` plays the program's ticket protocol on the rings
+    the daemon filled, ``close_socket`` its close report. Everything above the maps (the
+    rounds with the reconciler, pools, counters) is the real code. ``on_kernel_access`` is
+    called at every map access (the lock test checks who holds what there)."""
+
+    def __init__(self, *args, on_kernel_access: Optional[Callable[[str], None]] = None,
+                 **kwargs):
+        super().__init__(*args, **kwargs)
+        self.on_kernel_access = on_kernel_access or (lambda what: None)
+        self.take: Dict[int, int] = {}
+        self.fill: Dict[int, int] = {}
+        self.slots: Dict[int, int] = {}
+        self.live = 0
+        self.rules_written = 0
+        self.records: List[bytes] = []
+        self._records_lock = threading.Lock()
+        self._idle = threading.Event()           # never set: poll's own timeout
+
+    # the kernel side
+    def start(self) -> None:
+        self._bpf = _FakeBpf()
+        self.netns_cookie = 1
+        self.summary = "fake first byte"
+
+    def _seed_listeners(self) -> int:
+        self.on_kernel_access("listeners")
+        return 0
+
+    def _write_config(self, live, c=None) -> None:
+        self.on_kernel_access("config")
+        self.live = live
+
+    def _write_rules(self, c) -> None:
+        self.on_kernel_access("rules")
+        self.rules_written += 1
+
+    def _take(self, rule: int) -> int:
+        self.on_kernel_access("take")
+        return self.take.get(rule, 0)
+
+    def _set_take(self, rule: int, ticket: int) -> None:
+        self.on_kernel_access("take")
+        self.take[rule] = ticket
+
+    def _set_slot(self, index: int, classid: int) -> None:
+        self.on_kernel_access("pool")
+        self.slots[index] = classid
+
+    def _set_fill(self, rule: int, ticket: int) -> None:
+        self.on_kernel_access("fill")
+        self.fill[rule] = ticket
+
+    def _counters(self):
+        return [0] * 7
+
+    def _ring_poll(self, timeout_ms: int) -> None:
+        with self._records_lock:
+            recs, self.records = self.records, []
+        if not recs:
+            self._idle.wait(min(timeout_ms, 20) / 1000)
+        self._raw.extend(recs)
+
+    # what the program does
+    def ready(self, rule: int) -> int:
+        return self.fill.get(rule, 0) - self.take.get(rule, 0)
+
+    def ring(self, rule: int) -> List[int]:
+        """The class ids ready in rule ``rule``'s ring, in ticket order."""
+        return [self.slots[rule * POOL_SLOTS + t % POOL_SLOTS]
+                for t in range(self.take.get(rule, 0), self.fill.get(rule, 0))]
+
+    def claim(self, rule: int, key: FlowKey, inbound: bool = True) -> Optional[int]:
+        """A handshake of ``key`` matched kernel rule ``rule``: its socket takes the next ready
+        class and the claim is reported; None when claims are off or the pool is empty."""
+        if not self.live or self.ready(rule) <= 0:
+            return None
+        t = self.take[rule]
+        cid = self.slots[rule * POOL_SLOTS + t % POOL_SLOTS]
+        self.take[rule] = t + 1
+        self._record(cid, rule, key, inbound, 0)
+        return cid
+
+    def close_socket(self, cid: int, key: FlowKey) -> None:
+        self._record(cid, 0, key, True, FB_F_CLOSED)
+
+    def _record(self, cid: int, rule: int, key: FlowKey, inbound: bool, flags: int) -> None:
+        fam = key.family
+        raw = EVENT.pack(0, cid, rule, 0, 0, fam, key.local_port, key.remote_port,
+                         FB_DIR_INBOUND if inbound else FB_DIR_OUTBOUND, flags,
+                         key.local_addr.packed.ljust(16, b"\0"),
+                         key.remote_addr.packed.ljust(16, b"\0"), b"")
+        with self._records_lock:
+            self.records.append(raw)
+
+
 @contextlib.contextmanager
 def inprocess_daemon(tmp_path, ruleset, *, factory=None, sockdiag=None, tracer=None,
                      notify=None, tracer_enabled: bool = True, rescan_s: float = 0.05,
-                     backoff_s=(0.01, 0.05)):
+                     backoff_s=(0.01, 0.05), firstbyte=None):
     """A real ``Daemon`` wired to fakes, its main loop in a thread; stopped and shut down on
     exit. Yields the daemon (``d.supervisor.backend`` is the FakeBackend)."""
     from flowpacer.app import Daemon, Options
@@ -222,7 +376,8 @@ def inprocess_daemon(tmp_path, ruleset, *, factory=None, sockdiag=None, tracer=N
     d = Daemon(opts, backend_factory=factory or FakeFactory(),
                sockdiag=sockdiag or FakeSockDiag(), tracer_factory=lambda: tracer or FakeTracer(),
                load=lambda path: ruleset() if callable(ruleset) else ruleset,
-               notify=notify or (lambda s: None), stage_backoff_s=backoff_s)
+               notify=notify or (lambda s: None), stage_backoff_s=backoff_s,
+               firstbyte_factory=(lambda: firstbyte) if firstbyte is not None else None)
     d.start()
     t = threading.Thread(target=d.run, name="test-main", daemon=True)
     t.start()

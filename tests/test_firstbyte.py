@@ -127,28 +127,24 @@ def test_first_byte_metrics_bounded_by_rules():
 def test_pool_ids_that_open_sockets_carry_are_not_handed_out():
     """The id bookkeeping alone (backend/pool.py): ids a sweep found on open sockets are skipped
     and wait; a later sweep without them, or their socket's close, frees them."""
-    from flowpacer.backend.pool import PoolMixin
+    from flowpacer.backend.pool import Pool
 
-    class Ids(PoolMixin):
-        def _parent_handle(self):
-            return 0xF1F00001
-
-    b = Ids()
+    b = Pool(0xF1F0)
     c = lambda m: 0xF1F00000 | m
     # a sweep on a fresh bookkeeping: 0xc000 and 0xc002 are still some sockets' priorities
     # (another major's priorities, or 0, are not ours)
-    assert b.pool_sockets_hold({c(0xC000), c(0xC002), 0xABCD_C001, 7}) == 0
-    got = [b._pool_alloc_minor() for _ in range(3)]
+    assert b.sockets_hold({c(0xC000), c(0xC002), 0xABCD_C001, 7}) == 0
+    got = [b.alloc_minor() for _ in range(3)]
     assert got == [0xC001, 0xC003, 0xC004], [hex(m) for m in got]
-    assert b.pool_ids_waiting() == 2 and b.pool_ids_held() == 2
-    assert b.pool_sockets_hold({c(0xC002)}) == 1          # 0xc000's socket is gone
-    assert b._pool_alloc_minor() == 0xC000
-    b.pool_socket_closed(c(0xC002))                        # its close reported
-    assert b.pool_ids_waiting() == 0 and b._pool_alloc_minor() == 0xC002
+    assert b.ids_waiting() == 2 and b.ids_held() == 2
+    assert b.sockets_hold({c(0xC002)}) == 1          # 0xc000's socket is gone
+    assert b.alloc_minor() == 0xC000
+    b.socket_closed(c(0xC002))                        # its close reported
+    assert b.ids_waiting() == 0 and b.alloc_minor() == 0xC002
     # a claimed id whose class went waits for its socket, also across sweeps that still see it
-    b._pool_free_minor(0xC001)
-    assert b.pool_sockets_hold({c(0xC001)}) == 0 and b.pool_ids_waiting() == 1
-    assert b.pool_sockets_hold(set()) == 1 and b._pool_alloc_minor() == 0xC001
+    b.free_minor(0xC001)
+    assert b.sockets_hold({c(0xC001)}) == 0 and b.ids_waiting() == 1
+    assert b.sockets_hold(set()) == 1 and b.alloc_minor() == 0xC001
 
 
 # ---------------------------------------------------------------- kernel

@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from ..errors import BackendError, NetlinkError
 from ..model import (ApplyResult, BackendHealth, ClassStats, FlowKey, Op, OpError, OpKind,
-                     Protocol, Shape, Side)
+                     PoolOp, Protocol, Shape, Side)
 from ..tc import nl, u32
 from ..tc.nl import (NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE, RTM_DELQDISC, RTM_DELTCLASS,
                      RTM_DELTFILTER, RTM_GETQDISC, RTM_GETTCLASS, RTM_GETTFILTER, RTM_NEWQDISC,
@@ -31,7 +31,7 @@ from ..tc.nl import (NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE, RTM_DELQDISC, RTM_
 from .filters import (DIVISOR, GUARD, HMASK_LOCAL_PORT, HMASK_REMOTE_PORT, L1_HTID, PORTS_OFF,
                       PRIO, PROTO, PROTOCOLS, Layout, LayoutFull, Placement, all_tables)
 from .groups import GroupKind, GroupTree, Member, Node, targets
-from .pool import PoolMixin
+from .pool import Pool, queue_pool_op
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def cleanup(interface: str) -> bool:
         return True
 
 
-class TcBackend(PoolMixin):     # PoolMixin: first-byte pools (issue 16, pool.py)
+class TcBackend:
     def __init__(self, codec, interface: str, link_rate_bps: Optional[int] = None,
                  take_over: bool = False, rtnl: Optional[RtnlSocket] = None,
                  side: Side = Side.SEND, speed_interface: Optional[str] = None):
@@ -123,6 +123,7 @@ class TcBackend(PoolMixin):     # PoolMixin: first-byte pools (issue 16, pool.py
         self._warned_groups = False
         self.adopted = 0
         self.removed_stale = 0
+        self.pool = Pool(MAJOR)          # first-byte pools (issue 16, pool.py)
 
     # ------------------------------------------------------------ helpers
     def _req(self, mtype: int, flags: int, body: bytes, what) -> Request:
@@ -160,7 +161,7 @@ class TcBackend(PoolMixin):     # PoolMixin: first-byte pools (issue 16, pool.py
 
     def _free_minor(self, minor: int) -> None:
         if minor > LAST_FLOW_MINOR:
-            self._pool_free_minor(minor)        # a claimed pool class's id goes back to pool.py
+            self.pool.free_minor(minor)         # a claimed pool class's id goes back to pool.py
             return
         self._free_minors.append(minor)
 
@@ -296,7 +297,7 @@ class TcBackend(PoolMixin):     # PoolMixin: first-byte pools (issue 16, pool.py
                                + [m for m in classes if m <= LAST_FLOW_MINOR]) + 1
         self._free_minors = [m for m in range(FIRST_FLOW_MINOR, self._next_minor) if m not in used]
         self._free_minors.reverse()
-        self._pool_adopted(used)      # pool-range ids of adopted flows stay taken (pool.py)
+        self.pool.adopted(used)       # pool-range ids of adopted flows stay taken (pool.py)
         for fam, handle in stale_filters:
             fix.append(self._filter_msg(RTM_DELTFILTER, 0, fam, handle, u32.kind_only(),
                                         f"delete stale filter {handle:x}"))
@@ -337,7 +338,9 @@ class TcBackend(PoolMixin):     # PoolMixin: first-byte pools (issue 16, pool.py
 
     def apply(self, plan: Sequence[Op]) -> ApplyResult:
         """Carry out a plan. Idempotent: an ADD of a known flow changes it, a REMOVE of an
-        unknown one does nothing. Failures are reported per operation; the rest goes on."""
+        unknown one does nothing. Failures are reported per operation; the rest goes on.
+        First-byte pool ops (``PoolOp``) are applied in the same batch (pool.py); a flow
+        REMOVEd earlier in the plan is a new flow for a later ADD (a rebound claim)."""
         res = ApplyResult()
         reqs: List[Request] = []
         # what to do with each request's outcome
@@ -349,14 +352,19 @@ class TcBackend(PoolMixin):     # PoolMixin: first-byte pools (issue 16, pool.py
             after.append(cb)
 
         grouped: List[Op] = []
+        removing = set()
         for op in plan:
-            inst = self._flows.get(op.key)
+            if isinstance(op, PoolOp):
+                queue_pool_op(self, op, add, res)
+                continue
+            inst = None if op.key in removing else self._flows.get(op.key)
             if self._is_grouped(op, inst):
                 grouped.append(op)
                 continue
             if op.kind is OpKind.REMOVE:
                 if inst is None:
                     continue
+                removing.add(op.key)
                 self._queue_remove(op, inst, add, res)
             elif inst is not None:      # ADD of a known flow or CHANGE
                 if inst.shape.rate_bps == op.shape.rate_bps and inst.shape.ceil_bps == op.shape.ceil_bps:
@@ -431,7 +439,7 @@ class TcBackend(PoolMixin):     # PoolMixin: first-byte pools (issue 16, pool.py
             res.errors.append(OpError(op, f"{key}: {e}"))
             return
         # issue 16: a socket that claimed a pool class already sends into it: that is its class
-        claimed = self._pool_take_claim(key) if parent is None and self.side is Side.SEND \
+        claimed = self.pool.take_claim(key) if parent is None and self.side is Side.SEND \
             else None
         try:
             minor = claimed or self._alloc_minor()
@@ -798,7 +806,7 @@ class TcBackend(PoolMixin):     # PoolMixin: first-byte pools (issue 16, pool.py
         self._free_minors.clear()
         self._next_minor = FIRST_FLOW_MINOR
         self._layout = Layout()
-        self._pool_forget()
+        self.pool.forget()
 
     def resync(self) -> None:
         """Rebuild the bookkeeping from the kernel after an error left it uncertain."""
