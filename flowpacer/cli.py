@@ -85,7 +85,9 @@ def run(rules_path, interface, backend, socket_path, take_over, rescan, no_trace
     d = Daemon(Options(rules_path, interface, BackendKind(backend) if backend else None,
                        socket_path, take_over, rescan, not no_tracer,
                        None if no_metrics else metrics_listen, metrics_max_flows,
-                       metrics_addresses, web_config_file))
+                       metrics_addresses, web_config_file,
+                       # benchmarks' "before" figures: flows get their class after the handshake
+                       first_byte=not os.environ.get("FLOWPACER_NO_FIRST_BYTE")))
     try:
         d.start()
     except RulesError as e:

@@ -321,20 +321,20 @@ class FlowpacerCollector:
 
         info = GaugeMetricFamily("flowpacer_info", "The daemon's backend and flow source.",
                                  labels=["backend", "interface", "flow_source"])
-        info.add_metric([v.backend or "", v.interface or "", v.flow_source], 1)
+        info.add_metric([v.backend or "", v.interface or "", v.flow_source.text], 1)
         yield info
         ev = CounterMetricFamily("flowpacer_events", "Flow events by source and kind.",
                                  labels=["source", "kind"])
-        for (src, kind), n in sorted(v.events.items()):
+        for src, kind, n in sorted(v.events.items()):
             ev.add_metric([src, kind], n)
         yield ev
         lost = CounterMetricFamily("flowpacer_tracer_lost_events",
                                    "Events the tracer's ring buffer could not take.")
-        lost.add_metric([], (v.tracer or {}).get("lost", 0))
+        lost.add_metric([], v.tracer.lost if v.tracer else 0)
         yield lost
         una = CounterMetricFamily("flowpacer_tracer_unattributed_events",
                                   "Tracer events that could not be attributed to a process.")
-        una.add_metric([], (v.tracer or {}).get("unattributed", 0))
+        una.add_metric([], v.tracer.unattributed if v.tracer else 0)
         yield una
         udp = CounterMetricFamily("flowpacer_tracer_udp_events",
                                   "UDP flow events of the tracer: idle (a flow reported silent "
@@ -342,18 +342,20 @@ class FlowpacerCollector:
                                   "sending again after that), released (a socket with flows "
                                   "closed), forgotten (a silent peer dropped from the kernel "
                                   "map).", labels=["kind"])
-        for kind, n in sorted(((v.tracer or {}).get("udp") or {}).items()):
-            if kind in ("idle", "woken", "released", "forgotten"):
+        if v.tracer is not None:
+            u = v.tracer.udp
+            for kind, n in (("forgotten", u.forgotten), ("idle", u.idle),
+                            ("released", u.released), ("woken", u.woken)):
                 udp.add_metric([kind], n)
         yield udp
         yield from _first_byte_metrics(v.first_byte, CounterMetricFamily, GaugeMetricFamily)
         nle = CounterMetricFamily("flowpacer_netlink_errors", "Requests the kernel refused.")
-        nle.add_metric([], v.counters["op_errors"])
+        nle.add_metric([], v.counters.op_errors)
         yield nle
         rbf = CounterMetricFamily("flowpacer_backend_rebuild_failures",
                                   "Failed attempts to rebuild a lost root qdisc (e.g. the psp "
                                   "module was unloaded).")
-        rbf.add_metric([], v.counters["backend_rebuild_failures"])
+        rbf.add_metric([], v.counters.backend_rebuild_failures)
         yield rbf
         bst = GaugeMetricFamily("flowpacer_backend_state",
                                 "1 for the backend's current state, 0 for the others: ok, gone (no "
@@ -384,17 +386,17 @@ class FlowpacerCollector:
         yield deg
         rel = CounterMetricFamily("flowpacer_reloads", "Rules reloads by outcome.",
                                   labels=["outcome"])
-        rel.add_metric(["ok"], v.counters["reloads_ok"])
-        rel.add_metric(["failed"], v.counters["reloads_failed"])
+        rel.add_metric(["ok"], v.counters.reloads_ok)
+        rel.add_metric(["failed"], v.counters.reloads_failed)
         yield rel
         live = GaugeMetricFamily("flowpacer_flows", "Flows known to the daemon.", labels=["state"])
         live.add_metric(["live"], v.live_flows)
         live.add_metric(["shaped"], len(v.flows))
         yield live
-        buckets, total = v.counters["apply_hist"]
+        hist = v.counters.apply_hist
         h = HistogramMetricFamily("flowpacer_apply_duration_seconds",
                                   "Time to apply one plan to the kernel.")
-        h.add_metric([], buckets, total)
+        h.add_metric([], list(hist.buckets), hist.total_s)
         yield h
         sc = CounterMetricFamily("flowpacer_scrapes", "Scrapes answered.")
         sc.add_metric([], self.scrapes)

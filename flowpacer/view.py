@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, Optional
 
-from .model import (BackendHealth, ClassStats, DaemonView, FirstByteView, FlowView, GroupKind,
-                    GroupView, Side, endpoint)
+from .model import (BackendHealth, ClassStats, DaemonCounters, DaemonView, EventCounts,
+                    FirstByteView, FlowSourceStatus, FlowView, GroupKind, GroupView, Histogram,
+                    Percentiles, ReloadResult, Side, TracerStats, endpoint)
 
 
-def build(rec, sup, stages: Iterable, *, rules_path: str, flow_source: str,
-          tracer_stats: Optional[dict], first_byte: Optional[FirstByteView] = None) -> DaemonView:
+def build(rec, sup, stages: Iterable, *, rules_path: str, flow_source: FlowSourceStatus,
+          tracer_stats: Optional[TracerStats],
+          first_byte: Optional[FirstByteView] = None) -> DaemonView:
     """Called with ``rec.lock`` held."""
     b = sup.backend
     rx = getattr(sup, "rx", None)
@@ -45,15 +47,14 @@ def build(rec, sup, stages: Iterable, *, rules_path: str, flow_source: str,
         live_flows=len(rec.table),
         flows=tuple(flows),
         stages=tuple(s.view() for s in stages),
-        counters={"applies": c.applies, "op_errors": c.op_errors,
-                  "reloads_ok": c.reloads_ok, "reloads_failed": c.reloads_failed,
-                  "backend_rebuild_failures": sup.rebuild_failures,
-                  "shape_latency_us": _pcts(c.shape_latency_ns),
-                  "apply_latency_us": _pcts(c.apply_latency_ns),
-                  "reconcile_added": rec.table.reconcile_added,
-                  "reconcile_removed": rec.table.reconcile_removed,
-                  "apply_hist": c.apply_hist.cumulative()},
-        events=dict(rec.table.events),
+        counters=DaemonCounters(
+            applies=c.applies, op_errors=c.op_errors, reloads_ok=c.reloads_ok,
+            reloads_failed=c.reloads_failed, backend_rebuild_failures=sup.rebuild_failures,
+            shape_latency=_pcts(c.shape_latency_ns), apply_latency=_pcts(c.apply_latency_ns),
+            reconcile_added=rec.table.reconcile_added,
+            reconcile_removed=rec.table.reconcile_removed,
+            apply_hist=Histogram(*_hist(c.apply_hist.cumulative()))),
+        events=EventCounts(**{f"{src}_{kind}": n for (src, kind), n in rec.table.events.items()}),
         groups=_groups(b),
         receive_interface=rx.interface if rx is not None else None,
         receive_health=getattr(sup, "rx_health", BackendHealth.OK),
@@ -120,8 +121,6 @@ def to_json(v: DaemonView, stats: Dict[int, ClassStats]) -> dict:
             **_flow_groups(f),
         })
     flows.sort(key=lambda x: (x["rule"], x["family"], x["local"], x["remote"], x["side"]))
-    counters = {k: val for k, val in v.counters.items() if k != "apply_hist"}
-    counters["events"] = {f"{s}_{k}": n for (s, k), n in v.events.items()}
     return {
         "backend": v.backend,
         "backend_reason": v.backend_reason,
@@ -130,14 +129,14 @@ def to_json(v: DaemonView, stats: Dict[int, ClassStats]) -> dict:
         "backend_problem": v.backend_problem,
         "link_rate_bit": v.link_rate_bps * 8,
         "rules": v.rules_path,
-        "flow_source": v.flow_source,
-        "tracer": v.tracer,
+        "flow_source": v.flow_source.text,
+        "tracer": _tracer_json(v.tracer),
         "live_flows": v.live_flows,
         "shaped_flows": len(v.flows),
-        "healthy": all(s.state.value in ("running", "disabled") for s in v.stages),
+        "healthy": v.healthy,
         "stages": [{"name": s.name, "state": s.state.value, "failures": s.failures,
                     "last_error": s.last_error, "detail": s.detail} for s in v.stages],
-        "counters": counters,
+        "counters": _counters_json(v.counters, v.events),
         "flows": flows,
         "groups": _groups_json(v, stats),
         "receive": None if v.receive_interface is None and not v.receive_problem else {
@@ -159,12 +158,59 @@ def classid_text(c: Optional[int]) -> str:
     return f"{c >> 16:x}:{c & 0xFFFF:x}" if c is not None else ""
 
 
-def _pcts(samples_ns) -> dict:
+def _pcts(samples_ns) -> Percentiles:
     s = sorted(samples_ns)
     if not s:
-        return {"n": 0}
+        return Percentiles()
     pick = lambda p: round(s[min(len(s) - 1, int(p / 100 * (len(s) - 1) + 0.5))] / 1000, 1)
-    return {"n": len(s), "p50": pick(50), "p90": pick(90), "p99": pick(99),
-            "max": round(s[-1] / 1000, 1)}
+    return Percentiles(len(s), pick(50), pick(90), pick(99), round(s[-1] / 1000, 1))
+
+
+def _hist(cumulative) -> tuple:
+    buckets, total = cumulative
+    return tuple((str(b), int(n)) for b, n in buckets), float(total)
+
+
+def _pcts_json(p: Percentiles) -> dict:
+    if not p.n:
+        return {"n": 0}
+    return {"n": p.n, "p50": p.p50_us, "p90": p.p90_us, "p99": p.p99_us, "max": p.max_us}
+
+
+def _counters_json(c: DaemonCounters, events: EventCounts) -> dict:
+    return {"applies": c.applies, "op_errors": c.op_errors,
+            "reloads_ok": c.reloads_ok, "reloads_failed": c.reloads_failed,
+            "backend_rebuild_failures": c.backend_rebuild_failures,
+            "shape_latency_us": _pcts_json(c.shape_latency),
+            "apply_latency_us": _pcts_json(c.apply_latency),
+            "reconcile_added": c.reconcile_added, "reconcile_removed": c.reconcile_removed,
+            "events": {f"{src}_{kind}": n for src, kind, n in events.items()}}
+
+
+def _tracer_json(t: Optional[TracerStats]) -> Optional[dict]:
+    """``Tracer.stats()``'s own names, as the status answer always gave them."""
+    if t is None:
+        return None
+    u = t.udp
+    return {"hooks": t.hooks, "events": {"open": t.opens, "close": t.closes},
+            "lost": t.lost, "unattributed": t.unattributed, "filtered": t.filtered,
+            "accept_untracked": t.accept_untracked, "missed": t.missed,
+            "late_open_dropped": t.late_open_dropped,
+            "udp": {"idle": u.idle, "released": u.released, "forgotten": u.forgotten,
+                    "woken": u.woken, "adopted": u.adopted, "peers": u.peers,
+                    "connected": u.connected},
+            "bad_records": t.bad_records,
+            "programs": {p.tracepoint: {k: getattr(p, k) for k in
+                                        ("run_time_ns", "run_cnt", "recursion_misses")
+                                        if getattr(p, k) is not None} for p in t.programs}}
+
+
+def reload_json(r: ReloadResult) -> dict:
+    """The control socket's reload answer."""
+    if not r.ok:
+        return {"ok": False, "errors": list(r.errors)}
+    return {"ok": True, "rules_changed": r.rules_changed, "switched_backend": r.switched_backend,
+            "added": r.added, "changed": r.changed, "removed": r.removed,
+            "errors": list(r.errors)}
 
 
