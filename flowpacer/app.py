@@ -415,7 +415,7 @@ class Daemon:
         fb = self.firstbyte
         first_byte = _read_stats(fb, "view")
         source = self.flow_source
-        if fb is not None:      # status names the rules shaped from byte one (a reload changes them)
+        if fb is not None:    # status names the rules shaped from byte one (reloads change them)
             source = FlowSourceStatus(source.mode, source.detail, fb.summary)
         with self.lock:
             return views.build(self.reconciler, self.supervisor, self.stages,

@@ -15,11 +15,8 @@ import click
 from .control import DEFAULT_SOCKET, call
 from .errors import FlowpacerError, RulesError
 from .model import BackendKind
-
-
-def safe(text: str) -> str:
-    """A kernel- or user-supplied string made safe for a terminal or a log line."""
-    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in str(text))
+from .text import printable
+from .units import format_bit_rate, format_bytes
 
 
 def _setup_logging(verbose: int) -> None:
@@ -33,13 +30,13 @@ def _setup_logging(verbose: int) -> None:
 
 
 def _fail(msg: str, code: int = 1):
-    click.echo(f"flowpacer: {safe(msg)}", err=True)
+    click.echo(f"flowpacer: {printable(msg)}", err=True)
     sys.exit(code)
 
 
 def _rules_fail(e: RulesError):
     for p in e.problems:
-        click.echo(safe(str(p)), err=True)
+        click.echo(printable(str(p)), err=True)
     sys.exit(2)
 
 
@@ -116,32 +113,32 @@ def status(socket_path, as_json):
     if as_json:
         click.echo(json.dumps(st, indent=2))
         return
-    click.echo(f"backend:   {st['backend']} ({safe(st['backend_reason'])})")
-    click.echo(f"interface: {safe(st['interface'])}, link {_bits(st['link_rate_bit'])}")
+    click.echo(f"backend:   {st['backend']} ({printable(st['backend_reason'])})")
+    click.echo(f"interface: {printable(st['interface'])}, link {format_bit_rate(st['link_rate_bit'])}")
     if st.get("backend_state", "ok") != "ok":
         problem = st.get("backend_problem") or ""
         fails = st.get("counters", {}).get("backend_rebuild_failures", 0)
-        click.echo(f"state:     {safe(st['backend_state'])}"
-                   + (f" (cannot rebuild, {fails} attempts failed: {safe(problem)})"
+        click.echo(f"state:     {printable(st['backend_state'])}"
+                   + (f" (cannot rebuild, {fails} attempts failed: {printable(problem)})"
                       if problem else ""))
     rx = st.get("receive")
     if rx:                      # issue 17: the receive side (an ifb fed from the ingress)
-        click.echo(f"receive:   {safe(rx.get('interface') or '-')} {safe(rx.get('state', ''))}"
-                   + (f" ({safe(rx['problem'])})" if rx.get("problem") else ""))
+        click.echo(f"receive:   {printable(rx.get('interface') or '-')} {printable(rx.get('state', ''))}"
+                   + (f" ({printable(rx['problem'])})" if rx.get("problem") else ""))
     click.echo(f"flows:     {st['shaped_flows']} shaped of {st['live_flows']} live; "
-               f"source: {safe(st['flow_source'])}")
+               f"source: {printable(st['flow_source'])}")
     fb = st.get("first_byte")
     if fb:
         c = fb["counters"]
         click.echo("first byte: ready " + (", ".join(
-            f"{safe(p['rule'])} {p['ready']}" for p in fb["pools"]) or "none")
+            f"{printable(p['rule'])} {p['ready']}" for p in fb["pools"]) or "none")
             + f"; claimed {c['claimed']}, refilled {c['refilled']}, returned unclaimed "
               f"{c['returned'] + c['released']}, pool exhausted {c['exhausted']}")
     stages = st.get("stages", [])
     if stages:
         click.echo("stages:    " + ", ".join(
-            f"{safe(s['name'])} {safe(s['state'])}"
-            + (f" ({s['failures']} failures, last: {safe(s['last_error'])})" if s["failures"] else "")
+            f"{printable(s['name'])} {printable(s['state'])}"
+            + (f" ({s['failures']} failures, last: {printable(s['last_error'])})" if s["failures"] else "")
             for s in stages))
     if not st["flows"]:
         return
@@ -149,9 +146,9 @@ def status(socket_path, as_json):
              "SOURCE")]
     for f in st["flows"]:
         rule = f["rule"] + (" (receive)" if f.get("side") == "receive" else "")
-        rows.append((safe(rule), str(f["pid"]), safe(f["process"]),
-                     safe(f.get("protocol", "tcp")), f["local"], f["remote"],
-                     f["classid"], _bits(f["rate_bit"]), _bytes(f["bytes"]), f["source"]))
+        rows.append((printable(rule), str(f["pid"]), printable(f["process"]),
+                     printable(f.get("protocol", "tcp")), f["local"], f["remote"],
+                     f["classid"], format_bit_rate(f["rate_bit"]), format_bytes(f["bytes"]), f["source"]))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
@@ -167,7 +164,7 @@ def reload(socket_path):
         _fail(str(e))
     if not r.get("ok"):
         for e in r.get("errors", []):
-            click.echo(safe(e), err=True)
+            click.echo(printable(e), err=True)
         sys.exit(2)
     click.echo(f"reloaded: {r['changed']} flows re-rated, {r['added']} added, "
                f"{r['removed']} removed")
@@ -188,7 +185,7 @@ def rules_check(file):
     except RulesError as e:
         _rules_fail(e)
     for line in loader.describe(rs):
-        click.echo(safe(line))
+        click.echo(printable(line))
 
 
 @rules.command("edit")
@@ -224,20 +221,6 @@ def cleanup(interface):
         _fail(str(e))
     what = [w for w, done in (("flowpacer qdisc", removed), ("receive side (ifb)", rx)) if done]
     click.echo(f"{interface}: {' and '.join(what) + ' removed' if what else 'nothing of flowpacer found'}")
-
-
-def _bits(bit_per_s: int) -> str:
-    for unit, div in (("Gbit", 10**9), ("Mbit", 10**6), ("kbit", 10**3)):
-        if bit_per_s >= div:
-            return f"{bit_per_s / div:.4g}{unit}"
-    return f"{bit_per_s}bit"
-
-
-def _bytes(n: int) -> str:
-    for unit, div in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
-        if n >= div:
-            return f"{n / div:.3g}{unit}"
-    return f"{n}B"
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ socket and renders them. The number of per-flow series is bounded; flows past th
 counted in ``flowpacer_flow_series_overflow``, never silently cut. Per-rule totals keep the
 bytes of flows that have ended, so they are real counters.
 
-Every label value has its control characters replaced (``label_safe``); the per-flow address
+Every label value has its control characters replaced (``text.printable``); the per-flow address
 labels are ``full``, ``prefix`` or ``none`` (``AddressLabels``). The HTTP server
 (``MetricsServer``) answers ``GET /metrics`` (and HEAD) and nothing else, from one event-loop
 thread with a connection cap and timeouts, optionally with TLS and basic auth (``webconfig``)
@@ -26,7 +26,8 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 from .memory import trim_heap
-from .model import BackendHealth, Side, StageState
+from .model import BackendHealth, FlowKey, Side, StageState
+from .text import printable
 
 # prometheus_client is imported where it is used: the daemon's start (and so its recovery after
 # a crash) does not pay for it before the flows are shaped, nor at all with --no-metrics
@@ -135,23 +136,12 @@ PREFIX_V4 = 24
 PREFIX_V6 = 48
 
 
-def label_safe(text) -> str:
-    """A label value with every character that is not printable (C0/C1 controls, ESC, DEL,
-    line/paragraph separators, bidi overrides...) replaced by its ``\\xNN``/``\\uNNNN`` text. The
-    exposition format itself escapes only backslash, double quote and newline."""
-    text = str(text)
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else
-                   f"\\x{ord(c):02x}" if ord(c) < 0x100 else
-                   f"\\u{ord(c):04x}" if ord(c) < 0x10000 else f"\\U{ord(c):08x}" for c in text)
-
-
 def clean_labels(fam):
-    """``fam`` with every sample's label values made ``label_safe`` (in place)."""
+    """``fam`` with every sample's label values made printable (``text.printable``: the
+    exposition format itself escapes only backslash, double quote and newline), in place."""
     for i, smp in enumerate(fam.samples):
         if not all(v.isprintable() for v in smp.labels.values()):
-            fam.samples[i] = smp._replace(labels={k: label_safe(v) for k, v in smp.labels.items()})
+            fam.samples[i] = smp._replace(labels={k: printable(v) for k, v in smp.labels.items()})
     return fam
 
 
@@ -160,9 +150,7 @@ def address_label(addr, mode: AddressLabels) -> str:
         return str(addr)
     if mode is AddressLabels.NONE:
         return ""
-    a = ipaddress.ip_address(addr)
-    if a.version == 6 and a.ipv4_mapped is not None:
-        a = a.ipv4_mapped
+    a = FlowKey.wire_address(addr)
     bits = PREFIX_V4 if a.version == 4 else PREFIX_V6
     return str(ipaddress.ip_network(f"{a}/{bits}", strict=False))
 

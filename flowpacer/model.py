@@ -54,6 +54,9 @@ class FlowKey:
     ``local`` is the packet's source on egress, ``remote`` its destination. Both addresses are of
     the same family, and an IPv4-mapped IPv6 address (a dual-stack socket talking IPv4) is the
     IPv4 address it carries, as on the wire: build keys from kernel addresses with ``wire()``.
+    This is the one place that rule is written (``wire_address``, ``wire``): the tracer,
+    sock_diag and the metrics' address labels call it; the first-byte BPF program's own
+    reading of mapped addresses is documented and tested against it.
 
     Keys of both families are totally ordered (IPv4 before IPv6, then by address and port, then
     protocol), so that any mix of them can be sorted; ``ipaddress`` itself refuses to compare
@@ -69,11 +72,20 @@ class FlowKey:
     remote_port: int
     protocol: "Protocol" = Protocol.TCP
 
+    @staticmethod
+    def wire_address(addr) -> IPAddress:
+        """An address (object or text) as it is on the wire: IPv4-mapped IPv6 becomes IPv4."""
+        a = addr if isinstance(addr, (ipaddress.IPv4Address, ipaddress.IPv6Address)) \
+            else ipaddress.ip_address(addr)
+        if a.version == 6 and a.ipv4_mapped is not None:
+            return a.ipv4_mapped
+        return a
+
     @classmethod
     def wire(cls, local_addr, local_port: int, remote_addr, remote_port: int,
              protocol: "Protocol" = Protocol.TCP) -> "FlowKey":
         """The key of a socket whose addresses the kernel reported (either family, or mapped)."""
-        la, ra = wire_address(local_addr), wire_address(remote_addr)
+        la, ra = cls.wire_address(local_addr), cls.wire_address(remote_addr)
         if la.version != ra.version:
             if la.version == 6 and la.is_unspecified:   # dual-stack wildcard socket to IPv4
                 la = ipaddress.IPv4Address(0)
@@ -115,15 +127,6 @@ class FlowKey:
         udp = "/udp" if self.protocol is Protocol.UDP else ""
         return f"{endpoint(self.local_addr, self.local_port)}->" \
                f"{endpoint(self.remote_addr, self.remote_port)}{udp}"
-
-
-def wire_address(addr) -> IPAddress:
-    """An address as it is on the wire: IPv4-mapped IPv6 addresses become IPv4."""
-    a = addr if isinstance(addr, (ipaddress.IPv4Address, ipaddress.IPv6Address)) \
-        else ipaddress.ip_address(addr)
-    if a.version == 6 and a.ipv4_mapped is not None:
-        return a.ipv4_mapped
-    return a
 
 
 def endpoint(addr: IPAddress, port: int) -> str:

@@ -185,6 +185,26 @@ def format_bits(bytes_per_s: int) -> str:
     return f"{bits} bit/s"
 
 
+def format_bit_rate(bits_per_s: Optional[float]) -> str:
+    """A measured rate in bits/s -> three significant digits: "9.49 Mbit/s", "999 bit/s"
+    ("-" for None: not measured yet). For live figures (``top``, ``status``), where
+    ``format_bits``'s exact decimals would be noise."""
+    if bits_per_s is None:
+        return "-"
+    for name, div in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bits_per_s >= div:
+            return f"{bits_per_s / div:.3g} {name}"
+    return f"{bits_per_s:.0f} bit/s"
+
+
+def format_bytes(n: int) -> str:
+    """A byte count -> three significant digits: "1.5 MB", "999 B" (SI prefixes)."""
+    for name, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= div:
+            return f"{n / div:.3g} {name}"
+    return f"{n} B"
+
+
 def _decimals(value: Fraction) -> str:
     scaled = _thousandths(value)
     whole, frac = divmod(scaled, 1000)

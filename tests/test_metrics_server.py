@@ -33,11 +33,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from flowpacer import webconfig
 from flowpacer.metrics import (MAX_CONNECTIONS, AddressLabels, FlowpacerCollector, FlowSeries,
-                               LatencyHistogram, MetricsServer, address_label, flow_labels,
-                               label_safe)
+                               LatencyHistogram, MetricsServer, address_label, flow_labels)
 from flowpacer.model import (BackendHealth, ClassStats, DaemonCounters, DaemonView, Direction,
                              EventCounts, FlowKey, FlowSource, FlowSourceMode, FlowSourceStatus,
                              FlowView, Histogram, Protocol, StageState, StageView, TracerStats)
+from flowpacer.text import printable as label_safe
 from harness.daemon import Daemon, tracebacks
 from harness.testbed import PY, client_argv, in_netns, server_argv, wait_for
 from harness.fakes import StageCtx as Ctx
