@@ -14,9 +14,10 @@ import click
 
 from .control import DEFAULT_SOCKET, call
 from .errors import FlowpacerError, RulesError
-from .model import BackendKind
+from .model import BackendKind, Side
 from .text import printable
 from .units import format_bit_rate, format_bytes
+from .view import parse_status
 
 
 def _setup_logging(verbose: int) -> None:
@@ -113,42 +114,43 @@ def status(socket_path, as_json):
     if as_json:
         click.echo(json.dumps(st, indent=2))
         return
-    click.echo(f"backend:   {st['backend']} ({printable(st['backend_reason'])})")
-    click.echo(f"interface: {printable(st['interface'])}, link {format_bit_rate(st['link_rate_bit'])}")
-    if st.get("backend_state", "ok") != "ok":
-        problem = st.get("backend_problem") or ""
-        fails = st.get("counters", {}).get("backend_rebuild_failures", 0)
-        click.echo(f"state:     {printable(st['backend_state'])}"
-                   + (f" (cannot rebuild, {fails} attempts failed: {printable(problem)})"
-                      if problem else ""))
-    rx = st.get("receive")
-    if rx:                      # issue 17: the receive side (an ifb fed from the ingress)
-        click.echo(f"receive:   {printable(rx.get('interface') or '-')} {printable(rx.get('state', ''))}"
-                   + (f" ({printable(rx['problem'])})" if rx.get("problem") else ""))
-    click.echo(f"flows:     {st['shaped_flows']} shaped of {st['live_flows']} live; "
-               f"source: {printable(st['flow_source'])}")
-    fb = st.get("first_byte")
+    try:
+        a = parse_status(st)
+    except ValueError as e:
+        _fail(f"{socket_path}: {e}")
+    click.echo(f"backend:   {printable(a.backend)} ({printable(a.backend_reason)})")
+    click.echo(f"interface: {printable(a.interface)}, link {format_bit_rate(a.link_rate_bit)}")
+    if a.backend_state != "ok":
+        click.echo(f"state:     {printable(a.backend_state)}"
+                   + (f" (cannot rebuild, {a.rebuild_failures} attempts failed: "
+                      f"{printable(a.backend_problem)})" if a.backend_problem else ""))
+    if a.receive:               # issue 17: the receive side (an ifb fed from the ingress)
+        ifb, state, problem = a.receive
+        click.echo(f"receive:   {printable(ifb or '-')} {printable(state)}"
+                   + (f" ({printable(problem)})" if problem else ""))
+    click.echo(f"flows:     {a.shaped_flows} shaped of {a.live_flows} live; "
+               f"source: {printable(a.flow_source)}")
+    fb = a.first_byte
     if fb:
-        c = fb["counters"]
         click.echo("first byte: ready " + (", ".join(
-            f"{printable(p['rule'])} {p['ready']}" for p in fb["pools"]) or "none")
-            + f"; claimed {c['claimed']}, refilled {c['refilled']}, returned unclaimed "
-              f"{c['returned'] + c['released']}, pool exhausted {c['exhausted']}")
-    stages = st.get("stages", [])
-    if stages:
+            f"{printable(rule)} {n}" for rule, n in fb.ready) or "none")
+            + f"; claimed {fb.count('claimed')}, refilled {fb.count('refilled')}, returned "
+              f"unclaimed {fb.count('returned') + fb.count('released')}, pool exhausted "
+              f"{fb.count('exhausted')}")
+    if a.stages:
         click.echo("stages:    " + ", ".join(
-            f"{printable(s['name'])} {printable(s['state'])}"
-            + (f" ({s['failures']} failures, last: {printable(s['last_error'])})" if s["failures"] else "")
-            for s in stages))
-    if not st["flows"]:
+            f"{printable(s.name)} {printable(s.state)}"
+            + (f" ({s.failures} failures, last: {printable(s.last_error)})" if s.failures else "")
+            for s in a.stages))
+    if not a.flows:
         return
     rows = [("RULE", "PID", "PROCESS", "PROTO", "LOCAL", "REMOTE", "CLASS", "RATE", "SENT",
              "SOURCE")]
-    for f in st["flows"]:
-        rule = f["rule"] + (" (receive)" if f.get("side") == "receive" else "")
-        rows.append((printable(rule), str(f["pid"]), printable(f["process"]),
-                     printable(f.get("protocol", "tcp")), f["local"], f["remote"],
-                     f["classid"], format_bit_rate(f["rate_bit"]), format_bytes(f["bytes"]), f["source"]))
+    for f in a.flows:
+        rule = f.rule + (" (receive)" if f.side is Side.RECEIVE else "")
+        rows.append((printable(rule), str(f.pid), printable(f.process), f.key.protocol.value,
+                     f.key.local_endpoint, f.key.remote_endpoint, printable(f.classid),
+                     format_bit_rate(f.rate_bit), format_bytes(f.bytes), printable(f.source)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())

@@ -123,15 +123,52 @@ class FlowKey:
             return NotImplemented
         return self.sort_key >= other.sort_key
 
-    def __str__(self) -> str:
+    @property
+    def local_endpoint(self) -> str:
+        return endpoint(self.local_addr, self.local_port)
+
+    @property
+    def remote_endpoint(self) -> str:
+        return endpoint(self.remote_addr, self.remote_port)
+
+    def endpoints(self) -> Tuple[str, str]:
+        """The two halves of ``str(key)``: the local endpoint, and the remote one with
+        ``/udp`` after it for a UDP flow (what ``top`` shows in its LOCAL and REMOTE columns)."""
         udp = "/udp" if self.protocol is Protocol.UDP else ""
-        return f"{endpoint(self.local_addr, self.local_port)}->" \
-               f"{endpoint(self.remote_addr, self.remote_port)}{udp}"
+        return self.local_endpoint, self.remote_endpoint + udp
+
+    def __str__(self) -> str:
+        return "->".join(self.endpoints())
+
+    @classmethod
+    def parse(cls, local: str, remote: str, protocol: str = "tcp") -> "FlowKey":
+        """The key of a flow as the status answer gives it (``endpoint`` texts and the protocol's
+        name); ValueError for anything else."""
+        la, lp = parse_endpoint(local)
+        ra, rp = parse_endpoint(remote)
+        proto = Protocol(protocol)
+        if la.version != ra.version or proto is Protocol.ANY:
+            raise ValueError(f"not a flow: {local} -> {remote} ({protocol})")
+        return cls(la, lp, ra, rp, proto)
 
 
 def endpoint(addr: IPAddress, port: int) -> str:
     """``1.2.3.4:80`` or ``[2001:db8::1]:80``."""
     return f"[{addr}]:{port}" if addr.version == 6 else f"{addr}:{port}"
+
+
+def parse_endpoint(text: str) -> Tuple[IPAddress, int]:
+    """``endpoint``'s text back to (address, port); ValueError for anything else."""
+    host, sep, port = str(text).rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"not an endpoint: {text!r}")
+    if host.startswith("["):
+        if not host.endswith("]"):
+            raise ValueError(f"not an endpoint: {text!r}")
+        addr = ipaddress.IPv6Address(host[1:-1])
+    else:
+        addr = ipaddress.IPv4Address(host)
+    return addr, int(port)
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Deque, Dict, List, Optional, Tuple
 
 from . import control
+from .model import Side
+from .view import StatusAnswer, parse_status
 from .errors import FlowpacerError
 from .text import ascii_only
 from .units import format_bit_rate, format_bytes
@@ -81,7 +83,7 @@ class Tracker:
     def __init__(self, socket_path: str, interval: float):
         self.socket_path = socket_path
         self.interval = interval
-        self._hist: Dict[Tuple[str, str, str, str], Deque[Tuple[float, int]]] = {}
+        self._hist: Dict[tuple, Deque[Tuple[float, int]]] = {}
 
     def _title(self) -> str:
         return f"flowpacer top - every {self.interval:g} s - q quits"
@@ -97,18 +99,18 @@ class Tracker:
     def update(self, st: dict, now: float) -> View:
         """A view of status answer ``st`` received at monotonic time ``now``."""
         try:
-            return self._update(st, now)
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            return self.failed(f"unreadable status answer ({type(e).__name__})")
+            answer = parse_status(st)
+        except ValueError:
+            return self.failed("unreadable status answer")
+        return self._update(answer, now)
 
-    def _update(self, st: dict, now: float) -> View:
+    def _update(self, st: StatusAnswer, now: float) -> View:
         rows: List[Row] = []
         totals_cap: Dict[str, int] = {}
-        hist: Dict[Tuple[str, str, str, str], Deque[Tuple[float, int]]] = {}
-        for f in st.get("flows") or []:
-            side = str(f.get("side") or "send")      # a flow may have a class on each side
-            key = (str(f["local"]), str(f["remote"]), str(f.get("classid", "")), side)
-            nbytes = int(f.get("bytes", 0))
+        hist: Dict[tuple, Deque[Tuple[float, int]]] = {}
+        for f in st.flows:
+            key = (f.key, f.classid, f.side)         # a flow may have a class on each side
+            nbytes = f.bytes
             h = self._hist.get(key)
             if h is None or nbytes < h[-1][1] or now <= h[-1][0]:
                 h = deque()                  # new flow, or its class was made anew
@@ -121,18 +123,13 @@ class Tracker:
                 actual = (h[-1][1] - h[-2][1]) * 8 / (h[-1][0] - h[-2][0])
                 avg = (h[-1][1] - h[0][1]) * 8 / (h[-1][0] - h[0][0])
             # receive classes (issue 17) count apart: "RULE (receive)" rows and totals
-            rule = f.get("rule", "") + (" (receive)" if side == "receive" else "")
-            rows.append(Row(rule=ascii_only(rule), pid=int(f.get("pid", 0)),
-                            process=ascii_only(f.get("process", "")),
-                            local=ascii_only(f["local"]),
-                            remote=ascii_only(f["remote"]) + ("/udp" if f.get("protocol") == "udp"
-                                                             else ""),
-                            rate_bit=int(f.get("rate_bit", 0)),
-                            ceil_bit=int(f.get("ceil_bit", 0) or f.get("rate_bit", 0)),
-                            bytes=nbytes, actual_bit=actual, avg_bit=avg,
-                            client=ascii_only(f.get("client") or ""),
-                            client_rate_bit=int(f.get("client_rate_bit") or 0)))
-            totals_cap[rows[-1].rule] = int(f.get("total_rate_bit") or 0)
+            rule = f.rule + (" (receive)" if f.side is Side.RECEIVE else "")
+            local, remote = f.key.endpoints()
+            rows.append(Row(rule=ascii_only(rule), pid=f.pid, process=ascii_only(f.process),
+                            local=local, remote=remote, rate_bit=f.rate_bit,
+                            ceil_bit=f.ceil_bit, bytes=nbytes, actual_bit=actual, avg_bit=avg,
+                            client=ascii_only(f.client), client_rate_bit=f.client_rate_bit))
+            totals_cap[rows[-1].rule] = f.total_rate_bit
         self._hist = hist
         rows.sort(key=lambda r: (r.actual_bit is None, -(r.actual_bit or 0.0), -(r.avg_bit or 0.0),
                                  -r.bytes, r.rule, r.local, r.remote))
@@ -145,12 +142,11 @@ class Tracker:
             t.target_bit += r.rate_bit
             t.bytes += r.bytes
             t.total_rate_bit = totals_cap.get(r.rule, 0)
-        link = format_bit_rate(int(st.get("link_rate_bit") or 0))
-        header = (f"{self._title()} - backend {ascii_only(st.get('backend'))} on "
-                  f"{ascii_only(st.get('interface'))} (link {link})")
-        status = (f"{int(st.get('shaped_flows', len(rows)))} flows shaped of "
-                  f"{int(st.get('live_flows', 0))} live - flow source: "
-                  f"{ascii_only(st.get('flow_source', ''))}")
+        link = format_bit_rate(st.link_rate_bit)
+        header = (f"{self._title()} - backend {ascii_only(st.backend)} on "
+                  f"{ascii_only(st.interface)} (link {link})")
+        status = (f"{st.shaped_flows} flows shaped of {st.live_flows} live - flow source: "
+                  f"{ascii_only(st.flow_source)}")
         return View(header=header, status=status, rows=rows,
                     totals=sorted(totals.values(), key=lambda t: (-t.actual_bit, t.rule)))
 

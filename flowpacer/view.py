@@ -7,10 +7,11 @@ the caller after the lock is released and merged in here.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional
+from dataclasses import dataclass
+from typing import Dict, Iterable, Optional, Tuple
 
 from .model import (BackendHealth, ClassStats, DaemonCounters, DaemonView, EventCounts,
-                    FirstByteView, FlowSourceStatus, FlowView, GroupKind, GroupView, Histogram,
+                    FirstByteView, FlowKey, FlowSourceStatus, FlowView, GroupKind, GroupView, Histogram,
                     Percentiles, ReloadResult, Side, TracerStats, endpoint)
 
 
@@ -214,3 +215,127 @@ def reload_json(r: ReloadResult) -> dict:
             "errors": list(r.errors)}
 
 
+
+
+# ------------------------------------------------------------ reading the status answer
+# ``flowpacer status`` and ``top`` read the answer ``to_json`` wrote through ``parse_status``
+# alone: typed objects, every field checked; an answer of another shape is one ValueError.
+
+@dataclass(frozen=True, slots=True)
+class StatusFlow:
+    """One flow of a status answer (its class on one side)."""
+    key: FlowKey
+    rule: str
+    side: Side
+    pid: int
+    process: str                         # from the kernel: escape it to show it
+    direction: str                       # "inbound", "outbound", "" (adopted)
+    source: str                          # "tracer", "reconcile", ""
+    classid: str
+    rate_bit: int
+    ceil_bit: int
+    bytes: int
+    packets: int
+    drops: int
+    client: str = ""                     # its client group (issue 15), "" without client_rate
+    client_rate_bit: int = 0
+    total_rate_bit: int = 0              # its rule's total_rate, 0 without one
+
+
+@dataclass(frozen=True, slots=True)
+class StatusStage:
+    name: str
+    state: str
+    failures: int
+    last_error: str
+
+
+@dataclass(frozen=True, slots=True)
+class StatusFirstByte:
+    """First-byte shaping's pools and counters (issue 16) as status shows them."""
+    ready: Tuple[Tuple[str, int], ...]   # (rule, ready classes)
+    counters: Tuple[Tuple[str, int], ...]
+
+    def count(self, name: str) -> int:
+        return dict(self.counters).get(name, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class StatusAnswer:
+    """The control socket's status answer, typed (``parse_status``)."""
+    backend: str
+    backend_reason: str
+    interface: str
+    backend_state: str
+    backend_problem: str
+    rebuild_failures: int
+    link_rate_bit: int
+    flow_source: str
+    live_flows: int
+    shaped_flows: int
+    flows: Tuple[StatusFlow, ...]
+    stages: Tuple[StatusStage, ...] = ()
+    receive: Optional[Tuple[str, str, str]] = None    # (ifb, state, problem), issue 17
+    first_byte: Optional[StatusFirstByte] = None
+
+
+def _int(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"not a number: {value!r}")
+    return int(value or 0)
+
+
+def _str(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, (dict, list)):
+        raise ValueError(f"not text: {value!r}")
+    return str(value)
+
+
+def _flow(f: dict) -> StatusFlow:
+    if not isinstance(f, dict):
+        raise ValueError("a flow is not an object")
+    rate = _int(f.get("rate_bit", 0))
+    return StatusFlow(
+        key=FlowKey.parse(f["local"], f["remote"], _str(f.get("protocol")) or "tcp"),
+        rule=_str(f.get("rule")), side=Side(f.get("side") or "send"), pid=_int(f.get("pid", 0)),
+        process=_str(f.get("process")), direction=_str(f.get("direction")),
+        source=_str(f.get("source")), classid=_str(f.get("classid")), rate_bit=rate,
+        ceil_bit=_int(f.get("ceil_bit") or rate), bytes=_int(f.get("bytes", 0)),
+        packets=_int(f.get("packets", 0)), drops=_int(f.get("drops", 0)),
+        client=_str(f.get("client")), client_rate_bit=_int(f.get("client_rate_bit") or 0),
+        total_rate_bit=_int(f.get("total_rate_bit") or 0))
+
+
+def parse_status(st: dict) -> StatusAnswer:
+    """The status answer (``to_json``'s dict, as the control socket returned it) as typed
+    objects; ValueError when it is not one (a daemon of another version, a broken answer)."""
+    try:
+        if not isinstance(st, dict):
+            raise ValueError("not an object")
+        flows = tuple(_flow(f) for f in st.get("flows") or ())
+        stages = tuple(StatusStage(_str(s["name"]), _str(s["state"]), _int(s.get("failures", 0)),
+                                   _str(s.get("last_error")))
+                       for s in st.get("stages") or ())
+        rx = st.get("receive")
+        fb = st.get("first_byte")
+        counters = st.get("counters") or {}
+        return StatusAnswer(
+            backend=_str(st.get("backend")), backend_reason=_str(st.get("backend_reason")),
+            interface=_str(st.get("interface")),
+            backend_state=_str(st.get("backend_state")) or "ok",
+            backend_problem=_str(st.get("backend_problem")),
+            rebuild_failures=_int(counters.get("backend_rebuild_failures", 0)),
+            link_rate_bit=_int(st.get("link_rate_bit") or 0),
+            flow_source=_str(st.get("flow_source")),
+            live_flows=_int(st.get("live_flows", 0)),
+            shaped_flows=_int(st.get("shaped_flows", len(flows))),
+            flows=flows, stages=stages,
+            receive=None if not rx else (_str(rx.get("interface")), _str(rx.get("state")),
+                                         _str(rx.get("problem"))),
+            first_byte=None if not fb else StatusFirstByte(
+                tuple((_str(p["rule"]), _int(p["ready"])) for p in fb.get("pools") or ()),
+                tuple((_str(k), _int(n)) for k, n in (fb.get("counters") or {}).items())))
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"unreadable status answer ({type(e).__name__}: {e})") from None
