@@ -7,12 +7,16 @@ the caller after the lock is released and merged in here.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Dict, Iterable, Optional, Tuple
 
 from .model import (BackendHealth, ClassStats, DaemonCounters, DaemonView, EventCounts,
                     FirstByteView, FlowKey, FlowSourceStatus, FlowView, GroupKind, GroupView, Histogram,
                     Percentiles, ReloadResult, Side, TracerStats, endpoint)
+
+
+_COUNTS = tuple(f.name for f in dataclasses.fields(DaemonCounters) if f.type == "int")
 
 
 def build(rec, sup, stages: Iterable, *, rules_path: str, flow_source: FlowSourceStatus,
@@ -49,8 +53,9 @@ def build(rec, sup, stages: Iterable, *, rules_path: str, flow_source: FlowSourc
         flows=tuple(flows),
         stages=tuple(s.view() for s in stages),
         counters=DaemonCounters(
-            applies=c.applies, op_errors=c.op_errors, reloads_ok=c.reloads_ok,
-            reloads_failed=c.reloads_failed, backend_rebuild_failures=sup.rebuild_failures,
+            # the reconciler's whole-number counters by their names (a new one is copied here)
+            **{n: getattr(c, n) for n in _COUNTS if hasattr(c, n)},
+            backend_rebuild_failures=sup.rebuild_failures,
             shape_latency=_pcts(c.shape_latency_ns), apply_latency=_pcts(c.apply_latency_ns),
             reconcile_added=rec.table.reconcile_added,
             reconcile_removed=rec.table.reconcile_removed,
@@ -179,13 +184,16 @@ def _pcts_json(p: Percentiles) -> dict:
 
 
 def _counters_json(c: DaemonCounters, events: EventCounts) -> dict:
-    return {"applies": c.applies, "op_errors": c.op_errors,
-            "reloads_ok": c.reloads_ok, "reloads_failed": c.reloads_failed,
-            "backend_rebuild_failures": c.backend_rebuild_failures,
-            "shape_latency_us": _pcts_json(c.shape_latency),
-            "apply_latency_us": _pcts_json(c.apply_latency),
-            "reconcile_added": c.reconcile_added, "reconcile_removed": c.reconcile_removed,
-            "events": {f"{src}_{kind}": n for src, kind, n in events.items()}}
+    """Every counter under its own name, latencies as NAME_us (the histogram is for metrics)."""
+    out = {}
+    for f in dataclasses.fields(c):
+        value = getattr(c, f.name)
+        if isinstance(value, Percentiles):
+            out[f"{f.name}_us"] = _pcts_json(value)
+        elif isinstance(value, int):
+            out[f.name] = value
+    out["events"] = {f"{src}_{kind}": n for src, kind, n in events.items()}
+    return out
 
 
 def _tracer_json(t: Optional[TracerStats]) -> Optional[dict]:

@@ -63,6 +63,16 @@ def test_status_is_read_back_typed_by_status_and_top(tmp_path):
         assert a.flow_source == "tracer (fake) + sock_diag reconcile"
         assert {s.name: s.state for s in a.stages}["tracer"] == StageState.RUNNING.value
         assert st["healthy"] is True
+        assert set(st["counters"]) == {"applies", "op_errors", "reloads_ok", "reloads_failed",
+                                       "backend_rebuild_failures", "shape_latency_us",
+                                       "apply_latency_us", "reconcile_added",
+                                       "reconcile_removed", "events"}
+        ev = st["counters"]["events"]
+        assert ev["tracer_open"] + ev["reconcile_open"] == len(KEYS)      # whichever was first
+        assert set(st["counters"]["events"]) == {"tracer_open", "tracer_close", "reconcile_open",
+                                                 "reconcile_close", "idle_close"}
+        assert st["counters"]["applies"] >= 1 and "n" in st["counters"]["shape_latency_us"]
+        assert st["tracer"]["lost"] == 0 and st["tracer"]["udp"]["adopted"] == 0
         # top's rows show each key as FlowKey writes it
         v = Tracker(d.opts.socket_path, 1.0).update(st, 1.0)
         assert {f"{r.local}->{r.remote}" for r in v.rows} == {str(k) for k in KEYS}
