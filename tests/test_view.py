@@ -4,7 +4,6 @@ flow source is an enum with its detail, a reload answers with a ``ReloadResult``
 commands come from a table, and the IPv4-mapped rule is ``FlowKey``'s. A real ``Daemon`` wired
 to the in-memory fakes, its real control socket, and the real CLI in a subprocess."""
 import ipaddress
-import json
 import subprocess
 import sys
 import time
