@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import ipaddress
 from dataclasses import dataclass, field
-from typing import Optional, Tuple, Union
+from typing import ClassVar, Optional, Tuple, Union
 
 IPAddress = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
 IPNetwork = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
@@ -496,19 +496,21 @@ class TracerStats:
     bad_records: int = 0
     programs: Tuple[ProgramStats, ...] = ()
 
+    # the counters ``Tracer.stats()`` gives at its top level under these same names
+    COUNTS: ClassVar[Tuple[str, ...]] = ("lost", "unattributed", "filtered", "accept_untracked",
+                                         "missed", "late_open_dropped", "bad_records")
+
     @classmethod
     def from_stats(cls, d: dict) -> "TracerStats":
         """From ``Tracer.stats()``'s dict (a stand-in may give only some of its fields)."""
         ev = d.get("events") or {}
         udp = d.get("udp") or {}
         return cls(
+            # the whole-number counters under their own names (a new one needs no line here)
+            **{f: int(d.get(f, 0)) for f in cls.COUNTS},
             hooks=str(d.get("hooks", "")), opens=int(ev.get("open", 0)),
-            closes=int(ev.get("close", 0)), lost=int(d.get("lost", 0)),
-            unattributed=int(d.get("unattributed", 0)), filtered=int(d.get("filtered", 0)),
-            accept_untracked=int(d.get("accept_untracked", 0)), missed=int(d.get("missed", 0)),
-            late_open_dropped=int(d.get("late_open_dropped", 0)),
+            closes=int(ev.get("close", 0)),
             udp=UdpTracerCounts(**{f: int(udp.get(f, 0)) for f in UdpTracerCounts.__slots__}),
-            bad_records=int(d.get("bad_records", 0)),
             programs=tuple(ProgramStats(tp, info.get("run_time_ns"), info.get("run_cnt"),
                                         info.get("recursion_misses"))
                            for tp, info in (d.get("programs") or {}).items()))

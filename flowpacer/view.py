@@ -200,15 +200,9 @@ def _tracer_json(t: Optional[TracerStats]) -> Optional[dict]:
     """``Tracer.stats()``'s own names, as the status answer always gave them."""
     if t is None:
         return None
-    u = t.udp
     return {"hooks": t.hooks, "events": {"open": t.opens, "close": t.closes},
-            "lost": t.lost, "unattributed": t.unattributed, "filtered": t.filtered,
-            "accept_untracked": t.accept_untracked, "missed": t.missed,
-            "late_open_dropped": t.late_open_dropped,
-            "udp": {"idle": u.idle, "released": u.released, "forgotten": u.forgotten,
-                    "woken": u.woken, "adopted": u.adopted, "peers": u.peers,
-                    "connected": u.connected},
-            "bad_records": t.bad_records,
+            **{name: getattr(t, name) for name in TracerStats.COUNTS},
+            "udp": {name: getattr(t.udp, name) for name in t.udp.__slots__},
             "programs": {p.tracepoint: {k: getattr(p, k) for k in
                                         ("run_time_ns", "run_cnt", "recursion_misses")
                                         if getattr(p, k) is not None} for p in t.programs}}
