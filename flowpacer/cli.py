@@ -17,7 +17,7 @@ from .errors import FlowpacerError, RulesError
 from .model import BackendKind, Side
 from .text import printable
 from .units import format_bit_rate, format_bytes
-from .view import parse_status
+from .view import parse_reload, parse_status
 
 
 def _setup_logging(verbose: int) -> None:
@@ -161,15 +161,14 @@ def status(socket_path, as_json):
 def reload(socket_path):
     """Ask the running daemon to reload its rules file."""
     try:
-        r = call(socket_path, {"cmd": "reload"})
-    except FlowpacerError as e:
+        r = parse_reload(call(socket_path, {"cmd": "reload"}))
+    except (FlowpacerError, ValueError) as e:
         _fail(str(e))
-    if not r.get("ok"):
-        for e in r.get("errors", []):
+    if not r.ok:
+        for e in r.errors:
             click.echo(printable(e), err=True)
         sys.exit(2)
-    click.echo(f"reloaded: {r['changed']} flows re-rated, {r['added']} added, "
-               f"{r['removed']} removed")
+    click.echo(f"reloaded: {r.changed} flows re-rated, {r.added} added, {r.removed} removed")
 
 
 @main.group()

@@ -43,7 +43,9 @@ from typing import List, Optional, Protocol
 
 from . import control, rules as loader
 from .errors import FlowpacerError, RulesError
+from .model import ReloadResult
 from .text import printable
+from .view import parse_reload
 
 log = logging.getLogger(__name__)
 
@@ -432,32 +434,33 @@ class Session:
                          f"not {printable(self.display)}")
             return 0
         try:
-            r = control.call(self.socket_path, {"cmd": "reload"}, timeout=RELOAD_TIMEOUT)
-        except FlowpacerError as e:
+            r = parse_reload(control.call(self.socket_path, {"cmd": "reload"},
+                                          timeout=RELOAD_TIMEOUT))
+        except (FlowpacerError, ValueError) as e:
             self.ui.error(f"flowpacer: saved, but the reload failed: {printable(e)}")
             return 1
-        if not r.get("ok"):
-            for e in r.get("errors", []):
+        if not r.ok:
+            for e in r.errors:
                 self.ui.error(printable(e))
             self.ui.error("flowpacer: saved, but the daemon refused the new rules and keeps "
                           "the previous ones")
             return 1
         self.ui.info(describe_reload(r))
-        for e in r.get("errors", []):
+        for e in r.errors:
             self.ui.error(f"warning: {printable(e)}")
         return 0
 
 
-def describe_reload(r: dict) -> str:
-    """One line: what a reload answer says the daemon did."""
-    parts = ["rules changed" if r.get("rules_changed") else "rules unchanged (comments or layout only)"]
-    if r.get("switched_backend"):
+def describe_reload(r: ReloadResult) -> str:
+    """One line: what a reload did."""
+    parts = ["rules changed" if r.rules_changed else "rules unchanged (comments or layout only)"]
+    if r.switched_backend:
         parts.append("backend switched")
-    parts.append(f"{int(r.get('changed', 0))} flows re-rated")
-    parts.append(f"{int(r.get('added', 0))} added")
-    parts.append(f"{int(r.get('removed', 0))} removed")
-    if r.get("errors"):
-        parts.append(f"{len(r['errors'])} errors")
+    parts.append(f"{r.changed} flows re-rated")
+    parts.append(f"{r.added} added")
+    parts.append(f"{r.removed} removed")
+    if r.errors:
+        parts.append(f"{len(r.errors)} errors")
     return "daemon reloaded: " + ", ".join(parts)
 
 

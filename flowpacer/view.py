@@ -208,6 +208,22 @@ def _tracer_json(t: Optional[TracerStats]) -> Optional[dict]:
                                         if getattr(p, k) is not None} for p in t.programs}}
 
 
+def parse_reload(answer: dict) -> ReloadResult:
+    """``reload_json``'s answer back as a ``ReloadResult``; ValueError for another shape."""
+    try:
+        errors = answer.get("errors") or []
+        if not isinstance(errors, list):
+            raise ValueError("errors is not a list")
+        return ReloadResult(answer["ok"] is True, tuple(_str(e) for e in errors),
+                            rules_changed=bool(answer.get("rules_changed")),
+                            switched_backend=bool(answer.get("switched_backend")),
+                            added=_int(answer.get("added", 0)),
+                            changed=_int(answer.get("changed", 0)),
+                            removed=_int(answer.get("removed", 0)))
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"unreadable reload answer ({type(e).__name__}: {e})") from None
+
+
 def reload_json(r: ReloadResult) -> dict:
     """The control socket's reload answer."""
     if not r.ok:

@@ -177,6 +177,9 @@ def test_reload_answers_keep_their_json(tmp_path):
         r = call(d.opts.socket_path, {"cmd": "reload"}, timeout=5)
         assert r == {"ok": False, "errors": ["rules.yaml:3:5: rule 'web': rate: bad"]}
         assert isinstance(d.reload(), ReloadResult)
+        assert views.parse_reload(views.reload_json(d.reload())) == d.reload()
+        with pytest.raises(ValueError):
+            views.parse_reload({"errors": "x"})
         assert call(d.opts.socket_path, {"cmd": "ping"}, timeout=5) == {"ok": True}
         with pytest.raises(FlowpacerError, match="unknown command 'nope'"):
             call(d.opts.socket_path, {"cmd": "nope"}, timeout=5)
