@@ -46,6 +46,7 @@ from . import units
 from .errors import FlowpacerError, RuleProblem, RulesError
 from .model import (DEFAULT_IDLE_TIMEOUT_NS, BackendKind, Direction, Match, PortSet, Protocol,
                     Rule, RuleSet)
+from .text import quoted as _show
 
 log = logging.getLogger(__name__)
 
@@ -131,12 +132,6 @@ class Field:
     doc: str
     example: str = ""
     default_doc: str = ""                 # how the docs show the default ("" = derive)
-
-
-def _show(text: str, limit: int = 40) -> str:
-    """User text for a one-line message: escaped, quoted, bounded."""
-    s = text if len(text) <= limit else text[:limit] + "..."
-    return repr(s)
 
 
 def _kind(node: Node) -> str:

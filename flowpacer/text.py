@@ -9,6 +9,8 @@ sequences, bidi overrides, newlines). Whatever shows them (the CLI, ``top``, met
   text; printable non-ASCII text (``café``) stays. For one-line messages and metrics labels.
 - ``ascii_only``: printable ASCII as is, everything else escaped the same way: of known width
   on any terminal (``top``'s columns).
+- ``quoted``: a user's text inside a one-line error message (rules, rates): Python-quoted
+  (escaped) and bounded.
 """
 from __future__ import annotations
 
@@ -26,6 +28,12 @@ def printable(text) -> str:
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else _escape(c) for c in text)
+
+
+def quoted(text: str, limit: int = 40) -> str:
+    """A user's text for a one-line message: escaped, quoted, bounded to ``limit`` characters."""
+    s = text if len(text) <= limit else text[:limit] + "..."
+    return repr(s)
 
 
 def ascii_only(text) -> str:

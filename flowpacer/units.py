@@ -36,6 +36,8 @@ import re
 from fractions import Fraction
 from typing import Optional
 
+from .text import quoted as _show
+
 MAX_RATE_BPS = 2**64 - 1          # bytes/s: tc's 64-bit rate
 _MAX_EXPONENT = 30                # |e| in "1e6": bounded, so no giant integers
 _MAX_TEXT = 64                    # characters in a rate string
@@ -71,12 +73,6 @@ _SPACED_RE = re.compile(_NUMBER + r"\s+(?P<unit>[A-Za-z]+|%)")
 _DECIMAL_BITS = (("tbit", 10**12), ("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3))
 _BINARY_BITS = (("tibit", 2**40), ("gibit", 2**30), ("mibit", 2**20), ("kibit", 2**10))
 _HUMAN = (("Tbit/s", 10**12), ("Gbit/s", 10**9), ("Mbit/s", 10**6), ("Kbit/s", 10**3))
-
-
-def _show(text: str, limit: int = 40) -> str:
-    """A user's text for a one-line message: escaped, quoted, bounded."""
-    s = text if len(text) <= limit else text[:limit] + "..."
-    return repr(s)
 
 
 def _number(text: str) -> Fraction:
