@@ -147,8 +147,8 @@ class FlowKey:
         la, lp = parse_endpoint(local)
         ra, rp = parse_endpoint(remote)
         proto = Protocol(protocol)
-        if la.version != ra.version or proto is Protocol.ANY:
-            raise ValueError(f"not a flow: {local} -> {remote} ({protocol})")
+        if proto is Protocol.ANY:
+            raise ValueError(f"not a flow's protocol: {protocol}")
         return cls(la, lp, ra, rp, proto)
 
 
