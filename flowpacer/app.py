@@ -94,13 +94,13 @@ def _real_tracer():
     return Tracer(ring_pages=256)
 
 
-def _read_stats(stage_obj, method: str):
-    """``stage_obj.method()`` for a view (None when the stage is off or the read failed: a view
-    never fails because of one stage's counters)."""
+def _read_stats(stage_obj, method: str, typed: Callable = lambda x: x):
+    """``typed(stage_obj.method())`` for a view (None when the stage is off or the read failed:
+    a view never fails because of one stage's counters)."""
     if stage_obj is None:
         return None
     try:
-        return getattr(stage_obj, method)()
+        return typed(getattr(stage_obj, method)())
     except Exception as e:
         log.debug("%s %s: %s", type(stage_obj).__name__, method, e)
         return None
@@ -410,8 +410,7 @@ class Daemon:
     # ---------------------------------------------------------------- views
     def view(self) -> DaemonView:
         """A consistent copy of the daemon's state (taken under the reconciler's lock)."""
-        raw = _read_stats(self.tracer, "stats")
-        tracer_stats = TracerStats.from_stats(raw) if raw is not None else None
+        tracer_stats = _read_stats(self.tracer, "stats", TracerStats.from_stats)
         fb = self.firstbyte
         first_byte = _read_stats(fb, "view")
         source = self.flow_source
