@@ -29,11 +29,12 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional
 
 from . import engine, rules as rules_loader, view as views
-from .control import DEFAULT_SOCKET, ControlServer
+from .control import DEFAULT_SOCKET, ControlServer, command_handler
 from .errors import FlowpacerError, TracerUnavailable
 from .memory import release_compiler_memory, trim_heap
 from .metrics import DEFAULT_LISTEN, DEFAULT_MAX_FLOW_SERIES, FlowpacerCollector, MetricsServer
-from .model import BackendKind, DaemonView, RuleSet, Side
+from .model import (BackendKind, DaemonView, FlowSourceMode, FlowSourceStatus, ReloadResult,
+                    RuleSet, Side, TracerStats)
 from .reconciler import Reconciler
 from .stages import GiveUp, Stage, StageContext, watchdog_ok
 from .supervisor import BackendSupervisor, TcBackendFactory
@@ -54,6 +55,7 @@ class Options:
     max_flow_series: int = DEFAULT_MAX_FLOW_SERIES
     metrics_addresses: str = "full"        # full | prefix | none (metrics.AddressLabels)
     web_config_file: Optional[str] = None  # TLS / basic auth of the metrics endpoint
+    first_byte: bool = True                # issue 16 (off: benchmarks' "before" figures)
 
 
 def sd_notify(state: str) -> None:
@@ -87,44 +89,18 @@ TRIM_S = 10.0          # how often freed heap is handed back (a few ms each time
 MAIN_TICK_S = 0.5      # the main loop wakes at least this often (beats, watchdog)
 
 
-def check_rules_access(path: str) -> None:
-    """Refuse a rules file that someone other than root could have written (as sudo does with
-    sudoers): it decides how every flow on the server is paced."""
-    import stat as st
-    try:
-        info = os.stat(path)
-    except OSError as e:
-        raise FlowpacerError(f"{path}: cannot read: {e.strerror}") from None
-    if not st.S_ISREG(info.st_mode):
-        raise FlowpacerError(f"{path}: not a regular file")
-    if info.st_uid != 0:
-        raise FlowpacerError(f"{path}: owned by uid {info.st_uid}, not root: refusing it "
-                             "(chown root)")
-    if info.st_mode & (st.S_IWGRP | st.S_IWOTH):
-        raise FlowpacerError(f"{path}: writable by group or others (mode "
-                             f"{st.S_IMODE(info.st_mode):04o}): refusing it (chmod go-w)")
-
-
-def load_rules(path: str) -> RuleSet:
-    check_rules_access(path)
-    rs = rules_loader.load(path)
-    for w in rs.warnings:           # e.g. total rates oversubscribing the link (issue 15)
-        log.warning("%s", w)
-    return rs
-
-
 def _real_tracer():
     from .tracer import Tracer
     return Tracer(ring_pages=256)
 
 
-def _read_stats(stage_obj, method: str):
-    """``stage_obj.method()`` for a view (None when the stage is off or the read failed: a view
-    never fails because of one stage's counters)."""
+def _read_stats(stage_obj, method: str, typed: Callable = lambda x: x):
+    """``typed(stage_obj.method())`` for a view (None when the stage is off or the read failed:
+    a view never fails because of one stage's counters)."""
     if stage_obj is None:
         return None
     try:
-        return getattr(stage_obj, method)()
+        return typed(getattr(stage_obj, method)())
     except Exception as e:
         log.debug("%s %s: %s", type(stage_obj).__name__, method, e)
         return None
@@ -144,7 +120,7 @@ class Daemon:
                  stage_backoff_s=(0.2, 10.0),
                  firstbyte_factory: Optional[Callable[[], object]] = None):
         self.opts = opts
-        self._load = load or load_rules
+        self._load = load or rules_loader.load_checked
         self.notify = notify
         self.clock = clock
         self._backoff = stage_backoff_s
@@ -161,12 +137,15 @@ class Daemon:
         self.firstbyte = None
         self.reconciler: Optional[Reconciler] = None
         self.tracer = None
-        self.tracer_status = "not started"
+        self.flow_source = FlowSourceStatus()
         self.exit_code = 0
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._signals: deque = deque()
         self._control: Optional[ControlServer] = None
+        self._handle = command_handler({"status": lambda req: self.status(),
+                                        "reload": lambda req: views.reload_json(self.reload()),
+                                        "ping": lambda req: {"ok": True}})
         self._metrics: Optional[MetricsServer] = None
         self._metrics_rtnl = None
         self.stages: List[Stage] = []
@@ -221,16 +200,19 @@ class Daemon:
         gc.freeze()     # start-up objects (bcc, rules) stay out of later collections' work
         self.notify("READY=1\nSTATUS=shaping flows on " + self.supervisor.backend.interface)
         log.info("ready: %d flows shaped, flow source: %s",
-                 len(self.supervisor.backend.installed()), self.tracer_status)
+                 len(self.supervisor.backend.installed()), self.flow_source.text)
 
-    def _stage(self, name, run, give_up: GiveUp, stall_s: float = 30.0) -> Stage:
-        return Stage(name, run, on_give_up=give_up, on_degrade=self._degraded,
+    def _stage(self, name, run, give_up: GiveUp, stall_s: float = 30.0,
+               on_degrade: Optional[Callable[[Stage, str], None]] = None) -> Stage:
+        """``on_degrade``: what the daemon does without this stage once it is given up (a
+        ``GiveUp.DEGRADE`` stage; None: nothing more than saying so)."""
+        return Stage(name, run, on_give_up=give_up, on_degrade=on_degrade,
                      on_fatal=self._fatal, backoff_s=self._backoff, stall_s=stall_s,
                      clock=self.clock, stop_event=self._stop)
 
     def _tracer_stage(self) -> Stage:
         if not self.opts.tracer:
-            self.tracer_status = "sock_diag polling only (--no-tracer)"
+            self.flow_source = FlowSourceStatus(FlowSourceMode.NO_TRACER)
             return Stage.disabled("tracer", "--no-tracer")
         try:
             t = self._tracer_factory()
@@ -238,23 +220,24 @@ class Daemon:
             t.start()
             self._set_udp_idle(t, self.reconciler.rules)
         except ImportError as e:
-            self.tracer_status = f"sock_diag polling only (tracer cannot load: {e})"
+            self.flow_source = FlowSourceStatus(FlowSourceMode.TRACER_CANNOT_LOAD, str(e))
         except (TracerUnavailable, OSError) as e:
-            self.tracer_status = f"sock_diag polling only (tracer unavailable: {e})"
+            self.flow_source = FlowSourceStatus(FlowSourceMode.TRACER_UNAVAILABLE, str(e))
         else:
             self.tracer = t
+            self.reconciler.udp_adopter = getattr(t, "adopt_udp_connected", None)
             release_compiler_memory()
-            self.tracer_status = \
-                f"tracer ({getattr(t, 'hooks', '') or 'tracepoints'}) + sock_diag reconcile"
-            return self._stage("tracer", self._trace, GiveUp.DEGRADE, stall_s=10.0)
-        log.warning("%s", self.tracer_status)
-        return Stage.disabled("tracer", self.tracer_status)
+            self.flow_source = FlowSourceStatus(FlowSourceMode.TRACER, getattr(t, "hooks", ""))
+            return self._stage("tracer", self._trace, GiveUp.DEGRADE, stall_s=10.0,
+                               on_degrade=self._tracer_degraded)
+        log.warning("%s", self.flow_source.text)
+        return Stage.disabled("tracer", self.flow_source.text)
 
     def _firstbyte_stage(self) -> Stage:
         """Issue 16: classes claimed in the kernel at the handshake (firstbyte.py)."""
         if not self.opts.tracer or self._firstbyte_factory is None:
             return Stage.disabled("firstbyte", "no tracer")
-        if os.environ.get("FLOWPACER_NO_FIRST_BYTE"):     # benchmarks' "before" figures
+        if not self.opts.first_byte:     # benchmarks' "before" figures
             return Stage.disabled("firstbyte", "FLOWPACER_NO_FIRST_BYTE")
         try:
             fb = self._firstbyte_factory()
@@ -265,18 +248,15 @@ class Daemon:
             return Stage.disabled("firstbyte", f"unavailable: {e}")
         self.firstbyte = fb
         self._first_byte_round(fb, [])
-        self.tracer_status += f"; {fb.summary}"
-        return self._stage("firstbyte", self._first_byte, GiveUp.DEGRADE, stall_s=10.0)
+        return self._stage("firstbyte", self._first_byte, GiveUp.DEGRADE, stall_s=10.0,
+                           on_degrade=self._firstbyte_degraded)
 
     def _first_byte(self, ctx: StageContext) -> None:
         fb = self.firstbyte
         while not ctx.stopping():
             claims = fb.poll(100)
             ctx.beat()
-            said = fb.summary
             self._first_byte_round(fb, claims)
-            if fb.summary != said:      # a reload: status names the rules shaped from byte one
-                self.tracer_status = self.tracer_status.replace(said, fb.summary)
 
     def _first_byte_round(self, fb, claims) -> None:
         """The claims to the reconciler as events, the pools' ids back to the source. Only
@@ -325,22 +305,24 @@ class Daemon:
         finally:
             sel.close()
 
-    def _degraded(self, stage: Stage, why: str) -> None:
-        if stage.name == "firstbyte" and self.firstbyte is not None:
+    def _firstbyte_degraded(self, stage: Stage, why: str) -> None:
+        if self.firstbyte is not None:
             log.error("first-byte shaping stopped (%s): flows get their class after the "
                       "handshake", why)
             fb, self.firstbyte = self.firstbyte, None
             self._close_first_byte(fb)
-        if stage.name == "tracer":
-            self.tracer_status = f"sock_diag polling only (tracer failed: {why})"
-            log.error("flow source degraded: %s; flows are found by sock_diag every %.1f s",
-                      self.tracer_status, self.opts.rescan_s)
-            t, self.tracer = self.tracer, None
-            if t is not None:
-                try:
-                    t.close()
-                except Exception as e:
-                    log.debug("tracer close: %s", e)
+
+    def _tracer_degraded(self, stage: Stage, why: str) -> None:
+        self.flow_source = FlowSourceStatus(FlowSourceMode.TRACER_FAILED, why)
+        log.error("flow source degraded: %s; flows are found by sock_diag every %.1f s",
+                  self.flow_source.text, self.opts.rescan_s)
+        self.reconciler.udp_adopter = None
+        t, self.tracer = self.tracer, None
+        if t is not None:
+            try:
+                t.close()
+            except Exception as e:
+                log.debug("tracer close: %s", e)
 
     def _close_first_byte(self, fb) -> None:
         """Detach (the drain's wait outside the reconciler's lock), then the ready classes
@@ -403,7 +385,6 @@ class Daemon:
             snap = None
         rec = self.reconciler
         rec.reconcile(snap, started)
-        self._adopt_udp(snap)
         now = self.clock()
         if rec.resync_requested:
             rec.resync_requested = False
@@ -415,32 +396,23 @@ class Daemon:
             trim_heap()
 
     # --------------------------------------------------------------- reload
-    def reload(self) -> dict:
+    def reload(self) -> ReloadResult:
         self.notify("RELOADING=1")
         try:
             out = self.reconciler.reload(lambda: self._load(self.opts.rules_path),
                                          self._rules_changed)
         finally:
             self.notify("READY=1")
-        if out.get("ok"):
-            log.info("reloaded %s: %s", self.opts.rules_path,
-                     ", ".join(f"{k} {v}" for k, v in out.items() if k != "errors"))
+        if out.ok:
+            log.info("reloaded %s: rules changed %s, switched backend %s, added %d, changed %d, "
+                     "removed %d", self.opts.rules_path, out.rules_changed, out.switched_backend,
+                     out.added, out.changed, out.removed)
         return out
 
     def _rules_changed(self, rs: RuleSet) -> None:
         if self.tracer is not None:
             self.tracer.set_watch(*engine.watch_filter(rs))
             self._set_udp_idle(self.tracer, rs)
-
-    def _adopt_udp(self, snap) -> None:
-        """The connected UDP sockets of the snapshot that a rule shapes, by cookie, to the
-        tracer: one opened before it (a restart) ends by idleness too (issue 17)."""
-        adopt = getattr(self.tracer, "adopt_udp_connected", None)
-        cookies = getattr(snap, "udp_cookies", None)
-        if adopt is None or cookies is None:
-            return
-        shaped = engine.desired({k: snap[k] for k in cookies}, self.reconciler.rules)
-        adopt({cookies[k]: snap[k] for k in shaped})
 
     @staticmethod
     def _set_udp_idle(tracer, rs: RuleSet) -> None:
@@ -452,12 +424,16 @@ class Daemon:
     # ---------------------------------------------------------------- views
     def view(self) -> DaemonView:
         """A consistent copy of the daemon's state (taken under the reconciler's lock)."""
-        tracer_stats = _read_stats(self.tracer, "stats")
-        first_byte = _read_stats(self.firstbyte, "view")
+        tracer_stats = _read_stats(self.tracer, "stats", TracerStats.from_stats)
+        fb = self.firstbyte
+        first_byte = _read_stats(fb, "view")
+        source = self.flow_source
+        if fb is not None:    # status names the rules shaped from byte one (reloads change them)
+            source = FlowSourceStatus(source.mode, source.detail, fb.summary)
         with self.lock:
             return views.build(self.reconciler, self.supervisor, self.stages,
                                rules_path=os.path.abspath(self.opts.rules_path),
-                               flow_source=self.tracer_status, tracer_stats=tracer_stats,
+                               flow_source=source, tracer_stats=tracer_stats,
                                first_byte=first_byte)
 
     def status(self) -> dict:
@@ -496,19 +472,6 @@ class Daemon:
             except (OSError, FlowpacerError) as e:
                 log.debug("receive side class statistics: %s", e)
         return out
-
-    def _handle(self, req: dict) -> dict:
-        cmd = req.get("cmd")
-        try:
-            if cmd == "status":
-                return self.status()
-            if cmd == "reload":
-                return self.reload()
-            if cmd == "ping":
-                return {"ok": True}
-        except FlowpacerError as e:
-            return {"error": str(e)}
-        return {"error": f"unknown command {cmd!r}"}
 
     # -------------------------------------------------------------- shutdown
     def shutdown(self) -> None:

@@ -14,12 +14,10 @@ import click
 
 from .control import DEFAULT_SOCKET, call
 from .errors import FlowpacerError, RulesError
-from .model import BackendKind
-
-
-def safe(text: str) -> str:
-    """A kernel- or user-supplied string made safe for a terminal or a log line."""
-    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in str(text))
+from .model import BackendKind, Side
+from .text import printable
+from .units import format_bit_rate, format_bytes
+from .view import parse_reload, parse_status
 
 
 def _setup_logging(verbose: int) -> None:
@@ -33,13 +31,13 @@ def _setup_logging(verbose: int) -> None:
 
 
 def _fail(msg: str, code: int = 1):
-    click.echo(f"flowpacer: {safe(msg)}", err=True)
+    click.echo(f"flowpacer: {printable(msg)}", err=True)
     sys.exit(code)
 
 
 def _rules_fail(e: RulesError):
     for p in e.problems:
-        click.echo(safe(str(p)), err=True)
+        click.echo(printable(str(p)), err=True)
     sys.exit(2)
 
 
@@ -85,7 +83,9 @@ def run(rules_path, interface, backend, socket_path, take_over, rescan, no_trace
     d = Daemon(Options(rules_path, interface, BackendKind(backend) if backend else None,
                        socket_path, take_over, rescan, not no_tracer,
                        None if no_metrics else metrics_listen, metrics_max_flows,
-                       metrics_addresses, web_config_file))
+                       metrics_addresses, web_config_file,
+                       # benchmarks' "before" figures: flows get their class after the handshake
+                       first_byte=not os.environ.get("FLOWPACER_NO_FIRST_BYTE")))
     try:
         d.start()
     except RulesError as e:
@@ -114,42 +114,43 @@ def status(socket_path, as_json):
     if as_json:
         click.echo(json.dumps(st, indent=2))
         return
-    click.echo(f"backend:   {st['backend']} ({safe(st['backend_reason'])})")
-    click.echo(f"interface: {safe(st['interface'])}, link {_bits(st['link_rate_bit'])}")
-    if st.get("backend_state", "ok") != "ok":
-        problem = st.get("backend_problem") or ""
-        fails = st.get("counters", {}).get("backend_rebuild_failures", 0)
-        click.echo(f"state:     {safe(st['backend_state'])}"
-                   + (f" (cannot rebuild, {fails} attempts failed: {safe(problem)})"
-                      if problem else ""))
-    rx = st.get("receive")
-    if rx:                      # issue 17: the receive side (an ifb fed from the ingress)
-        click.echo(f"receive:   {safe(rx.get('interface') or '-')} {safe(rx.get('state', ''))}"
-                   + (f" ({safe(rx['problem'])})" if rx.get("problem") else ""))
-    click.echo(f"flows:     {st['shaped_flows']} shaped of {st['live_flows']} live; "
-               f"source: {safe(st['flow_source'])}")
-    fb = st.get("first_byte")
+    try:
+        a = parse_status(st)
+    except ValueError as e:
+        _fail(f"{socket_path}: {e}")
+    click.echo(f"backend:   {printable(a.backend)} ({printable(a.backend_reason)})")
+    click.echo(f"interface: {printable(a.interface)}, link {format_bit_rate(a.link_rate_bit)}")
+    if a.backend_state != "ok":
+        click.echo(f"state:     {printable(a.backend_state)}"
+                   + (f" (cannot rebuild, {a.rebuild_failures} attempts failed: "
+                      f"{printable(a.backend_problem)})" if a.backend_problem else ""))
+    if a.receive:               # issue 17: the receive side (an ifb fed from the ingress)
+        ifb, state, problem = a.receive
+        click.echo(f"receive:   {printable(ifb or '-')} {printable(state)}"
+                   + (f" ({printable(problem)})" if problem else ""))
+    click.echo(f"flows:     {a.shaped_flows} shaped of {a.live_flows} live; "
+               f"source: {printable(a.flow_source)}")
+    fb = a.first_byte
     if fb:
-        c = fb["counters"]
         click.echo("first byte: ready " + (", ".join(
-            f"{safe(p['rule'])} {p['ready']}" for p in fb["pools"]) or "none")
-            + f"; claimed {c['claimed']}, refilled {c['refilled']}, returned unclaimed "
-              f"{c['returned'] + c['released']}, pool exhausted {c['exhausted']}")
-    stages = st.get("stages", [])
-    if stages:
+            f"{printable(rule)} {n}" for rule, n in fb.ready) or "none")
+            + f"; claimed {fb.count('claimed')}, refilled {fb.count('refilled')}, returned "
+              f"unclaimed {fb.count('returned') + fb.count('released')}, pool exhausted "
+              f"{fb.count('exhausted')}")
+    if a.stages:
         click.echo("stages:    " + ", ".join(
-            f"{safe(s['name'])} {safe(s['state'])}"
-            + (f" ({s['failures']} failures, last: {safe(s['last_error'])})" if s["failures"] else "")
-            for s in stages))
-    if not st["flows"]:
+            f"{printable(s.name)} {printable(s.state)}"
+            + (f" ({s.failures} failures, last: {printable(s.last_error)})" if s.failures else "")
+            for s in a.stages))
+    if not a.flows:
         return
     rows = [("RULE", "PID", "PROCESS", "PROTO", "LOCAL", "REMOTE", "CLASS", "RATE", "SENT",
              "SOURCE")]
-    for f in st["flows"]:
-        rule = f["rule"] + (" (receive)" if f.get("side") == "receive" else "")
-        rows.append((safe(rule), str(f["pid"]), safe(f["process"]),
-                     safe(f.get("protocol", "tcp")), f["local"], f["remote"],
-                     f["classid"], _bits(f["rate_bit"]), _bytes(f["bytes"]), f["source"]))
+    for f in a.flows:
+        rule = f.rule + (" (receive)" if f.side is Side.RECEIVE else "")
+        rows.append((printable(rule), str(f.pid), printable(f.process), f.key.protocol.value,
+                     f.key.local_endpoint, f.key.remote_endpoint, printable(f.classid),
+                     format_bit_rate(f.rate_bit), format_bytes(f.bytes), printable(f.source)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
@@ -160,15 +161,14 @@ def status(socket_path, as_json):
 def reload(socket_path):
     """Ask the running daemon to reload its rules file."""
     try:
-        r = call(socket_path, {"cmd": "reload"})
-    except FlowpacerError as e:
+        r = parse_reload(call(socket_path, {"cmd": "reload"}))
+    except (FlowpacerError, ValueError) as e:
         _fail(str(e))
-    if not r.get("ok"):
-        for e in r.get("errors", []):
-            click.echo(safe(e), err=True)
+    if not r.ok:
+        for e in r.errors:
+            click.echo(printable(e), err=True)
         sys.exit(2)
-    click.echo(f"reloaded: {r['changed']} flows re-rated, {r['added']} added, "
-               f"{r['removed']} removed")
+    click.echo(f"reloaded: {r.changed} flows re-rated, {r.added} added, {r.removed} removed")
 
 
 @main.group()
@@ -186,7 +186,7 @@ def rules_check(file):
     except RulesError as e:
         _rules_fail(e)
     for line in loader.describe(rs):
-        click.echo(safe(line))
+        click.echo(printable(line))
 
 
 @rules.command("edit")
@@ -222,20 +222,6 @@ def cleanup(interface):
         _fail(str(e))
     what = [w for w, done in (("flowpacer qdisc", removed), ("receive side (ifb)", rx)) if done]
     click.echo(f"{interface}: {' and '.join(what) + ' removed' if what else 'nothing of flowpacer found'}")
-
-
-def _bits(bit_per_s: int) -> str:
-    for unit, div in (("Gbit", 10**9), ("Mbit", 10**6), ("kbit", 10**3)):
-        if bit_per_s >= div:
-            return f"{bit_per_s / div:.4g}{unit}"
-    return f"{bit_per_s}bit"
-
-
-def _bytes(n: int) -> str:
-    for unit, div in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
-        if n >= div:
-            return f"{n / div:.3g}{unit}"
-    return f"{n}B"
 
 
 if __name__ == "__main__":

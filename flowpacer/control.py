@@ -95,6 +95,29 @@ def parse_request(data: bytes) -> dict:
     return req
 
 
+Command = Callable[[dict], dict]      # a request -> its answer
+
+
+def dispatch(commands: Dict[str, Command], req: dict) -> dict:
+    """The answer to ``req`` from the command table: ``{"error": ...}`` for an unknown command
+    or a command that failed with a FlowpacerError (its one-line reason)."""
+    cmd = req.get("cmd")
+    fn = commands.get(cmd) if isinstance(cmd, str) else None
+    if fn is None:
+        return {"error": f"unknown command {cmd!r}"}
+    try:
+        return fn(req)
+    except FlowpacerError as e:
+        return {"error": str(e)}
+
+
+def command_handler(commands: Dict[str, Command]) -> Command:
+    """A ``ControlServer`` handler that answers from the command table ``commands``
+    (``{"status": ..., "reload": ..., "ping": ...}``)."""
+    table = dict(commands)
+    return lambda req: dispatch(table, req)
+
+
 def _line(answer: dict) -> bytes:
     return json.dumps(answer).encode() + b"\n"
 

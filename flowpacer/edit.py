@@ -43,16 +43,15 @@ from typing import List, Optional, Protocol
 
 from . import control, rules as loader
 from .errors import FlowpacerError, RulesError
+from .model import ReloadResult
+from .text import printable
+from .view import parse_reload
 
 log = logging.getLogger(__name__)
 
 DEFAULT_RULES = "/etc/flowpacer/rules.yaml"
 STATUS_TIMEOUT = 5.0          # seconds to wait for the daemon's status (which file it uses)
 RELOAD_TIMEOUT = 60.0         # a reload may switch backends
-
-
-def _safe(text) -> str:
-    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in str(text))
 
 
 class UI(Protocol):
@@ -121,7 +120,7 @@ def editor_argv(environ=None) -> List[str]:
         try:
             argv = shlex.split(value)
         except ValueError as e:
-            raise EditError(f"${var} cannot be split into a command ({e}): {_safe(value)}") from None
+            raise EditError(f"${var} cannot be split into a command ({e}): {printable(value)}") from None
         if argv:
             return argv
     for name in ("editor", "vi"):
@@ -170,7 +169,7 @@ def ask_daemon(sock_path: str) -> _Daemon:
         except OSError:
             cwd = None
         if cwd is None:
-            return _Daemon(error=f"the daemon uses the relative path {_safe(path)} and its "
+            return _Daemon(error=f"the daemon uses the relative path {printable(path)} and its "
                                  f"working directory is unknown")
         path = os.path.join(cwd, path)
     return _Daemon(rules=os.path.normpath(path))
@@ -228,15 +227,15 @@ class Session:
         try:
             return self._run()
         except EditError as e:
-            self.ui.error(f"flowpacer: {_safe(e)}")
+            self.ui.error(f"flowpacer: {printable(e)}")
             return e.code
         except KeyboardInterrupt:
             self.ui.error("")
             self.ui.error("flowpacer: interrupted: nothing saved" + self._kept())
             return 130
         except OSError as e:      # anything unexpected from the file system: one line
-            where = f" ({_safe(e.filename)})" if e.filename else ""
-            self.ui.error(f"flowpacer: {_safe(e.strerror or e)}{where}: nothing saved" + self._kept())
+            where = f" ({printable(e.filename)})" if e.filename else ""
+            self.ui.error(f"flowpacer: {printable(e.strerror or e)}{where}: nothing saved" + self._kept())
             return 1
         finally:
             self._cleanup()
@@ -244,7 +243,7 @@ class Session:
     def _kept(self) -> str:
         if self.copy and os.path.exists(self.copy) and self._copy_differs():
             self.keep = True
-            return f"; your version is kept in {_safe(self.copy)}"
+            return f"; your version is kept in {printable(self.copy)}"
         return ""
 
     def _copy_differs(self) -> bool:
@@ -269,14 +268,14 @@ class Session:
             self.display = daemon.rules
         else:
             self.display = DEFAULT_RULES
-            self.ui.info(f"no daemon answers on {_safe(self.socket_path)}: editing {DEFAULT_RULES}")
+            self.ui.info(f"no daemon answers on {printable(self.socket_path)}: editing {DEFAULT_RULES}")
         self.real = os.path.realpath(self.display)
         try:
             os.stat(self.real)
         except OSError as e:
             hint = " (give FILE, or create it from rules/example.yaml)" \
                 if e.errno == errno.ENOENT and not self.file else ""
-            raise EditError(f"cannot read {_safe(self.display)}: {e.strerror}{hint}") from None
+            raise EditError(f"cannot read {printable(self.display)}: {e.strerror}{hint}") from None
         self._lock()
         orig = self._read_original()
         self._orig_digest = orig.digest
@@ -294,8 +293,8 @@ class Session:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as e:
-            raise EditError(f"cannot create the lock file {_safe(path)}: {e.strerror} "
-                            f"(editing needs write access to {_safe(os.path.dirname(path))})") from None
+            raise EditError(f"cannot create the lock file {printable(path)}: {e.strerror} "
+                            f"(editing needs write access to {printable(os.path.dirname(path))})") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -305,10 +304,10 @@ class Session:
                 holder = ""
             os.close(fd)
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise EditError(f"cannot lock {_safe(path)}: {e.strerror}") from None
+                raise EditError(f"cannot lock {printable(path)}: {e.strerror}") from None
             who = f"pid {holder}" if holder.isdigit() else "another process"
-            raise EditError(f"{_safe(self.display)} is being edited by {who} "
-                            f"(lock {_safe(path)})") from None
+            raise EditError(f"{printable(self.display)} is being edited by {who} "
+                            f"(lock {printable(path)})") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
@@ -318,11 +317,11 @@ class Session:
         try:
             fd = os.open(self.real, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as e:
-            raise EditError(f"cannot read {_safe(self.display)}: {e.strerror}") from None
+            raise EditError(f"cannot read {printable(self.display)}: {e.strerror}") from None
         with os.fdopen(fd, "rb") as f:
             st = os.fstat(f.fileno())
             if not stat.S_ISREG(st.st_mode):
-                raise EditError(f"{_safe(self.display)} is not a regular file")
+                raise EditError(f"{printable(self.display)} is not a regular file")
             data = f.read()
         return _Original(data, _digest(data), st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode))
 
@@ -343,7 +342,7 @@ class Session:
             try:
                 p = subprocess.Popen(argv, env=dict(self.environ))
             except OSError as e:
-                raise EditError(f"cannot run the editor {_safe(argv[0])}: {e.strerror or e}: "
+                raise EditError(f"cannot run the editor {printable(argv[0])}: {e.strerror or e}: "
                                 f"nothing changed") from None
             rc = p.wait()
         finally:
@@ -351,8 +350,8 @@ class Session:
                 signal.signal(s, h)
         if rc != 0:
             how = f"was killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
-            raise EditError(f"the editor {_safe(argv[0])} {how}: changes discarded, "
-                            f"{_safe(self.display)} not changed")
+            raise EditError(f"the editor {printable(argv[0])} {how}: changes discarded, "
+                            f"{printable(self.display)} not changed")
 
     def _edit_until_valid(self, orig: _Original) -> Optional[bytes]:
         """The edited, valid bytes; None when nothing changed. Raises EditError otherwise."""
@@ -362,10 +361,10 @@ class Session:
                 with open(self.copy, "rb") as f:
                     data = f.read()
             except OSError as e:
-                raise EditError(f"the edited copy {_safe(self.copy)} cannot be read "
-                                f"({e.strerror}): {_safe(self.display)} not changed") from None
+                raise EditError(f"the edited copy {printable(self.copy)} cannot be read "
+                                f"({e.strerror}): {printable(self.display)} not changed") from None
             if data == orig.data:
-                self.ui.info(f"{_safe(self.display)}: no changes")
+                self.ui.info(f"{printable(self.display)}: no changes")
                 return None
             try:
                 loader.loads(data, self.display)
@@ -373,10 +372,10 @@ class Session:
             except RulesError as e:
                 problems = e.problems
             for p in problems:
-                self.ui.error(_safe(str(p)))
+                self.ui.error(printable(str(p)))
             n = len(problems)
             self.ui.error(f"flowpacer: {n} problem{'s' if n != 1 else ''} in the edited version "
-                          f"of {_safe(self.display)} (the file itself is unchanged)")
+                          f"of {printable(self.display)} (the file itself is unchanged)")
             while True:
                 answer = self.ui.ask("(e)dit again, (d)iscard? ")
                 if answer is None:
@@ -389,21 +388,21 @@ class Session:
 
     # ------------------------------------------------------------- replace
     def _check_unchanged(self, orig: _Original) -> None:
-        kept = f"; your version is kept in {_safe(self.copy)}"
+        kept = f"; your version is kept in {printable(self.copy)}"
         try:
             with open(self.real, "rb") as f:
                 now = f.read()
         except FileNotFoundError:
             self.keep = True
-            raise EditError(f"{_safe(self.display)} was deleted while you edited it: "
+            raise EditError(f"{printable(self.display)} was deleted while you edited it: "
                             f"nothing saved{kept}") from None
         except OSError as e:
             self.keep = True
-            raise EditError(f"{_safe(self.display)} cannot be read any more ({e.strerror}): "
+            raise EditError(f"{printable(self.display)} cannot be read any more ({e.strerror}): "
                             f"nothing saved{kept}") from None
         if _digest(now) != orig.digest:
             self.keep = True
-            raise EditError(f"{_safe(self.display)} was changed by someone else while you "
+            raise EditError(f"{printable(self.display)} was changed by someone else while you "
                             f"edited it: not replaced{kept}")
 
     def _replace(self, orig: _Original, data: bytes) -> None:
@@ -418,49 +417,50 @@ class Session:
             _fsync_dir(os.path.dirname(self.real) or ".")
         except OSError as e:
             self.keep = True
-            raise EditError(f"cannot replace {_safe(self.display)}: {e.strerror or e}: "
-                            f"nothing saved; your version is kept in {_safe(self.copy)}") from None
+            raise EditError(f"cannot replace {printable(self.display)}: {e.strerror or e}: "
+                            f"nothing saved; your version is kept in {printable(self.copy)}") from None
         log.info("replaced %s (previous version in %s.bak)", self.real, self.real)
         # the .bak is next to the file really replaced (a symlink's target)
         bak = self.display if os.path.abspath(self.display) == self.real else self.real
-        self.ui.info(f"{_safe(self.display)} saved (previous version in {_safe(bak)}.bak)")
+        self.ui.info(f"{printable(self.display)} saved (previous version in {printable(bak)}.bak)")
 
     # -------------------------------------------------------------- reload
     def _reload(self, daemon: _Daemon) -> int:
         if daemon.rules is None:
-            self.ui.info(f"the daemon was not reloaded: {_safe(daemon.error)}")
+            self.ui.info(f"the daemon was not reloaded: {printable(daemon.error)}")
             return 0
         if os.path.realpath(daemon.rules) != self.real:
-            self.ui.info(f"the daemon was not reloaded: it uses {_safe(daemon.rules)}, "
-                         f"not {_safe(self.display)}")
+            self.ui.info(f"the daemon was not reloaded: it uses {printable(daemon.rules)}, "
+                         f"not {printable(self.display)}")
             return 0
         try:
-            r = control.call(self.socket_path, {"cmd": "reload"}, timeout=RELOAD_TIMEOUT)
-        except FlowpacerError as e:
-            self.ui.error(f"flowpacer: saved, but the reload failed: {_safe(e)}")
+            r = parse_reload(control.call(self.socket_path, {"cmd": "reload"},
+                                          timeout=RELOAD_TIMEOUT))
+        except (FlowpacerError, ValueError) as e:
+            self.ui.error(f"flowpacer: saved, but the reload failed: {printable(e)}")
             return 1
-        if not r.get("ok"):
-            for e in r.get("errors", []):
-                self.ui.error(_safe(e))
+        if not r.ok:
+            for e in r.errors:
+                self.ui.error(printable(e))
             self.ui.error("flowpacer: saved, but the daemon refused the new rules and keeps "
                           "the previous ones")
             return 1
         self.ui.info(describe_reload(r))
-        for e in r.get("errors", []):
-            self.ui.error(f"warning: {_safe(e)}")
+        for e in r.errors:
+            self.ui.error(f"warning: {printable(e)}")
         return 0
 
 
-def describe_reload(r: dict) -> str:
-    """One line: what a reload answer says the daemon did."""
-    parts = ["rules changed" if r.get("rules_changed") else "rules unchanged (comments or layout only)"]
-    if r.get("switched_backend"):
+def describe_reload(r: ReloadResult) -> str:
+    """One line: what a reload did."""
+    parts = ["rules changed" if r.rules_changed else "rules unchanged (comments or layout only)"]
+    if r.switched_backend:
         parts.append("backend switched")
-    parts.append(f"{int(r.get('changed', 0))} flows re-rated")
-    parts.append(f"{int(r.get('added', 0))} added")
-    parts.append(f"{int(r.get('removed', 0))} removed")
-    if r.get("errors"):
-        parts.append(f"{len(r['errors'])} errors")
+    parts.append(f"{r.changed} flows re-rated")
+    parts.append(f"{r.added} added")
+    parts.append(f"{r.removed} removed")
+    if r.errors:
+        parts.append(f"{len(r.errors)} errors")
     return "daemon reloaded: " + ", ".join(parts)
 
 

@@ -6,7 +6,7 @@ socket and renders them. The number of per-flow series is bounded; flows past th
 counted in ``flowpacer_flow_series_overflow``, never silently cut. Per-rule totals keep the
 bytes of flows that have ended, so they are real counters.
 
-Every label value has its control characters replaced (``label_safe``); the per-flow address
+Every label value has its control characters replaced (``text.printable``); the per-flow address
 labels are ``full``, ``prefix`` or ``none`` (``AddressLabels``). The HTTP server
 (``MetricsServer``) answers ``GET /metrics`` (and HEAD) and nothing else, from one event-loop
 thread with a connection cap and timeouts, optionally with TLS and basic auth (``webconfig``)
@@ -26,7 +26,8 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 from .memory import trim_heap
-from .model import BackendHealth, Side, StageState
+from .model import BackendHealth, FlowKey, Side, StageState
+from .text import printable
 
 # prometheus_client is imported where it is used: the daemon's start (and so its recovery after
 # a crash) does not pay for it before the flows are shaped, nor at all with --no-metrics
@@ -135,23 +136,12 @@ PREFIX_V4 = 24
 PREFIX_V6 = 48
 
 
-def label_safe(text) -> str:
-    """A label value with every character that is not printable (C0/C1 controls, ESC, DEL,
-    line/paragraph separators, bidi overrides...) replaced by its ``\\xNN``/``\\uNNNN`` text. The
-    exposition format itself escapes only backslash, double quote and newline."""
-    text = str(text)
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else
-                   f"\\x{ord(c):02x}" if ord(c) < 0x100 else
-                   f"\\u{ord(c):04x}" if ord(c) < 0x10000 else f"\\U{ord(c):08x}" for c in text)
-
-
 def clean_labels(fam):
-    """``fam`` with every sample's label values made ``label_safe`` (in place)."""
+    """``fam`` with every sample's label values made printable (``text.printable``: the
+    exposition format itself escapes only backslash, double quote and newline), in place."""
     for i, smp in enumerate(fam.samples):
         if not all(v.isprintable() for v in smp.labels.values()):
-            fam.samples[i] = smp._replace(labels={k: label_safe(v) for k, v in smp.labels.items()})
+            fam.samples[i] = smp._replace(labels={k: printable(v) for k, v in smp.labels.items()})
     return fam
 
 
@@ -160,9 +150,7 @@ def address_label(addr, mode: AddressLabels) -> str:
         return str(addr)
     if mode is AddressLabels.NONE:
         return ""
-    a = ipaddress.ip_address(addr)
-    if a.version == 6 and a.ipv4_mapped is not None:
-        a = a.ipv4_mapped
+    a = FlowKey.wire_address(addr)
     bits = PREFIX_V4 if a.version == 4 else PREFIX_V6
     return str(ipaddress.ip_network(f"{a}/{bits}", strict=False))
 
@@ -321,20 +309,20 @@ class FlowpacerCollector:
 
         info = GaugeMetricFamily("flowpacer_info", "The daemon's backend and flow source.",
                                  labels=["backend", "interface", "flow_source"])
-        info.add_metric([v.backend or "", v.interface or "", v.flow_source], 1)
+        info.add_metric([v.backend or "", v.interface or "", v.flow_source.text], 1)
         yield info
         ev = CounterMetricFamily("flowpacer_events", "Flow events by source and kind.",
                                  labels=["source", "kind"])
-        for (src, kind), n in sorted(v.events.items()):
+        for src, kind, n in sorted(v.events.items()):
             ev.add_metric([src, kind], n)
         yield ev
         lost = CounterMetricFamily("flowpacer_tracer_lost_events",
                                    "Events the tracer's ring buffer could not take.")
-        lost.add_metric([], (v.tracer or {}).get("lost", 0))
+        lost.add_metric([], v.tracer.lost if v.tracer else 0)
         yield lost
         una = CounterMetricFamily("flowpacer_tracer_unattributed_events",
                                   "Tracer events that could not be attributed to a process.")
-        una.add_metric([], (v.tracer or {}).get("unattributed", 0))
+        una.add_metric([], v.tracer.unattributed if v.tracer else 0)
         yield una
         udp = CounterMetricFamily("flowpacer_tracer_udp_events",
                                   "UDP flow events of the tracer: idle (a flow reported silent "
@@ -342,18 +330,20 @@ class FlowpacerCollector:
                                   "sending again after that), released (a socket with flows "
                                   "closed), forgotten (a silent peer dropped from the kernel "
                                   "map).", labels=["kind"])
-        for kind, n in sorted(((v.tracer or {}).get("udp") or {}).items()):
-            if kind in ("idle", "woken", "released", "forgotten"):
+        if v.tracer is not None:
+            u = v.tracer.udp
+            for kind, n in (("forgotten", u.forgotten), ("idle", u.idle),
+                            ("released", u.released), ("woken", u.woken)):
                 udp.add_metric([kind], n)
         yield udp
         yield from _first_byte_metrics(v.first_byte, CounterMetricFamily, GaugeMetricFamily)
         nle = CounterMetricFamily("flowpacer_netlink_errors", "Requests the kernel refused.")
-        nle.add_metric([], v.counters["op_errors"])
+        nle.add_metric([], v.counters.op_errors)
         yield nle
         rbf = CounterMetricFamily("flowpacer_backend_rebuild_failures",
                                   "Failed attempts to rebuild a lost root qdisc (e.g. the psp "
                                   "module was unloaded).")
-        rbf.add_metric([], v.counters["backend_rebuild_failures"])
+        rbf.add_metric([], v.counters.backend_rebuild_failures)
         yield rbf
         bst = GaugeMetricFamily("flowpacer_backend_state",
                                 "1 for the backend's current state, 0 for the others: ok, gone (no "
@@ -384,17 +374,17 @@ class FlowpacerCollector:
         yield deg
         rel = CounterMetricFamily("flowpacer_reloads", "Rules reloads by outcome.",
                                   labels=["outcome"])
-        rel.add_metric(["ok"], v.counters["reloads_ok"])
-        rel.add_metric(["failed"], v.counters["reloads_failed"])
+        rel.add_metric(["ok"], v.counters.reloads_ok)
+        rel.add_metric(["failed"], v.counters.reloads_failed)
         yield rel
         live = GaugeMetricFamily("flowpacer_flows", "Flows known to the daemon.", labels=["state"])
         live.add_metric(["live"], v.live_flows)
         live.add_metric(["shaped"], len(v.flows))
         yield live
-        buckets, total = v.counters["apply_hist"]
+        hist = v.counters.apply_hist
         h = HistogramMetricFamily("flowpacer_apply_duration_seconds",
                                   "Time to apply one plan to the kernel.")
-        h.add_metric([], buckets, total)
+        h.add_metric([], list(hist.buckets), hist.total_s)
         yield h
         sc = CounterMetricFamily("flowpacer_scrapes", "Scrapes answered.")
         sc.add_metric([], self.scrapes)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import ipaddress
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, Mapping, Optional, Tuple, Union
+from typing import ClassVar, Dict, FrozenSet, Mapping, Optional, Tuple, Union
 
 IPAddress = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
 IPNetwork = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
@@ -54,6 +54,9 @@ class FlowKey:
     ``local`` is the packet's source on egress, ``remote`` its destination. Both addresses are of
     the same family, and an IPv4-mapped IPv6 address (a dual-stack socket talking IPv4) is the
     IPv4 address it carries, as on the wire: build keys from kernel addresses with ``wire()``.
+    This is the one place that rule is written (``wire_address``, ``wire``): the tracer,
+    sock_diag and the metrics' address labels call it; the first-byte BPF program's own
+    reading of mapped addresses is documented and tested against it.
 
     Keys of both families are totally ordered (IPv4 before IPv6, then by address and port, then
     protocol), so that any mix of them can be sorted; ``ipaddress`` itself refuses to compare
@@ -69,11 +72,20 @@ class FlowKey:
     remote_port: int
     protocol: "Protocol" = Protocol.TCP
 
+    @staticmethod
+    def wire_address(addr) -> IPAddress:
+        """An address (object or text) as it is on the wire: IPv4-mapped IPv6 becomes IPv4."""
+        a = addr if isinstance(addr, (ipaddress.IPv4Address, ipaddress.IPv6Address)) \
+            else ipaddress.ip_address(addr)
+        if a.version == 6 and a.ipv4_mapped is not None:
+            return a.ipv4_mapped
+        return a
+
     @classmethod
     def wire(cls, local_addr, local_port: int, remote_addr, remote_port: int,
              protocol: "Protocol" = Protocol.TCP) -> "FlowKey":
         """The key of a socket whose addresses the kernel reported (either family, or mapped)."""
-        la, ra = wire_address(local_addr), wire_address(remote_addr)
+        la, ra = cls.wire_address(local_addr), cls.wire_address(remote_addr)
         if la.version != ra.version:
             if la.version == 6 and la.is_unspecified:   # dual-stack wildcard socket to IPv4
                 la = ipaddress.IPv4Address(0)
@@ -111,24 +123,52 @@ class FlowKey:
             return NotImplemented
         return self.sort_key >= other.sort_key
 
-    def __str__(self) -> str:
+    @property
+    def local_endpoint(self) -> str:
+        return endpoint(self.local_addr, self.local_port)
+
+    @property
+    def remote_endpoint(self) -> str:
+        return endpoint(self.remote_addr, self.remote_port)
+
+    def endpoints(self) -> Tuple[str, str]:
+        """The two halves of ``str(key)``: the local endpoint, and the remote one with
+        ``/udp`` after it for a UDP flow (what ``top`` shows in its LOCAL and REMOTE columns)."""
         udp = "/udp" if self.protocol is Protocol.UDP else ""
-        return f"{endpoint(self.local_addr, self.local_port)}->" \
-               f"{endpoint(self.remote_addr, self.remote_port)}{udp}"
+        return self.local_endpoint, self.remote_endpoint + udp
 
+    def __str__(self) -> str:
+        return "->".join(self.endpoints())
 
-def wire_address(addr) -> IPAddress:
-    """An address as it is on the wire: IPv4-mapped IPv6 addresses become IPv4."""
-    a = addr if isinstance(addr, (ipaddress.IPv4Address, ipaddress.IPv6Address)) \
-        else ipaddress.ip_address(addr)
-    if a.version == 6 and a.ipv4_mapped is not None:
-        return a.ipv4_mapped
-    return a
+    @classmethod
+    def parse(cls, local: str, remote: str, protocol: str = "tcp") -> "FlowKey":
+        """The key of a flow as the status answer gives it (``endpoint`` texts and the protocol's
+        name); ValueError for anything else."""
+        la, lp = parse_endpoint(local)
+        ra, rp = parse_endpoint(remote)
+        proto = Protocol(protocol)
+        if proto is Protocol.ANY:
+            raise ValueError(f"not a flow's protocol: {protocol}")
+        return cls(la, lp, ra, rp, proto)
 
 
 def endpoint(addr: IPAddress, port: int) -> str:
     """``1.2.3.4:80`` or ``[2001:db8::1]:80``."""
     return f"[{addr}]:{port}" if addr.version == 6 else f"{addr}:{port}"
+
+
+def parse_endpoint(text: str) -> Tuple[IPAddress, int]:
+    """``endpoint``'s text back to (address, port); ValueError for anything else."""
+    host, sep, port = str(text).rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"not an endpoint: {text!r}")
+    if host.startswith("["):
+        if not host.endswith("]"):
+            raise ValueError(f"not an endpoint: {text!r}")
+        addr = ipaddress.IPv6Address(host[1:-1])
+    else:
+        addr = ipaddress.IPv4Address(host)
+    return addr, int(port)
 
 
 @dataclass(frozen=True, slots=True)
@@ -509,6 +549,160 @@ class FirstByteView:
 
 
 @dataclass(frozen=True, slots=True)
+class UdpTracerCounts:
+    """The tracer's UDP counters (issue 17), totals since start, and its live peer/socket maps."""
+    idle: int = 0            # flows reported silent for the shortest idle_timeout
+    released: int = 0        # sockets with flows closed
+    forgotten: int = 0       # silent peers dropped from the kernel map
+    woken: int = 0           # connected sockets sending again after a silence
+    adopted: int = 0         # connected sockets adopted from a sock_diag snapshot
+    peers: int = 0           # unconnected sockets' peers known now
+    connected: int = 0       # connected sockets known now
+
+
+@dataclass(frozen=True, slots=True)
+class ProgramStats:
+    """One BPF program of the tracer, as the kernel counts it (None: the kernel did not say)."""
+    tracepoint: str
+    run_time_ns: Optional[int] = None     # with kernel.bpf_stats_enabled
+    run_cnt: Optional[int] = None
+    recursion_misses: Optional[int] = None
+
+
+@dataclass(frozen=True, slots=True)
+class TracerStats:
+    """The tracer's counters, totals since start (``Tracer.stats()`` made typed)."""
+    hooks: str = ""
+    opens: int = 0                       # OPEN events reported
+    closes: int = 0                      # CLOSE events reported
+    lost: int = 0                        # events the ring buffer could not take
+    unattributed: int = 0                # events without a process
+    filtered: int = 0
+    accept_untracked: int = 0
+    missed: int = 0                      # tracepoint hits the kernel skipped (recursion guard)
+    late_open_dropped: int = 0
+    udp: UdpTracerCounts = UdpTracerCounts()
+    bad_records: int = 0
+    programs: Tuple[ProgramStats, ...] = ()
+
+    # the counters ``Tracer.stats()`` gives at its top level under these same names
+    COUNTS: ClassVar[Tuple[str, ...]] = ("lost", "unattributed", "filtered", "accept_untracked",
+                                         "missed", "late_open_dropped", "bad_records")
+
+    @classmethod
+    def from_stats(cls, d: dict) -> "TracerStats":
+        """From ``Tracer.stats()``'s dict (a stand-in may give only some of its fields)."""
+        ev = d.get("events") or {}
+        udp = d.get("udp") or {}
+        return cls(
+            # the whole-number counters under their own names (a new one needs no line here)
+            **{f: int(d.get(f, 0)) for f in cls.COUNTS},
+            hooks=str(d.get("hooks", "")), opens=int(ev.get("open", 0)),
+            closes=int(ev.get("close", 0)),
+            udp=UdpTracerCounts(**{f: int(udp.get(f, 0)) for f in UdpTracerCounts.__slots__}),
+            programs=tuple(ProgramStats(tp, info.get("run_time_ns"), info.get("run_cnt"),
+                                        info.get("recursion_misses"))
+                           for tp, info in (d.get("programs") or {}).items()))
+
+
+@dataclass(frozen=True, slots=True)
+class Percentiles:
+    """Latency percentiles in microseconds over the last samples (n == 0: no sample yet)."""
+    n: int = 0
+    p50_us: float = 0.0
+    p90_us: float = 0.0
+    p99_us: float = 0.0
+    max_us: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Histogram:
+    """A cumulative histogram: (upper bound as text, count at or below it), "+Inf" last."""
+    buckets: Tuple[Tuple[str, int], ...] = ()
+    total_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonCounters:
+    """The reconciler's and supervisor's counters, totals since start."""
+    applies: int = 0
+    op_errors: int = 0                   # operations the kernel refused (and failed applies)
+    reloads_ok: int = 0
+    reloads_failed: int = 0
+    backend_rebuild_failures: int = 0
+    shape_latency: Percentiles = Percentiles()   # tracer event -> class installed
+    apply_latency: Percentiles = Percentiles()   # one plan's apply
+    reconcile_added: int = 0             # flows a sock_diag pass found that the tracer had not
+    reconcile_removed: int = 0
+    apply_hist: Histogram = Histogram()
+
+
+@dataclass(frozen=True, slots=True)
+class EventCounts:
+    """Flow events by source and kind, totals since start (``FlowTable.events``)."""
+    tracer_open: int = 0
+    tracer_close: int = 0
+    reconcile_open: int = 0
+    reconcile_close: int = 0
+    idle_close: int = 0
+
+    def items(self):
+        """(source, kind, count) of every counter, in a fixed order."""
+        for name in self.__slots__:
+            source, kind = name.split("_", 1)
+            yield source, kind, getattr(self, name)
+
+
+class FlowSourceMode(str, enum.Enum):
+    """How the daemon finds flows now."""
+    NOT_STARTED = "not started"
+    TRACER = "tracer"                    # eBPF tracer, sock_diag reconciles
+    NO_TRACER = "--no-tracer"            # sock_diag polling only: configured so
+    TRACER_CANNOT_LOAD = "tracer cannot load"   # ... bcc missing
+    TRACER_UNAVAILABLE = "tracer unavailable"   # ... the kernel refused it
+    TRACER_FAILED = "tracer failed"      # ... its stage was given up
+
+
+@dataclass(frozen=True, slots=True)
+class FlowSourceStatus:
+    """The flow source: ``mode`` and its ``detail`` (the tracer's hooks, or why it is not
+    running); ``first_byte``: first-byte shaping's one-line summary when it runs (issue 16)."""
+    mode: FlowSourceMode = FlowSourceMode.NOT_STARTED
+    detail: str = ""
+    first_byte: str = ""
+
+    @property
+    def polling(self) -> bool:
+        return self.mode not in (FlowSourceMode.TRACER, FlowSourceMode.NOT_STARTED)
+
+    @property
+    def text(self) -> str:
+        """The one line status, metrics and the log show."""
+        m = self.mode
+        if m is FlowSourceMode.NOT_STARTED:
+            out = m.value
+        elif m is FlowSourceMode.TRACER:
+            out = f"tracer ({self.detail or 'tracepoints'}) + sock_diag reconcile"
+        elif m is FlowSourceMode.NO_TRACER:
+            out = f"sock_diag polling only ({m.value})"
+        else:
+            out = f"sock_diag polling only ({m.value}: {self.detail})"
+        return f"{out}; {self.first_byte}" if self.first_byte else out
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadResult:
+    """What a rules reload did (the control socket's ``reload`` answer, ``view.reload_json``)."""
+    ok: bool
+    errors: Tuple[str, ...] = ()         # the problems (refused) or the refused operations
+    rules_changed: bool = False
+    switched_backend: bool = False
+    added: int = 0
+    changed: int = 0
+    removed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class DaemonView:
     """The daemon's state at one moment: the one thing status, control, top and metrics read."""
     backend: Optional[str]
@@ -519,16 +713,21 @@ class DaemonView:
     link_rate_bps: int
     rules_path: str
     rule_names: Tuple[str, ...]
-    flow_source: str
-    tracer: Optional[dict]
+    flow_source: FlowSourceStatus
+    tracer: Optional[TracerStats]        # None when the tracer is not running
     live_flows: int
     flows: Tuple[FlowView, ...]
     stages: Tuple[StageView, ...]
-    counters: dict
-    events: dict
+    counters: DaemonCounters
+    events: EventCounts
     groups: Tuple[GroupView, ...] = ()   # group classes (issue 15)
     # the receive side (issue 17): its ifb (None: no rule receives), health and problem
     receive_interface: Optional[str] = None
     receive_health: BackendHealth = BackendHealth.OK
     receive_problem: str = ""
     first_byte: Optional[FirstByteView] = None   # issue 16; None when the stage is off
+
+    @property
+    def healthy(self) -> bool:
+        """Every stage that should run is running."""
+        return all(s.state in (StageState.RUNNING, StageState.DISABLED) for s in self.stages)

@@ -21,13 +21,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 from . import engine
 from .errors import FlowpacerError
 from .flows import FlowTable
 from .metrics import LatencyHistogram
-from .model import FlowKey, FlowSource, OpKind, PoolGrant, PoolReport, RuleSet
+from .model import FlowKey, FlowSource, OpKind, PoolGrant, PoolReport, ReloadResult, RuleSet
 from .supervisor import BackendSupervisor
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,8 @@ class Reconciler:
         self.lock = threading.RLock()
         self._retry: set = set()         # keys whose last operation failed
         self.resync_requested = False    # the transport failed: the next pass re-reads the kernel
+        # the tracer's ``adopt_udp_connected`` (issue 17), None without a tracer that has it
+        self.udp_adopter: Optional[Callable[[dict], None]] = None
 
     # -------------------------------------------------------------- inputs
     def adopt(self) -> None:
@@ -119,6 +121,17 @@ class Reconciler:
             self.table.dirty.update(self._retry)
             self._retry.clear()
             self.apply_dirty()
+        self._adopt_udp(snap)       # outside the lock: it writes the tracer's kernel maps
+
+    def _adopt_udp(self, snap) -> None:
+        """The connected UDP sockets of the snapshot that a rule shapes, by cookie, to the
+        tracer: one opened before it (a restart) ends by idleness too (issue 17)."""
+        adopt = self.udp_adopter
+        cookies = getattr(snap, "udp_cookies", None)
+        if adopt is None or cookies is None:
+            return
+        shaped = engine.desired({k: snap[k] for k in cookies}, self.rules)
+        adopt({cookies[k]: snap[k] for k in shaped})
 
     # --------------------------------------------------------------- apply
     def apply_dirty(self, before=(), after=(), rebind=()):
@@ -204,7 +217,8 @@ class Reconciler:
         return res
 
     # -------------------------------------------------------------- reload
-    def reload(self, load: Callable[[], RuleSet], on_rules: Callable[[RuleSet], None]) -> dict:
+    def reload(self, load: Callable[[], RuleSet],
+               on_rules: Callable[[RuleSet], None]) -> ReloadResult:
         """Load new rules with ``load`` (raises RulesError/FlowpacerError: nothing changes),
         switch the backend if the new rules ask for another one, re-plan every flow."""
         from .errors import RulesError
@@ -215,11 +229,11 @@ class Reconciler:
                 self.counters.reloads_failed += 1
                 for p in e.problems:
                     log.error("reload refused: %s", p)
-                return {"ok": False, "errors": [str(p) for p in e.problems]}
+                return ReloadResult(False, tuple(str(p) for p in e.problems))
             except FlowpacerError as e:
                 self.counters.reloads_failed += 1
                 log.error("reload refused: %s", e)
-                return {"ok": False, "errors": [str(e)]}
+                return ReloadResult(False, (str(e),))
             old = self.rules
             sup = self.supervisor
             switch = sup.needs_switch(new)
@@ -231,7 +245,7 @@ class Reconciler:
                     log.error("reload refused: %s", e)
                     self.table.mark_all()
                     self.apply_dirty()
-                    return {"ok": False, "errors": [str(e)]}
+                    return ReloadResult(False, (str(e),))
             else:
                 sup.adopt_rules(new)
             self.rules = new
@@ -240,10 +254,11 @@ class Reconciler:
                 self.table.mark_all(b.installed().keys())
             res = self.apply_dirty()
             self.counters.reloads_ok += 1
-            return {"ok": True, "rules_changed": new != old, "switched_backend": switch,
-                    "added": res.added if res else 0, "changed": res.changed if res else 0,
-                    "removed": res.removed if res else 0,
-                    "errors": [e.reason for e in res.errors] if res else []}
+            return ReloadResult(True, tuple(e.reason for e in res.errors) if res else (),
+                                rules_changed=new != old, switched_backend=bool(switch),
+                                added=res.added if res else 0,
+                                changed=res.changed if res else 0,
+                                removed=res.removed if res else 0)
 
     def mark_all(self, keys: Iterable[FlowKey] = ()) -> None:
         with self.lock:

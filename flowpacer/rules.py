@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import ipaddress
+import logging
 import os
 import pwd
 import re
@@ -42,9 +43,12 @@ except ImportError:  # pragma: no cover
     _CParser = None
 
 from . import units
-from .errors import RuleProblem, RulesError
+from .errors import FlowpacerError, RuleProblem, RulesError
 from .model import (DEFAULT_IDLE_TIMEOUT_NS, BackendKind, Direction, Match, PortSet, Protocol,
                     Rule, RuleSet)
+from .text import quoted as _show
+
+log = logging.getLogger(__name__)
 
 MAX_BYTES = 1 << 20          # a rules file larger than 1 MiB is refused
 MAX_PROBLEMS = 100           # reported at once; then one "... and N more" line
@@ -128,12 +132,6 @@ class Field:
     doc: str
     example: str = ""
     default_doc: str = ""                 # how the docs show the default ("" = derive)
-
-
-def _show(text: str, limit: int = 40) -> str:
-    """User text for a one-line message: escaped, quoted, bounded."""
-    s = text if len(text) <= limit else text[:limit] + "..."
-    return repr(s)
 
 
 def _kind(node: Node) -> str:
@@ -952,6 +950,34 @@ def loads(text, path: str = "<string>") -> RuleSet:
     if not isinstance(text, str):
         raise RulesError([RuleProblem(path, 1, 1, f"rules must be text, not {type(text).__name__}")])
     return _build(text, path)
+
+
+def check_access(path: str) -> None:
+    """Refuse a rules file that someone other than root could have written (as sudo does with
+    sudoers): it decides how every flow on the server is paced. Raises FlowpacerError."""
+    import stat as st
+    try:
+        info = os.stat(path)
+    except OSError as e:
+        raise FlowpacerError(f"{path}: cannot read: {e.strerror}") from None
+    if not st.S_ISREG(info.st_mode):
+        raise FlowpacerError(f"{path}: not a regular file")
+    if info.st_uid != 0:
+        raise FlowpacerError(f"{path}: owned by uid {info.st_uid}, not root: refusing it "
+                             "(chown root)")
+    if info.st_mode & (st.S_IWGRP | st.S_IWOTH):
+        raise FlowpacerError(f"{path}: writable by group or others (mode "
+                             f"{st.S_IMODE(info.st_mode):04o}): refusing it (chmod go-w)")
+
+
+def load_checked(path: str) -> RuleSet:
+    """The daemon's loader: ``check_access``, then ``load``; the rule set's warnings (e.g. total
+    rates oversubscribing the link, issue 15) are logged."""
+    check_access(path)
+    rs = load(path)
+    for w in rs.warnings:
+        log.warning("%s", w)
+    return rs
 
 
 def load(path) -> RuleSet:

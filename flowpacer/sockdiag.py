@@ -25,7 +25,7 @@ from typing import Dict, Iterable, Optional, Set, Tuple
 
 from .tc.nl import RtnlSocket
 
-from .model import Direction, Flow, FlowKey, FlowSource, ProcessInfo, Protocol, wire_address
+from .model import Direction, Flow, FlowKey, FlowSource, ProcessInfo, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class SockDiagSource:
             family, state = body[0], body[1]
             if state == TCP_LISTEN:
                 port = PORTS.unpack_from(body, 4)[0]
-                addr = wire_address(_addr(family, body, SRC_OFF))
+                addr = FlowKey.wire_address(_addr(family, body, SRC_OFF))
                 if addr.is_unspecified:
                     wildcard_ports.add(port)
                 listeners.add((addr, port))

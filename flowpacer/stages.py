@@ -177,11 +177,6 @@ class Stage:
         return StageView(self.name, state, self.failures, self.last_error, self.detail)
 
 
-def healthy(stages) -> bool:
-    """Every stage that should run is running (for status's ``healthy``)."""
-    return all(s.view().state in (StageState.RUNNING, StageState.DISABLED) for s in stages)
-
-
 def watchdog_ok(stages) -> bool:
     """Feed systemd's watchdog only while no stage is hung, failed or stopped. A stage in
     back-off, or given up with a visible degradation, is not hung: the daemon is doing what it

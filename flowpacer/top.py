@@ -23,42 +23,15 @@ from dataclasses import dataclass, field
 from typing import Deque, Dict, List, Optional, Tuple
 
 from . import control
+from .model import Side
+from .view import StatusAnswer, parse_status
 from .errors import FlowpacerError
+from .text import ascii_only
+from .units import format_bit_rate, format_bytes
 
 log = logging.getLogger(__name__)
 
 MIN_WIDTH, MIN_HEIGHT = 20, 3
-
-
-def term_safe(text) -> str:
-    """Printable ASCII as is, everything else escaped (\\xNN, \\uNNNN): safe to draw and of
-    known width."""
-    out = []
-    for c in str(text):
-        o = ord(c)
-        if 0x20 <= o < 0x7F:
-            out.append(c)
-        elif o < 0x100:
-            out.append(f"\\x{o:02x}")
-        else:
-            out.append(f"\\u{o:04x}" if o < 0x10000 else f"\\U{o:08x}")
-    return "".join(out)
-
-
-def fmt_bits(bits_per_s: Optional[float]) -> str:
-    if bits_per_s is None:
-        return "-"
-    for unit, div in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
-        if bits_per_s >= div:
-            return f"{bits_per_s / div:.3g} {unit}"
-    return f"{bits_per_s:.0f} bit/s"
-
-
-def fmt_bytes(n: int) -> str:
-    for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= div:
-            return f"{n / div:.3g} {unit}"
-    return f"{n} B"
 
 
 @dataclass
@@ -110,7 +83,7 @@ class Tracker:
     def __init__(self, socket_path: str, interval: float):
         self.socket_path = socket_path
         self.interval = interval
-        self._hist: Dict[Tuple[str, str, str, str], Deque[Tuple[float, int]]] = {}
+        self._hist: Dict[tuple, Deque[Tuple[float, int]]] = {}
 
     def _title(self) -> str:
         return f"flowpacer top - every {self.interval:g} s - q quits"
@@ -120,24 +93,24 @@ class Tracker:
         self._hist.clear()
         where = "" if self.socket_path in reason else f" on {self.socket_path}"
         return View(header=self._title(),
-                    error=f"daemon not answering{term_safe(where)}: {term_safe(reason)} - "
+                    error=f"daemon not answering{ascii_only(where)}: {ascii_only(reason)} - "
                           f"retrying every {self.interval:g} s")
 
     def update(self, st: dict, now: float) -> View:
         """A view of status answer ``st`` received at monotonic time ``now``."""
         try:
-            return self._update(st, now)
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            return self.failed(f"unreadable status answer ({type(e).__name__})")
+            answer = parse_status(st)
+        except ValueError:
+            return self.failed("unreadable status answer")
+        return self._update(answer, now)
 
-    def _update(self, st: dict, now: float) -> View:
+    def _update(self, st: StatusAnswer, now: float) -> View:
         rows: List[Row] = []
         totals_cap: Dict[str, int] = {}
-        hist: Dict[Tuple[str, str, str, str], Deque[Tuple[float, int]]] = {}
-        for f in st.get("flows") or []:
-            side = str(f.get("side") or "send")      # a flow may have a class on each side
-            key = (str(f["local"]), str(f["remote"]), str(f.get("classid", "")), side)
-            nbytes = int(f.get("bytes", 0))
+        hist: Dict[tuple, Deque[Tuple[float, int]]] = {}
+        for f in st.flows:
+            key = (f.key, f.classid, f.side)         # a flow may have a class on each side
+            nbytes = f.bytes
             h = self._hist.get(key)
             if h is None or nbytes < h[-1][1] or now <= h[-1][0]:
                 h = deque()                  # new flow, or its class was made anew
@@ -150,18 +123,13 @@ class Tracker:
                 actual = (h[-1][1] - h[-2][1]) * 8 / (h[-1][0] - h[-2][0])
                 avg = (h[-1][1] - h[0][1]) * 8 / (h[-1][0] - h[0][0])
             # receive classes (issue 17) count apart: "RULE (receive)" rows and totals
-            rule = f.get("rule", "") + (" (receive)" if side == "receive" else "")
-            rows.append(Row(rule=term_safe(rule), pid=int(f.get("pid", 0)),
-                            process=term_safe(f.get("process", "")),
-                            local=term_safe(f["local"]),
-                            remote=term_safe(f["remote"]) + ("/udp" if f.get("protocol") == "udp"
-                                                             else ""),
-                            rate_bit=int(f.get("rate_bit", 0)),
-                            ceil_bit=int(f.get("ceil_bit", 0) or f.get("rate_bit", 0)),
-                            bytes=nbytes, actual_bit=actual, avg_bit=avg,
-                            client=term_safe(f.get("client") or ""),
-                            client_rate_bit=int(f.get("client_rate_bit") or 0)))
-            totals_cap[rows[-1].rule] = int(f.get("total_rate_bit") or 0)
+            rule = f.rule + (" (receive)" if f.side is Side.RECEIVE else "")
+            local, remote = f.key.endpoints()
+            rows.append(Row(rule=ascii_only(rule), pid=f.pid, process=ascii_only(f.process),
+                            local=local, remote=remote, rate_bit=f.rate_bit,
+                            ceil_bit=f.ceil_bit, bytes=nbytes, actual_bit=actual, avg_bit=avg,
+                            client=ascii_only(f.client), client_rate_bit=f.client_rate_bit))
+            totals_cap[rows[-1].rule] = f.total_rate_bit
         self._hist = hist
         rows.sort(key=lambda r: (r.actual_bit is None, -(r.actual_bit or 0.0), -(r.avg_bit or 0.0),
                                  -r.bytes, r.rule, r.local, r.remote))
@@ -174,12 +142,11 @@ class Tracker:
             t.target_bit += r.rate_bit
             t.bytes += r.bytes
             t.total_rate_bit = totals_cap.get(r.rule, 0)
-        link = fmt_bits(int(st.get("link_rate_bit") or 0))
-        header = (f"{self._title()} - backend {term_safe(st.get('backend'))} on "
-                  f"{term_safe(st.get('interface'))} (link {link})")
-        status = (f"{int(st.get('shaped_flows', len(rows)))} flows shaped of "
-                  f"{int(st.get('live_flows', 0))} live - flow source: "
-                  f"{term_safe(st.get('flow_source', ''))}")
+        link = format_bit_rate(st.link_rate_bit)
+        header = (f"{self._title()} - backend {ascii_only(st.backend)} on "
+                  f"{ascii_only(st.interface)} (link {link})")
+        status = (f"{st.shaped_flows} flows shaped of {st.live_flows} live - flow source: "
+                  f"{ascii_only(st.flow_source)}")
         return View(header=header, status=status, rows=rows,
                     totals=sorted(totals.values(), key=lambda t: (-t.actual_bit, t.rule)))
 
@@ -202,17 +169,17 @@ def _table(rows: List[Tuple[str, ...]], right: Tuple[bool, ...], width: int = 0,
 
 
 def _target(r: Row) -> str:
-    t = fmt_bits(r.rate_bit)
-    return t if r.ceil_bit <= r.rate_bit else f"{t} (ceil {fmt_bits(r.ceil_bit)})"
+    t = format_bit_rate(r.rate_bit)
+    return t if r.ceil_bit <= r.rate_bit else f"{t} (ceil {format_bit_rate(r.ceil_bit)})"
 
 
 def _total_target(t: RuleTotal) -> str:
-    s = fmt_bits(t.target_bit)
-    return s if not t.total_rate_bit else f"{s} (total {fmt_bits(t.total_rate_bit)})"
+    s = format_bit_rate(t.target_bit)
+    return s if not t.total_rate_bit else f"{s} (total {format_bit_rate(t.total_rate_bit)})"
 
 
 def _client(r: Row) -> str:
-    return f"{r.client} @{fmt_bits(r.client_rate_bit)}" if r.client else "-"
+    return f"{r.client} @{format_bit_rate(r.client_rate_bit)}" if r.client else "-"
 
 
 def render(view: View, width: int, height: int) -> List[Tuple[str, str]]:
@@ -228,14 +195,14 @@ def render(view: View, width: int, height: int) -> List[Tuple[str, str]]:
     room = height - len(lines)
     if not view.error and view.rows and room >= 3:
         trows = [("RULE", "FLOWS", "TARGET (sum)", "ACTUAL", "AVG 10s", "SENT")]
-        trows += [(t.rule, str(t.flows), _total_target(t), fmt_bits(t.actual_bit),
-                   fmt_bits(t.avg_bit), fmt_bytes(t.bytes)) for t in view.totals]
+        trows += [(t.rule, str(t.flows), _total_target(t), format_bit_rate(t.actual_bit),
+                   format_bit_rate(t.avg_bit), format_bytes(t.bytes)) for t in view.totals]
         if len(view.totals) > 1:
             trows.append(("all", str(sum(t.flows for t in view.totals)),
-                          fmt_bits(sum(t.target_bit for t in view.totals)),
-                          fmt_bits(sum(t.actual_bit for t in view.totals)),
-                          fmt_bits(sum(t.avg_bit for t in view.totals)),
-                          fmt_bytes(sum(t.bytes for t in view.totals))))
+                          format_bit_rate(sum(t.target_bit for t in view.totals)),
+                          format_bit_rate(sum(t.actual_bit for t in view.totals)),
+                          format_bit_rate(sum(t.avg_bit for t in view.totals)),
+                          format_bytes(sum(t.bytes for t in view.totals))))
         tlines = _table(trows, (False, True, True, True, True, True))
         # the per-rule totals may take at most half of what is left; the flows get the rest
         keep = max(2, min(len(tlines), (room - 1) // 2))
@@ -247,7 +214,7 @@ def render(view: View, width: int, height: int) -> List[Tuple[str, str]]:
             frows = [("RULE", "PID", "PROCESS", "LOCAL", "REMOTE", "TARGET", "ACTUAL", "AVG 10s",
                       "SENT")]
             frows += [(r.rule, str(r.pid) if r.pid else "-", r.process or "-", r.local, r.remote,
-                       _target(r), fmt_bits(r.actual_bit), fmt_bits(r.avg_bit), fmt_bytes(r.bytes))
+                       _target(r), format_bit_rate(r.actual_bit), format_bit_rate(r.avg_bit), format_bytes(r.bytes))
                       for r in view.rows]
             right = (False, True, False, False, False, True, True, True, True)
             # on a narrow terminal the rates matter most: AVG, SENT, PID, LOCAL go first
@@ -343,7 +310,7 @@ def run_top(socket_path: str, interval: float) -> int:
     except KeyboardInterrupt:
         pass
     except curses.error as e:
-        click.echo(f"flowpacer: the terminal cannot be used: {term_safe(e)}", err=True)
+        click.echo(f"flowpacer: the terminal cannot be used: {ascii_only(e)}", err=True)
         return 1
     finally:
         signal.signal(signal.SIGTERM, old)

@@ -313,14 +313,11 @@ _ADDR_CACHE: Dict[Tuple[int, bytes], model.IPAddress] = {}
 
 
 def _addr(family: int, raw: bytes) -> model.IPAddress:
-    """The address of an event (cached: a host has few addresses of its own)."""
+    """The address of an event as the kernel gave it, IPv4-mapped or not (``FlowKey.wire``
+    maps it; cached: a host has few addresses of its own)."""
     a = _ADDR_CACHE.get((family, raw))
     if a is None:
-        if family == AF_INET:
-            a = ipaddress.IPv4Address(raw[:4])
-        else:
-            v6 = ipaddress.IPv6Address(raw)
-            a = v6.ipv4_mapped or v6   # dual-stack socket talking IPv4: IPv4 on the wire
+        a = ipaddress.IPv4Address(raw[:4]) if family == AF_INET else ipaddress.IPv6Address(raw)
         if len(_ADDR_CACHE) >= 8192:
             _ADDR_CACHE.clear()
         _ADDR_CACHE[(family, raw)] = a
@@ -818,12 +815,7 @@ class Tracer:
 
     @staticmethod
     def _key(family, laddr, lport, raddr, rport, proto) -> model.FlowKey:
-        la, ra = _addr(family, laddr), _addr(family, raddr)
-        if la.version == ra.version:
-            return model.FlowKey(la, lport, ra, rport, proto)
-        # one side v4-mapped, the other not: the model's rule
-        return model.FlowKey.wire(ipaddress.IPv6Address(laddr), lport,
-                                  ipaddress.IPv6Address(raddr), rport, proto)
+        return model.FlowKey.wire(_addr(family, laddr), lport, _addr(family, raddr), rport, proto)
 
     def _to_event(self, r) -> Optional[model.FlowEvent]:
         (ts, cgid, netns, pid, tid, uid, family, lport, rport,

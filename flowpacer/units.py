@@ -36,6 +36,8 @@ import re
 from fractions import Fraction
 from typing import Optional
 
+from .text import quoted as _show
+
 MAX_RATE_BPS = 2**64 - 1          # bytes/s: tc's 64-bit rate
 _MAX_EXPONENT = 30                # |e| in "1e6": bounded, so no giant integers
 _MAX_TEXT = 64                    # characters in a rate string
@@ -71,12 +73,6 @@ _SPACED_RE = re.compile(_NUMBER + r"\s+(?P<unit>[A-Za-z]+|%)")
 _DECIMAL_BITS = (("tbit", 10**12), ("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3))
 _BINARY_BITS = (("tibit", 2**40), ("gibit", 2**30), ("mibit", 2**20), ("kibit", 2**10))
 _HUMAN = (("Tbit/s", 10**12), ("Gbit/s", 10**9), ("Mbit/s", 10**6), ("Kbit/s", 10**3))
-
-
-def _show(text: str, limit: int = 40) -> str:
-    """A user's text for a one-line message: escaped, quoted, bounded."""
-    s = text if len(text) <= limit else text[:limit] + "..."
-    return repr(s)
 
 
 def _number(text: str) -> Fraction:
@@ -183,6 +179,26 @@ def format_bits(bytes_per_s: int) -> str:
         if bits >= mult:
             return f"{_decimals(Fraction(bits, mult))} {name}"
     return f"{bits} bit/s"
+
+
+def format_bit_rate(bits_per_s: Optional[float]) -> str:
+    """A measured rate in bits/s -> three significant digits: "9.49 Mbit/s", "999 bit/s"
+    ("-" for None: not measured yet). For live figures (``top``, ``status``), where
+    ``format_bits``'s exact decimals would be noise."""
+    if bits_per_s is None:
+        return "-"
+    for name, div in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bits_per_s >= div:
+            return f"{bits_per_s / div:.3g} {name}"
+    return f"{bits_per_s:.0f} bit/s"
+
+
+def format_bytes(n: int) -> str:
+    """A byte count -> three significant digits: "1.5 MB", "999 B" (SI prefixes)."""
+    for name, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= div:
+            return f"{n / div:.3g} {name}"
+    return f"{n} B"
 
 
 def _decimals(value: Fraction) -> str:

@@ -489,15 +489,14 @@ def test_daemon_crash_under_load_keeps_the_groups(site):
 # ------------------------------------------------------- status, top, metrics
 
 def _view(groups, flows=()):
-    from flowpacer.model import BackendHealth, DaemonView
+    from flowpacer.model import (BackendHealth, DaemonCounters, DaemonView, EventCounts,
+                                 FlowSourceMode, FlowSourceStatus)
     return DaemonView(backend="htb", backend_reason="", interface="eth0",
                       backend_health=BackendHealth.OK, backend_problem="", link_rate_bps=LINK,
-                      rules_path="", rule_names=("dl",), flow_source="tracer", tracer=None,
+                      rules_path="", rule_names=("dl",),
+                      flow_source=FlowSourceStatus(FlowSourceMode.TRACER), tracer=None,
                       live_flows=len(flows), flows=tuple(flows), stages=(),
-                      counters={"applies": 0, "op_errors": 0, "reloads_ok": 0,
-                                "reloads_failed": 0, "backend_rebuild_failures": 0,
-                                "apply_hist": ([], 0)},
-                      events={}, groups=tuple(groups))
+                      counters=DaemonCounters(), events=EventCounts(), groups=tuple(groups))
 
 
 def test_metrics_per_client_series_are_bounded_to_the_busiest():
@@ -558,14 +557,14 @@ def test_status_json_and_top_show_the_groups():
 
 @pytest.mark.kernel          # root: chown, root-owned files
 def test_the_daemon_logs_the_warnings_of_its_rules(tmp_path, caplog):
-    from flowpacer import app
+    from flowpacer import rules
     f = tmp_path / "rules.yaml"
     f.write_text("link_rate: 100mbit\nrules:\n"
                  "  - {name: a, match: {process: a}, rate: 8mbit, total_rate: 60mbit}\n"
                  "  - {name: b, match: {process: b}, rate: 8mbit, total_rate: 60mbit}\n")
     f.chmod(0o644)
     with caplog.at_level("WARNING"):
-        rs = app.load_rules(str(f))
+        rs = rules.load_checked(str(f))
     assert len(rs.rules) == 2 and len(rs.warnings) == 1
     assert [r.getMessage() for r in caplog.records] == [str(rs.warnings[0])]
     assert f"{f}:4:61: rule 'b': total_rate: warning: " in str(rs.warnings[0])

@@ -17,8 +17,9 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from flowpacer.metrics import FlowpacerCollector, LatencyHistogram
-from flowpacer.model import (BackendHealth, ClassStats, DaemonView, Direction, FlowKey,
-                             FlowSource, FlowView, StageState, StageView)
+from flowpacer.model import (BackendHealth, ClassStats, DaemonCounters, DaemonView, Direction,
+                             EventCounts, FlowKey, FlowSource, FlowSourceMode, FlowSourceStatus,
+                             FlowView, Histogram, StageState, StageView, TracerStats)
 from harness.testbed import client_argv, in_netns, server_argv, wait_for
 
 from harness.daemon import Daemon
@@ -33,15 +34,17 @@ def _flow(i, rule="r", rate=1000, process="srv\n\x1b[31m"):
 def _view(flows, **kw):
     h = LatencyHistogram()
     h.observe(0.0003)
-    counters = {"applies": 1, "op_errors": 0, "reloads_ok": 1, "reloads_failed": 0,
-                "backend_rebuild_failures": 0, "apply_hist": h.cumulative()}
+    buckets, total = h.cumulative()
+    counters = dict(applies=1, op_errors=0, reloads_ok=1, reloads_failed=0,
+                    backend_rebuild_failures=0, apply_hist=Histogram(tuple(buckets), total))
     counters.update(kw.pop("counters", {}))
     v = dict(backend="htb", backend_reason="", interface="eth0",
              backend_health=BackendHealth.OK, backend_problem="", link_rate_bps=125_000_000,
-             rules_path="/r.yaml", rule_names=("r", "s"), flow_source="tracer",
-             tracer={"lost": 0, "unattributed": 0}, live_flows=len(flows), flows=tuple(flows),
+             rules_path="/r.yaml", rule_names=("r", "s"),
+             flow_source=FlowSourceStatus(FlowSourceMode.TRACER),
+             tracer=TracerStats(lost=0, unattributed=0), live_flows=len(flows), flows=tuple(flows),
              stages=(StageView("main", StageState.RUNNING), StageView("tracer", StageState.RUNNING)),
-             counters=counters, events={("tracer", "open"): 3})
+             counters=DaemonCounters(**counters), events=EventCounts(tracer_open=3))
     v.update(kw)
     return DaemonView(**v)
 

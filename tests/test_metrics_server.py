@@ -33,10 +33,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from flowpacer import webconfig
 from flowpacer.metrics import (MAX_CONNECTIONS, AddressLabels, FlowpacerCollector, FlowSeries,
-                               LatencyHistogram, MetricsServer, address_label, flow_labels,
-                               label_safe)
-from flowpacer.model import (BackendHealth, ClassStats, DaemonView, Direction, FlowKey,
-                             FlowSource, FlowView, Protocol, StageState, StageView)
+                               LatencyHistogram, MetricsServer, address_label, flow_labels)
+from flowpacer.model import (BackendHealth, ClassStats, DaemonCounters, DaemonView, Direction,
+                             EventCounts, FlowKey, FlowSource, FlowSourceMode, FlowSourceStatus,
+                             FlowView, Histogram, Protocol, StageState, StageView, TracerStats)
+from flowpacer.text import printable as label_safe
 from harness.daemon import Daemon, tracebacks
 from harness.testbed import PY, client_argv, in_netns, server_argv, wait_for
 from harness.fakes import StageCtx as Ctx
@@ -109,12 +110,13 @@ def _view(flows):
     return DaemonView(
         backend="htb", backend_reason="", interface="eth\x1b0", backend_health=BackendHealth.OK,
         backend_problem="", link_rate_bps=125_000_000, rules_path="/r.yaml",
-        rule_names=("r", "ru\x07le"), flow_source="tracer\r\n", tracer={"lost": 0, "unattributed": 0},
+        rule_names=("r", "ru\x07le"),
+        flow_source=FlowSourceStatus(FlowSourceMode.TRACER_FAILED, "x\r\n"),
+        tracer=TracerStats(lost=0, unattributed=0),
         live_flows=len(flows), flows=tuple(flows),
         stages=(StageView("main", StageState.RUNNING),),
-        counters={"applies": 0, "op_errors": 0, "reloads_ok": 0, "reloads_failed": 0,
-                  "backend_rebuild_failures": 0, "apply_hist": h.cumulative()},
-        events={("tracer", "open"): 1})
+        counters=DaemonCounters(apply_hist=Histogram(*h.cumulative())),
+        events=EventCounts(tracer_open=1))
 
 
 def _flow(i, remote="10.0.0.2", process=ESC_NAME, rule="r"):
@@ -142,7 +144,8 @@ def test_collector_address_modes_and_clean_labels_everywhere(mode):
     assert {s.labels["process"] for s in sent} == {ESC_SHOWN}
     assert {s.labels["rule"] for s in sent} == {"r", "ru\\x07le"}
     info = next(s for s in samples if s.name == "flowpacer_info")
-    assert info.labels["interface"] == "eth\\x1b0" and info.labels["flow_source"] == "tracer\\x0d\\x0a"
+    assert info.labels["interface"] == "eth\\x1b0" and info.labels["flow_source"] == \
+        "sock_diag polling only (tracer failed: x\\x0d\\x0a)"
     remotes = sorted(s.labels["remote_address"] for s in sent)
     if mode is AddressLabels.FULL:
         assert remotes == ["10.1.2.3", "10.1.2.4", "192.0.2.9"]

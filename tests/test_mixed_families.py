@@ -13,8 +13,8 @@ from flowpacer import engine, view as views
 from flowpacer.flows import FlowTable
 from flowpacer.metrics import FlowpacerCollector
 from flowpacer.model import (BackendKind, Direction, EventKind, Flow, FlowEvent, FlowKey,
-                             FlowSource, Match, Op, OpKind, ProcessInfo, Protocol, Rule, RuleSet,
-                             Shape)
+                             FlowSource, FlowSourceStatus, Match, Op, OpKind, ProcessInfo,
+                             Protocol, Rule, RuleSet, Shape)
 from flowpacer.reconciler import Reconciler
 from flowpacer.supervisor import BackendSupervisor
 from flowpacer.top import Tracker
@@ -104,7 +104,7 @@ def test_mixed_batches_through_table_engine_backend_view_metrics_top(ks, extra, 
     assert not rec.table.dirty
     # the view, its JSON, the metrics and top all take the mixed set
     with rec.lock:
-        v = views.build(rec, sup, (), rules_path="r", flow_source="t", tracer_stats=None)
+        v = views.build(rec, sup, (), rules_path="r", flow_source=FlowSourceStatus(), tracer_stats=None)
     j = views.to_json(v, sup.backend.stats_by_class())
     assert len(j["flows"]) == len(want) == v.live_flows
     json.dumps(j)

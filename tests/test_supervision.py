@@ -248,12 +248,12 @@ def test_reload_with_a_broken_file_changes_nothing(tmp_path):
         wait_for(lambda: shaped(d) == {f.key}, 5, what="shaped")
         state["rs"] = RulesError(["rules.yaml:3:5: rule 'web': rate: bad"])
         r = d.reload()
-        assert not r["ok"] and "rate: bad" in r["errors"][0]
+        assert not r.ok and "rate: bad" in r.errors[0]
         assert shaped(d) == {f.key} and d.status()["counters"]["reloads_failed"] == 1
         state["rs"] = RuleSet("fake0", BackendKind.HTB, 125_000_000,
                               (Rule("web2", Match(process=("nginx",)), RATE * 2),))
         r = d.reload()
-        assert r["ok"] and r["changed"] == 1
+        assert r.ok and r.changed == 1
         assert d.supervisor.backend.shape_of(f.key) == Shape("web2", RATE * 2, RATE * 2)
 
 

@@ -7,7 +7,9 @@ import subprocess
 import pytest
 
 from flowpacer.testbed import PY, client_argv, server_argv, wait_for
-from flowpacer.top import Tracker, fmt_bits, render, term_safe
+from flowpacer.text import ascii_only as term_safe
+from flowpacer.top import Tracker, render
+from flowpacer.units import format_bit_rate as fmt_bits
 
 from harness.daemon import Daemon
 
