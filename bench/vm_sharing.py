@@ -40,7 +40,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 from harness import pacing  # noqa: E402  (capture, analysis, iperf3, sh in the guest)
 
-KMOD_SOURCES = ("Kbuild", "Makefile", "sch_psp.c", "psp_sched.h", "psp_tree.h", "uapi")
+KMOD_SOURCES = ("Kbuild", "Makefile", "sch_psp.c", "psp_compat.h", "psp_sched.h", "psp_tree.h", "uapi")
 
 log = logging.getLogger("bench.vm_sharing")
 

@@ -20,7 +20,7 @@ if __package__:
 else:  # imported with vm/ as sys.path[0]
     import build as vmbuild  # type: ignore[no-redef]
 
-SOURCES = ("Kbuild", "Makefile", "sch_psp.c", "psp_sched.h", "psp_tree.h", "uapi")
+SOURCES = ("Kbuild", "Makefile", "sch_psp.c", "psp_compat.h", "psp_sched.h", "psp_tree.h", "uapi")
 KMOD_DIR = Path(__file__).resolve().parents[1] / "flowpacer" / "kmod"
 
 
