@@ -358,11 +358,13 @@ def _fingerprint(kernel: Kernel, modules: List[Tuple[Path, str]], busybox: Path)
     return h.hexdigest()
 
 
-def build(force: bool = False, out_dir: Optional[Path] = None) -> Artifacts:
-    """Build (or reuse) the boot files. Safe to call from concurrent processes."""
+def build(force: bool = False, out_dir: Optional[Path] = None,
+          series: Optional[str] = None) -> Artifacts:
+    """Build (or reuse) the boot files for the newest kernel of ``series`` (default:
+    ``$FLOWPACER_VM_KERNEL``, see ``find_kernel``). Safe to call from concurrent processes."""
     out_dir = Path(out_dir or OUT_DIR)
     out_dir.mkdir(parents=True, exist_ok=True)
-    kernel = find_kernel()
+    kernel = find_kernel(series)
     busybox = find_busybox()
     modules = module_files(kernel)
     vmlinux = out_dir / f"vmlinux-{kernel.version}"
