@@ -241,7 +241,7 @@ class GuestRuns:
         else:
             targets = gr.selected
         self._build()
-        out = self.tmp.mktemp(f"vm-{clock.value}" + (f"-{series}" if series else ""))
+        out = self.tmp.mktemp(f"vm-{clock.value}" + (f"-{series}-" if series else ""))
         report = out / "guest-report.json"
         env = {k: v for k, v in os.environ.items()
                if k.startswith("FLOWPACER_")
