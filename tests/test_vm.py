@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -443,3 +444,18 @@ def test_guest_outcomes_after_the_guest_died():
         _check_guest_test(gr, "test_m.py::test_hangs")
     with pytest.raises(pytest.fail.Exception, match="not run: the VM died while .*test_hangs"):
         _check_guest_test(gr, "test_m.py::test_later")
+
+
+def test_kernel_version_differences_only_in_psp_compat_h():
+    """Kernel version tests live in one small header (flowpacer/kmod/psp_compat.h), on the
+    kernel's own macros; the module's other sources have none (no LINUX_VERSION_CODE, no
+    __has_include guessing), and the ethtool read that deadlocked on 7.2+ goes through it."""
+    kmod = REPO / "flowpacer" / "kmod"
+    for name in ("sch_psp.c", "psp_sched.h", "psp_tree.h", "uapi/pkt_sch_psp.h"):
+        text = (kmod / name).read_text()
+        assert "LINUX_VERSION_CODE" not in text and "__has_include" not in text, name
+        assert not re.search(r"__ethtool_get_link_ksettings\(\s*\w", text), name   # no call
+    compat = (kmod / "psp_compat.h").read_text()
+    assert "KERNEL_VERSION(7, 2, 0)" in compat and "netif_get_link_ksettings" in compat
+    assert '#include "psp_compat.h"' in (kmod / "sch_psp.c").read_text()
+    assert "psp_compat.h" in vmkmod.SOURCES
