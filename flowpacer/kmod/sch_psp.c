@@ -39,22 +39,25 @@
  * Changes: every request is validated completely before anything is
  * changed; the change is then made under the tree lock.  A class's rate
  * changes in place (its queue and clock stay).  A class can be deleted while
- * traffic flows (its queue is dropped), unless a filter still points to it. *
- * Locks: init, change and dump run with rtnl held and, on 7.2 and later,
- * with the device's instance lock too when the device is ops-locked
- * (qdisc_create()/qdisc_change() under netdev_lock_ops()).  Nothing called
- * from them may take either lock again.  The only device query is the
- * default link rate in init (the ethtool speed, when the request names no
- * TCA_PSP_LINK_RATE): on 7.2+ __ethtool_get_link_ksettings() takes the
- * instance lock itself, so a psp qdisc created without a link rate on such
- * a device waited for a mutex its own task held (rtnl stayed taken, every
- * later ip/tc hung).  The speed is therefore read through
- * psp_get_link_ksettings() (psp_compat.h): the variant that asserts the
- * caller's locks instead of taking them where the kernel has one
- * (netif_get_link_ksettings(), as the kernel's cbs and taprio do), the rtnl
- * one before.  Reading it in init keeps the documented behaviour (default:
- * the device's speed; refused when it reports none) at the time of the
- * request, which deferring the query to a work item would not.
+ * traffic flows (its queue is dropped), unless a filter still points to it.
+ *
+ * Locks: init, change and dump run under rtnl; init and change (from
+ * qdisc_create()/qdisc_change() under netdev_lock_ops()) also hold the
+ * device's instance lock when the device is ops-locked, which matters from
+ * 7.2 on.  Nothing called from them may take either lock again.  The only
+ * device query is the default link rate in init (the ethtool speed, when the
+ * request has no TCA_PSP_LINK_RATE), and since 7.2
+ * __ethtool_get_link_ksettings() takes the instance lock itself: a psp qdisc
+ * created without a link rate on such a device (a dummy, on Debian's 7.3.4)
+ * waited for a mutex its own task held, with rtnl taken, so every later ip or
+ * tc on the machine hung too.  The speed is therefore read through
+ * psp_get_link_ksettings() (psp_compat.h): netif_get_link_ksettings() on 7.2+,
+ * which asserts the caller's locks instead of taking them (as the kernel's
+ * cbs and taprio do), __ethtool_get_link_ksettings() before (rtnl only).
+ * Reading it in init keeps the documented behaviour (default: the device's
+ * speed, checked when the qdisc is made; refused when it reports none),
+ * which deferring the query to a work item, or requiring the rate from user
+ * space, would not.
  */
 #include <linux/module.h>
 #include <linux/version.h>
