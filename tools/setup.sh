@@ -75,7 +75,8 @@ k73_ready() {
   for d in /usr/lib/modules/7.3.*+deb13-amd64; do
     v=${d##*/}
     [ -f "$d/vmlinuz" ] && [ -f "$d/modules.dep" ] \
-      && [ -f "$KBUILD_ROOT/usr/src/linux-headers-$v/Makefile" ] && return 0
+      && [ -f "$KBUILD_ROOT/usr/src/linux-headers-$v/Makefile" ] \
+      && [ "$(readlink "$d/build")" = "$KBUILD_ROOT/usr/src/linux-headers-$v" ] && return 0
   done
   return 1
 }
@@ -121,6 +122,10 @@ if ! k73_ready; then
     rm -rf "$KBUILD_ROOT"
     mv "$KBUILD_ROOT.new" "$KBUILD_ROOT"
   fi
+  # bcc in the guest (tracer, first-byte hooks) compiles against /lib/modules/<version>/build
+  # and source: the root's headers (bcc reads them, it does not run their Makefile)
+  ln -sfn "$KBUILD_ROOT/usr/src/linux-headers-$k73" "$mods/build"
+  ln -sfn "$KBUILD_ROOT/usr/src/linux-headers-${k73%-amd64}-common" "$mods/source"
   echo "setup: kernel $k73 ready in $((SECONDS - t0)) s"
 fi
 

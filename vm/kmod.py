@@ -38,12 +38,11 @@ class KmodError(Exception):
 
 
 def make_argv(dest: Path, kver: str, strict: bool) -> List[str]:
-    """The command that builds ``dest`` for ``kver``: make on the host when it has the
-    kernel's build directory, else make chrooted in ``KBUILD_ROOT`` when that root has the
-    headers; KmodError when neither has them."""
+    """The command that builds ``dest`` for ``kver``: make chrooted in ``KBUILD_ROOT`` when
+    that root has the kernel's headers (7.3: its /lib/modules/<version>/build on the host
+    points there too, for bcc, but the host's compiler cannot use them), else make on the host
+    with its build directory; KmodError when neither has them."""
     extra = ["W=1"] if strict else []
-    if (Path("/lib/modules") / kver / "build" / "Makefile").is_file():
-        return ["make", "-C", str(dest), f"KVER={kver}", *extra]
     hdr = f"/usr/src/linux-headers-{kver}"
     if (KBUILD_ROOT / hdr.lstrip("/") / "Makefile").is_file():
         root = shlex.quote(str(KBUILD_ROOT))
@@ -52,6 +51,8 @@ def make_argv(dest: Path, kver: str, strict: bool) -> List[str]:
         script = (f"mkdir -p {root}{ROOT_SRC} && mount -t proc proc {root}/proc && "
                   f"mount --bind {shlex.quote(str(dest))} {root}{ROOT_SRC} && exec {inner}")
         return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
+    if (Path("/lib/modules") / kver / "build" / "Makefile").is_file():
+        return ["make", "-C", str(dest), f"KVER={kver}", *extra]
     raise KmodError(f"no headers for {kver}: neither /lib/modules/{kver}/build nor "
                     f"{KBUILD_ROOT}{hdr} (tools/setup.sh makes the latter for 7.3)")
 
