@@ -41,7 +41,7 @@ if str(REPO) not in sys.path:
 from harness import pacing  # noqa: E402  (capture, analysis, iperf3, sh in the guest)
 from .reportkit import ResultIndex, num, pyplot, savefig, share, table  # noqa: E402
 
-KMOD_SOURCES = ("Kbuild", "Makefile", "sch_psp.c", "psp_sched.h", "psp_tree.h", "uapi")
+KMOD_SOURCES = ("Kbuild", "Makefile", "sch_psp.c", "psp_compat.h", "psp_sched.h", "psp_tree.h", "uapi")
 
 log = logging.getLogger("bench.vm_sharing")
 

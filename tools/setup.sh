@@ -60,6 +60,75 @@ EOF
     "linux-image-$k612" "linux-headers-$k612" >/dev/null
 fi
 
+# trixie-backports' kernel (7.3) for the test VM (FLOWPACER_VM_KERNEL=7.3), from the Debian
+# archive only and without adding trixie to this host's apt sources (a trixie package cannot
+# install on bookworm, and the host's upgrades must not see trixie): a private apt state under
+# /var/cache/flowpacer fetches the image, base and modules packages, dpkg-deb unpacks them into
+# /usr/lib/modules/<version>/ (the image is vmlinuz there, where vm/build.py looks), depmod. Its
+# headers need gcc-14, so the module is built for it in a trixie root made by mmdebstrap, where
+# apt installs the headers from trixie-backports (vm/kmod.py builds there).
+FP_CACHE=/var/cache/flowpacer
+TRIXIE_APT=$FP_CACHE/apt-trixie
+KBUILD_ROOT=$FP_CACHE/trixie-kbuild
+k73_ready() {
+  local d v
+  for d in /usr/lib/modules/7.3.*+deb13-amd64; do
+    v=${d##*/}
+    [ -f "$d/vmlinuz" ] && [ -f "$d/modules.dep" ] \
+      && [ -f "$KBUILD_ROOT/usr/src/linux-headers-$v/Makefile" ] \
+      && [ "$(readlink "$d/build")" = "$KBUILD_ROOT/usr/src/linux-headers-$v" ] && return 0
+  done
+  return 1
+}
+if ! k73_ready; then
+  t0=$SECONDS
+  mkdir -p "$TRIXIE_APT"/etc/preferences.d "$TRIXIE_APT"/state/lists/partial \
+           "$TRIXIE_APT"/cache/archives/partial
+  echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian trixie-backports main" \
+    > "$TRIXIE_APT/etc/sources.list"
+  touch "$TRIXIE_APT/state/status"
+  tapt=(-o "Dir::Etc::sourcelist=$TRIXIE_APT/etc/sources.list" -o Dir::Etc::sourceparts=-
+        -o "Dir::Etc::preferencesparts=$TRIXIE_APT/etc/preferences.d"
+        -o "Dir::State=$TRIXIE_APT/state" -o "Dir::State::status=$TRIXIE_APT/state/status"
+        -o "Dir::Cache=$TRIXIE_APT/cache" -o APT::Architecture=amd64 -o APT::Sandbox::User=root)
+  apt-get "${tapt[@]}" update -qq
+  k73=$(apt-cache "${tapt[@]}" search --names-only '^linux-binary-7\.3\.[0-9]+\+deb13-amd64$' \
+        | awk '{print $1}' | sed 's/^linux-binary-//' | sort -V | tail -n 1)
+  if [ -z "$k73" ]; then
+    echo "setup: no linux-binary-7.3.*+deb13-amd64 in trixie-backports" >&2
+    exit 1
+  fi
+  mods=/usr/lib/modules/$k73
+  if [ ! -f "$mods/vmlinuz" ] || [ ! -f "$mods/modules.dep" ]; then
+    echo "setup: unpacking kernel $k73 (trixie-backports) for the test VM"
+    work=$(mktemp -d "$FP_CACHE/unpack.XXXXXX")
+    (cd "$work" && apt-get "${tapt[@]}" download -qq \
+       "linux-binary-$k73" "linux-base-$k73" "linux-modules-$k73" >/dev/null)
+    for deb in "$work"/*.deb; do dpkg-deb -x "$deb" "$work/root"; done
+    rm -rf "$mods"
+    mv "$work/root/usr/lib/modules/$k73" "$mods"
+    rm -rf "$work"
+    depmod "$k73"
+  fi
+  if [ ! -f "$KBUILD_ROOT/usr/src/linux-headers-$k73/Makefile" ]; then
+    echo "setup: making $KBUILD_ROOT (trixie, gcc-14, linux-headers-$k73) to build modules for it"
+    rm -rf "$KBUILD_ROOT.new"
+    mmdebstrap --quiet --variant=minbase \
+      --include="gcc-14,make,libc6-dev,libelf-dev,dwarves,kmod,linux-headers-$k73" \
+      trixie "$KBUILD_ROOT.new" \
+      "deb http://deb.debian.org/debian trixie main" \
+      "deb http://deb.debian.org/debian trixie-backports main"
+    mkdir -p "$KBUILD_ROOT.new/mnt/kmod"     # vm/kmod.py binds the module's sources here
+    rm -rf "$KBUILD_ROOT"
+    mv "$KBUILD_ROOT.new" "$KBUILD_ROOT"
+  fi
+  # bcc in the guest (tracer, first-byte hooks) compiles against /lib/modules/<version>/build
+  # and source: the root's headers (bcc reads them, it does not run their Makefile)
+  ln -sfn "$KBUILD_ROOT/usr/src/linux-headers-$k73" "$mods/build"
+  ln -sfn "$KBUILD_ROOT/usr/src/linux-headers-${k73%-amd64}-common" "$mods/source"
+  echo "setup: kernel $k73 ready in $((SECONDS - t0)) s"
+fi
+
 # The venv uses Debian's python3 so that bcc (python3-bpfcc) imports.
 if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import bcc' 2>/dev/null; then
   rm -rf .venv

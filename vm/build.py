@@ -9,7 +9,8 @@ the modules put into the initramfs, busybox, the guest scripts or this file).
 
 The kernel is the newest installed ``/boot/vmlinuz-6.1.*`` whose modules directory
 ``/lib/modules/<version>`` exists; ``FLOWPACER_VM_KERNEL=6.12`` picks the newest 6.12 instead
-(Debian 13's kernel, from bookworm-backports), a path names one bzImage.
+(Debian 13's kernel, from bookworm-backports), ``=7.3`` trixie-backports' kernel (its image is
+``/lib/modules/<version>/vmlinuz``, unpacked by tools/setup.sh), a path names one bzImage.
 Only the standard library is used so that ``python3`` works as well as the venv.
 """
 from __future__ import annotations
@@ -73,16 +74,33 @@ def _version_key(ver: str) -> Tuple:
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"[.\-+~]", ver))
 
 
-KERNEL_SERIES = ("6.1", "6.12")   # what the project tests the module on (Debian 12, 13/backports)
+# What the project tests the module on: Debian 12's 6.1, Debian 13's 6.12 (from bookworm-backports
+# here), trixie-backports' 7.3 (tools/setup.sh unpacks its image and modules).
+KERNEL_SERIES = ("6.1", "6.12", "7.3")
 DEFAULT_SERIES = "6.1"
+_SETUP_HINTS = {"6.1.": "apt-get install linux-image-amd64 on Debian 12",
+                "6.12.": "tools/setup.sh installs it (bookworm-backports)",
+                "7.3.": "tools/setup.sh unpacks it from trixie-backports"}
+
+
+def _image_version(img: Path) -> str:
+    """The kernel version of /boot/vmlinuz-<version> or /usr/lib/modules/<version>/vmlinuz."""
+    if img.name.startswith("vmlinuz-"):
+        return img.name[len("vmlinuz-"):]
+    if img.name == "vmlinuz" and img.parent.parent.name == "modules":
+        return img.parent.name
+    return ""
 
 
 def find_kernel(pattern: Optional[str] = None) -> Kernel:
-    """The newest installed /boot/vmlinuz-<series>.* that has its modules directory.
+    """The newest installed kernel of a series that has its modules directory: a
+    /boot/vmlinuz-<series>.* (Debian's linux-image packages) or a
+    /lib/modules/<series>.*/vmlinuz (where trixie-backports' linux-binary packages put the
+    image, and where tools/setup.sh unpacks 7.3).
 
-    The series is ``pattern`` if given, else ``$FLOWPACER_VM_KERNEL``: a series such as "6.1"
-    or "6.12" (the dot after it is implied, so that 6.12 is not taken for 6.1), or the path of
-    a /boot/vmlinuz-<version> file; default "6.1"."""
+    The series is ``pattern`` if given, else ``$FLOWPACER_VM_KERNEL``: a series such as "6.1",
+    "6.12" or "7.3" (the dot after it is implied, so that 6.12 is not taken for 6.1), or the
+    path of such an image file; default "6.1"."""
     override = None if pattern else os.environ.get("FLOWPACER_VM_KERNEL", "").strip()
     if override and "/" in override:
         candidates = [Path(override)]
@@ -90,23 +108,25 @@ def find_kernel(pattern: Optional[str] = None) -> Kernel:
         series = (pattern or override or DEFAULT_SERIES).rstrip(".")
         if not re.fullmatch(r"\d+\.\d+", series):
             raise BuildError(f"FLOWPACER_VM_KERNEL={series}: a kernel series such as "
-                             f"{' or '.join(KERNEL_SERIES)}, or a /boot/vmlinuz-<version> path")
+                             f"{', '.join(KERNEL_SERIES)}, or a /boot/vmlinuz-<version> path")
         pattern = series + "."
-        candidates = [Path(p) for p in glob.glob(f"/boot/vmlinuz-{pattern}*")]
-    found = []
+        candidates = [Path(p) for p in glob.glob(f"/boot/vmlinuz-{pattern}*")
+                      + glob.glob(f"/lib/modules/{pattern}*/vmlinuz")]
+    found = {}
     for img in candidates:
-        ver = img.name[len("vmlinuz-"):] if img.name.startswith("vmlinuz-") else ""
+        ver = _image_version(img)
         moddir = Path("/lib/modules") / ver
         if ver and img.is_file() and (moddir / "modules.dep").is_file():
-            found.append(Kernel(img, ver, moddir))
+            found.setdefault(ver, Kernel(img, ver, moddir))
     if not found:
-        hint = ("apt-get install linux-image-amd64 on Debian 12" if pattern == "6.1." else
-                "tools/setup.sh installs it (bookworm-backports)")
+        hint = _SETUP_HINTS.get(pattern or "", "tools/setup.sh")
         raise BuildError(
-            f"no /boot/vmlinuz-{pattern}* with a /lib/modules/<version>/modules.dep ({hint})"
+            f"no /boot/vmlinuz-{pattern}* or /lib/modules/{pattern}*/vmlinuz with a "
+            f"/lib/modules/<version>/modules.dep ({hint})"
             if not (override and "/" in override) else
-            f"FLOWPACER_VM_KERNEL={override}: not a vmlinuz-<version> file with its modules")
-    return max(found, key=lambda k: _version_key(k.version))
+            f"FLOWPACER_VM_KERNEL={override}: not a vmlinuz-<version> or "
+            f"modules/<version>/vmlinuz file with its modules")
+    return max(found.values(), key=lambda k: _version_key(k.version))
 
 
 # Compressed-payload magics and the host tool that undoes each (the kernel appends the
@@ -338,11 +358,13 @@ def _fingerprint(kernel: Kernel, modules: List[Tuple[Path, str]], busybox: Path)
     return h.hexdigest()
 
 
-def build(force: bool = False, out_dir: Optional[Path] = None) -> Artifacts:
-    """Build (or reuse) the boot files. Safe to call from concurrent processes."""
+def build(force: bool = False, out_dir: Optional[Path] = None,
+          series: Optional[str] = None) -> Artifacts:
+    """Build (or reuse) the boot files for the newest kernel of ``series`` (default:
+    ``$FLOWPACER_VM_KERNEL``, see ``find_kernel``). Safe to call from concurrent processes."""
     out_dir = Path(out_dir or OUT_DIR)
     out_dir.mkdir(parents=True, exist_ok=True)
-    kernel = find_kernel()
+    kernel = find_kernel(series)
     busybox = find_busybox()
     modules = module_files(kernel)
     vmlinux = out_dir / f"vmlinux-{kernel.version}"

@@ -5,27 +5,56 @@
 
 The sources are copied to ``dest`` first, so a build for the VM never races another build in
 the repo (or leaves objects there). The kernel version is the one ``vm/build.py`` boots; its
-headers must be installed (``/lib/modules/<version>/build``, Debian's linux-headers package).
+headers must be installed: ``/lib/modules/<version>/build`` (Debian's linux-headers package), or,
+for trixie-backports' 7.3 whose headers need gcc-14, in the trixie root tools/setup.sh makes
+(``KBUILD_ROOT``, ``$FLOWPACER_KBUILD_ROOT``): the build then runs chrooted there, in a private
+mount namespace (its ``/proc`` for objtool, ``dest`` bound at ``/mnt/kmod``), as root.
 Only the standard library is used.
 """
 from __future__ import annotations
 
+import os
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 if __package__:
     from . import build as vmbuild
 else:  # imported with vm/ as sys.path[0]
     import build as vmbuild  # type: ignore[no-redef]
 
-SOURCES = ("Kbuild", "Makefile", "sch_psp.c", "psp_sched.h", "psp_tree.h", "uapi")
+SOURCES = ("Kbuild", "Makefile", "sch_psp.c", "psp_compat.h", "psp_sched.h", "psp_tree.h", "uapi")
 KMOD_DIR = Path(__file__).resolve().parents[1] / "flowpacer" / "kmod"
+
+
+KBUILD_ROOT = Path(os.environ.get("FLOWPACER_KBUILD_ROOT", "/var/cache/flowpacer/trixie-kbuild"))
+ROOT_SRC = "/mnt/kmod"     # where the sources are bound inside KBUILD_ROOT
 
 
 class KmodError(Exception):
     """The module could not be built; the message has the reason and the build log's tail."""
+
+
+def make_argv(dest: Path, kver: str, strict: bool) -> List[str]:
+    """The command that builds ``dest`` for ``kver``: make chrooted in ``KBUILD_ROOT`` when
+    that root has the kernel's headers (7.3: its /lib/modules/<version>/build on the host
+    points there too, for bcc, but the host's compiler cannot use them), else make on the host
+    with its build directory; KmodError when neither has them."""
+    extra = ["W=1"] if strict else []
+    hdr = f"/usr/src/linux-headers-{kver}"
+    if (KBUILD_ROOT / hdr.lstrip("/") / "Makefile").is_file():
+        root = shlex.quote(str(KBUILD_ROOT))
+        inner = shlex.join(["chroot", str(KBUILD_ROOT), "make", "-C", ROOT_SRC, f"KVER={kver}",
+                            f"KDIR={hdr}", *extra])
+        script = (f"mkdir -p {root}{ROOT_SRC} && mount -t proc proc {root}/proc && "
+                  f"mount --bind {shlex.quote(str(dest))} {root}{ROOT_SRC} && exec {inner}")
+        return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
+    if (Path("/lib/modules") / kver / "build" / "Makefile").is_file():
+        return ["make", "-C", str(dest), f"KVER={kver}", *extra]
+    raise KmodError(f"no headers for {kver}: neither /lib/modules/{kver}/build nor "
+                    f"{KBUILD_ROOT}{hdr} (tools/setup.sh makes the latter for 7.3)")
 
 
 def build_psp(dest: Path, timeout: float = 600, series: Optional[str] = None,
@@ -45,7 +74,7 @@ def build_psp(dest: Path, timeout: float = 600, series: Optional[str] = None,
             shutil.copytree(src, dest / name, dirs_exist_ok=True)
         else:
             shutil.copy2(src, dest / name)
-    argv = ["make", "-C", str(dest), f"KVER={kver}"] + (["W=1"] if strict else [])
+    argv = make_argv(dest.resolve(), kver, strict)
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as e:

@@ -76,6 +76,21 @@ APPEND_VIRTUAL = "nohz=off"
 # and measurements want the kernel's and the qdisc's behaviour, not the emulator's cost of a byte.
 # FLOWPACER_VM_CPU overrides the CPU model (FLOWPACER_VM_CPU=max: the old one, for comparisons).
 CPU = "max,-erms,-fsrm"
+# A task stuck in the kernel (a deadlock: a mutex its own task holds, rtnl never released) must
+# fail the run at once rather than wedge the guest until the host's time limit: the kernel's
+# hung-task detector reports a task in uninterruptible sleep for longer than the timeout
+# ("INFO: task ... blocked for more than N seconds") and, with hung_task_panic, panics; qemu then
+# exits (panic=-1, -no-reboot) and the run fails with those lines (VMError). Debian's default
+# timeout is 120 s. In virtual time the guest's clock races ahead of the host's while it waits
+# for a 9p reply (a reader holding an inode lock can keep another task waiting many guest
+# seconds), and idle time is skipped, so a real deadlock still reaches a longer limit within a
+# few host seconds: 600 s of guest time there, 20 s in real time.
+HUNG_TASK_S = {"real": 20, "virtual": 600}
+
+
+def _hung_task_append(clock) -> str:
+    return (f"sysctl.kernel.hung_task_timeout_secs={HUNG_TASK_S[clock.value]} "
+            f"hung_task_panic=1")
 
 
 def host_tsc_khz(cpuinfo: str = "/proc/cpuinfo") -> int:
@@ -155,12 +170,27 @@ class VMResult:
         return dmesg_problems(self.dmesg)
 
 
-DMESG_BAD = re.compile(r"WARNING|BUG|Oops|general protection|KASAN|refcount_t")
+# Kernel log lines that mean a kernel bug: WARN/BUG/Oops, memory and refcount checkers, the
+# hung-task detector ("INFO: task x:1 blocked for more than 20 seconds"), lockdep's reports
+# ("possible circular locking dependency", "possible recursive locking", "inconsistent lock
+# state"), a panic (not "hung_task": the command line the kernel logs has it). tests/guest/kmsg.py
+# checks every guest test against the same pattern.
+DMESG_BAD = re.compile(r"WARNING|BUG|Oops|general protection|KASAN|refcount_t"
+                       r"|INFO: task |blocked for more than"
+                       r"|possible (circular|recursive) locking|inconsistent lock state"
+                       r"|Kernel panic")
 
 
 def dmesg_problems(text: str) -> List[str]:
-    """Kernel log lines that mean the kernel found a bug (WARN, BUG, Oops, ...)."""
+    """Kernel log lines that mean the kernel found a bug (WARN, BUG, Oops, hung task,
+    lockdep, ...)."""
     return [ln for ln in text.splitlines() if DMESG_BAD.search(ln)]
+
+
+def _console_problems(console: str, limit: int = 6) -> str:
+    """The first kernel-bug lines of the console log, for a failed run's message."""
+    bad = [ln.strip() for ln in dmesg_problems(console)]
+    return "; ".join(bad[:limit]) + (f" (+{len(bad) - limit} more)" if len(bad) > limit else "")
 
 
 def _read(p: Path) -> str:
@@ -183,7 +213,7 @@ def _qemu_cmd(art: "vmbuild.Artifacts", out: Path, mem_mb: int, smp: int,
         "-machine", "q35", *accel, "-cpu", os.environ.get("FLOWPACER_VM_CPU", CPU), "-m", str(mem_mb), "-smp", str(smp),
         "-kernel", str(art.vmlinux), "-initrd", str(art.initramfs),
         "-append", " ".join(filter(None, (APPEND, APPEND_VIRTUAL if clock is Clock.VIRTUAL else "",
-                                          _tsc_append(clock),
+                                          _tsc_append(clock), _hung_task_append(clock),
                                           os.environ.get("FLOWPACER_VM_APPEND", "")))),
         "-serial", f"file:{console}",
         "-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,"
@@ -198,7 +228,7 @@ def run(cmd: Union[Sequence[str], str], *, cwd: Optional[str] = None, timeout: f
         mem_mb: int = DEFAULT_MEM_MB, smp: int = DEFAULT_SMP, out_dir: Optional[Path] = None,
         boot_timeout: float = DEFAULT_BOOT_TIMEOUT,
         on_output: Optional[Callable[[str], None]] = None,
-        clock: Union[Clock, str, None] = None) -> VMResult:
+        clock: Union[Clock, str, None] = None, kernel: Optional[str] = None) -> VMResult:
     """Boot the VM, run ``cmd`` as root in ``cwd`` (default: the current directory), power off.
 
     ``cmd`` is an argv list, or a string for ``/bin/sh -c``. ``env`` adds variables to the
@@ -207,6 +237,8 @@ def run(cmd: Union[Sequence[str], str], *, cwd: Optional[str] = None, timeout: f
     ``on_output`` receives the command's output as it arrives. ``clock``: ``Clock.VIRTUAL``
     (or "virtual") runs the guest in virtual time on one vCPU (``smp`` is then 1); None takes
     ``$FLOWPACER_VM_CLOCK`` (default real). The guest's command sees ``FLOWPACER_VM_CLOCK``.
+    ``kernel``: a kernel series ("6.1", "6.12", "7.3") to boot instead of
+    ``$FLOWPACER_VM_KERNEL``'s.
     """
     clock = Clock.parse(clock)
     if shutil.which(QEMU) is None:
@@ -226,7 +258,7 @@ def run(cmd: Union[Sequence[str], str], *, cwd: Optional[str] = None, timeout: f
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
             raise VMError(f"env: {k!r} is not a variable name")
     try:
-        art = vmbuild.build()
+        art = vmbuild.build(series=kernel)
     except (vmbuild.BuildError, OSError) as e:
         raise VMError(f"cannot build the VM boot files: {e}") from None
 
@@ -277,7 +309,9 @@ def run(cmd: Union[Sequence[str], str], *, cwd: Optional[str] = None, timeout: f
                 failure = f"the guest did not start the command within {boot_timeout:.0f} s"
                 break
             if boot_s is not None and now > boot_s + timeout + KILL_GRACE:
-                failure = f"the guest did not finish within {timeout + KILL_GRACE:.0f} s of its start"
+                failure = (f"the guest did not finish within {timeout + KILL_GRACE:.0f} s of its "
+                           f"start (killed: wedged, or its command ignored the {timeout:.0f} s "
+                           f"timeout)")
                 break
             time.sleep(0.1)
     finally:
@@ -297,11 +331,11 @@ def run(cmd: Union[Sequence[str], str], *, cwd: Optional[str] = None, timeout: f
             else "the guest stopped before the command finished")
         qerr = _read(qemu_err).strip()
         why += f"; qemu exit {proc.returncode}" + (f": {qerr.splitlines()[-1]}" if qerr else "")
-        panic = [ln for ln in cons.splitlines() if "Kernel panic" in ln]
-        if panic:
-            why += f"; {panic[0].strip()}"
         failure = why
     if failure is not None:
+        alarm = _console_problems(cons)
+        if alarm:
+            failure += f"; the guest kernel reported: {alarm}"
         raise VMError(f"VM run failed: {failure}; files in {out}", cons, output)
     rc = int(rc_text)
     res = VMResult(rc=rc, output=output, dmesg=_read(out / "dmesg.txt"), console=cons,

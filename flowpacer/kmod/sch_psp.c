@@ -40,6 +40,24 @@
  * changed; the change is then made under the tree lock.  A class's rate
  * changes in place (its queue and clock stay).  A class can be deleted while
  * traffic flows (its queue is dropped), unless a filter still points to it.
+ *
+ * Locks: init, change and dump run under rtnl; init and change (from
+ * qdisc_create()/qdisc_change() under netdev_lock_ops()) also hold the
+ * device's instance lock when the device is ops-locked, which matters from
+ * 7.2 on.  Nothing called from them may take either lock again.  The only
+ * device query is the default link rate in init (the ethtool speed, when the
+ * request has no TCA_PSP_LINK_RATE), and since 7.2
+ * __ethtool_get_link_ksettings() takes the instance lock itself: a psp qdisc
+ * created without a link rate on such a device (a dummy, on Debian's 7.3.4)
+ * waited for a mutex its own task held, with rtnl taken, so every later ip or
+ * tc on the machine hung too.  The speed is therefore read through
+ * psp_get_link_ksettings() (psp_compat.h): netif_get_link_ksettings() on 7.2+,
+ * which asserts the caller's locks instead of taking them (as the kernel's
+ * cbs and taprio do), __ethtool_get_link_ksettings() before (rtnl only).
+ * Reading it in init keeps the documented behaviour (default: the device's
+ * speed, checked when the qdisc is made; refused when it reports none),
+ * which deferring the query to a work item, or requiring the rate from user
+ * space, would not.
  */
 #include <linux/module.h>
 #include <linux/version.h>
@@ -58,15 +76,9 @@
 #include <net/sch_generic.h>
 #include <net/pkt_sched.h>
 #include <net/pkt_cls.h>
-#if __has_include(<net/gso.h>)
-#include <net/gso.h>		/* skb_gso_segment() since 6.5 */
-#endif
 
+#include "psp_compat.h"		/* every kernel version difference */
 #include "uapi/pkt_sch_psp.h"
-
-#if LINUX_VERSION_CODE < KERNEL_VERSION(6, 1, 0)
-#error "sch_psp needs Linux 6.1 or newer (gnet_stats_basic_sync, tc_qdisc_stats_dump)"
-#endif
 
 #define PSP_UNPACED_GSO_NS	(50 * NSEC_PER_USEC)
 
@@ -186,12 +198,13 @@ static int psp_depth(const struct psp_class *cl)
 	return d;
 }
 
-/* Link speed of @dev in bytes/s, 0 when it reports none. */
+/* Link speed of @dev in bytes/s, 0 when it reports none.  Called from init
+ * with the caller's locks held: see "Locks" above. */
 static u64 psp_dev_rate(struct net_device *dev)
 {
 	struct ethtool_link_ksettings ks;
 
-	if (__ethtool_get_link_ksettings(dev, &ks))
+	if (psp_get_link_ksettings(dev, &ks))
 		return 0;
 	if (ks.base.speed == 0 || ks.base.speed == (u32)SPEED_UNKNOWN)
 		return 0;
@@ -289,9 +302,7 @@ static int psp_enqueue_segs(struct sk_buff *skb, struct Qdisc *sch,
 
 		skb_mark_not_on_list(segs);
 		qdisc_skb_cb(segs)->pkt_len = seg_len;
-#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 19, 0)
-		qdisc_skb_cb(segs)->pkt_segs = 1;	/* bstats_update() reads it */
-#endif
+		psp_skb_set_one_seg(segs);
 		if (psp_enqueue_one(segs, sch, cl, to_free) == NET_XMIT_SUCCESS) {
 			nb++;
 			len += seg_len;
@@ -1132,9 +1143,7 @@ static void __exit psp_module_exit(void)
 
 module_init(psp_module_init);
 module_exit(psp_module_exit);
-#ifdef MODULE_ALIAS_NET_SCH
-MODULE_ALIAS_NET_SCH("psp");	/* request_module("net-sch-psp"), 6.9+ */
-#endif
+PSP_MODULE_ALIAS();
 MODULE_LICENSE("GPL");
 MODULE_DESCRIPTION("psp: precise byte-clock pacing qdisc (flowpacer)");
 MODULE_VERSION("0.1.0");

@@ -1,9 +1,12 @@
 """Fixtures for the tests that run inside the qemu test VM (tests/test_vm.py starts them).
 
-- every test fails when the kernel logged a WARNING, BUG, Oops, ... while it ran
-  (``@pytest.mark.allow_dmesg(REGEX)`` exempts matching lines);
+- every test fails when the kernel logged a WARNING, BUG, Oops, a hung task ("blocked for more
+  than"), a lockdep report, ... while it ran (``kmsg.BAD``; ``@pytest.mark.allow_dmesg(REGEX)``
+  exempts matching lines);
 - with ``FLOWPACER_GUEST_REPORT=FILE`` the outcome of every test is written to FILE (JSON)
-  for the host-side bridge;
+  for the host-side bridge, after every test and with the test that is running, so that when
+  the guest dies (a hung task panics it, vm/run.py) the host still knows what passed and which
+  test was running;
 - ``psp_module`` (sch_psp loaded), ``tb`` (a ``harness.testbed.Testbed`` with sch_psp loaded),
   ``bed`` (that testbed and a psp netlink socket in its sender namespace), ``big_rmem``.
 """
@@ -83,6 +86,28 @@ def dmesg_clean(request):
 # ----------------------------------------------------------------- report for the host
 
 _REPORT = {}
+_RUNNING = {"nodeid": None}
+
+
+def _write_report(exitstatus):
+    path = os.environ.get("FLOWPACER_GUEST_REPORT")
+    if path:
+        tmp = path + ".tmp"
+        Path(tmp).write_text(json.dumps({"exitstatus": exitstatus, "running": _RUNNING["nodeid"],
+                                         "tests": _REPORT}, indent=1))
+        os.replace(tmp, path)
+
+
+def pytest_runtest_logstart(nodeid, location):
+    if os.environ.get("FLOWPACER_GUEST_REPORT"):
+        _RUNNING["nodeid"] = nodeid
+        _write_report(None)
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    if os.environ.get("FLOWPACER_GUEST_REPORT"):
+        _RUNNING["nodeid"] = None
+        _write_report(None)
 
 
 def pytest_runtest_logreport(report):
@@ -113,9 +138,5 @@ def pytest_collectreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    path = os.environ.get("FLOWPACER_GUEST_REPORT")
-    if path:
-        tmp = path + ".tmp"
-        Path(tmp).write_text(json.dumps({"exitstatus": int(exitstatus), "tests": _REPORT},
-                                        indent=1))
-        os.replace(tmp, path)
+    _RUNNING["nodeid"] = None
+    _write_report(int(exitstatus))

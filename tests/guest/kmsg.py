@@ -1,12 +1,14 @@
-"""Read the kernel log from a point on (/dev/kmsg) and find lines that mean a kernel bug."""
+"""Read the kernel log from a point on (/dev/kmsg) and find lines that mean a kernel bug:
+WARNING/BUG/Oops, KASAN, refcount_t, the hung-task detector's "INFO: task ... blocked for more
+than N seconds", lockdep's "possible circular locking dependency" and the like (the pattern is
+``vm.run.DMESG_BAD``, which the host checks each VM run's whole log against too)."""
 from __future__ import annotations
 
 import errno
 import os
-import re
 from typing import List
 
-BAD = re.compile(r"WARNING|BUG|Oops|general protection|KASAN|refcount_t")
+from vm.run import DMESG_BAD as BAD
 
 
 def problems(lines: List[str]) -> List[str]:
