@@ -2,7 +2,7 @@
 supervision (stage failures, restart adoption, fall-back, reload, watchdog) is tested
 in-process. Pure bookkeeping: nothing here touches the kernel. Real-kernel behaviour is tested
 with the real backend elsewhere; these fakes only have to keep the backend's contract
-(idempotent apply, per-op errors, installed/shape_of/flows_snapshot, check/audit/forget).
+(``flowpacer.backend.contract.Backend``; harness/backend_contract.py checks it).
 """
 from __future__ import annotations
 
@@ -10,16 +10,31 @@ import contextlib
 import threading
 from typing import Callable, Dict, List, Optional
 
+from flowpacer.backend.contract import Capabilities
 from flowpacer.errors import BackendError
-from flowpacer.model import (ApplyResult, BackendHealth, ClassStats, FlowKey, Op, OpError,
-                             OpKind, Shape)
+from flowpacer.model import (ApplyResult, BackendHealth, BackendKind, ClassRole, ClassStats,
+                             FlowKey, Op, OpError, OpKind, Shape, Side)
+
+
+class FakeStatsChannel:
+    def __init__(self):
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
 
 
 class FakeBackend:
+    """A ``Backend`` (flowpacer/backend/contract.py) in memory: classes without groups or
+    pools, every class with 1000 bytes sent."""
+
     def __init__(self, name: str = "htb", interface: str = "fake0",
                  link_rate_bps: int = 125_000_000,
-                 installed: Optional[Dict[FlowKey, Shape]] = None):
+                 installed: Optional[Dict[FlowKey, Shape]] = None, side: Side = Side.SEND):
+        self.kind = BackendKind(name)
         self.name = name
+        self.capabilities = Capabilities(has_classes=True, groups=False, kernel_shares=False,
+                                         pools=False, side=side)
         self.interface = interface
         self.link_rate_bps = link_rate_bps
         self.health = BackendHealth.OK
@@ -97,10 +112,21 @@ class FakeBackend:
         return res
 
     def flows_snapshot(self):
-        return [(k, c, s) for k, (c, s) in self.flows.items()]
+        return [(k, f"{c >> 16:x}:{c & 0xFFFF:x}", s) for k, (c, s) in self.flows.items()]
 
-    def stats_by_class(self, rtnl=None) -> Dict[int, ClassStats]:
-        return {c: ClassStats(bytes=1000, packets=1) for c, _ in self.flows.values()}
+    def group_views(self):
+        return ()
+
+    def open_stats_channel(self) -> FakeStatsChannel:
+        return FakeStatsChannel()
+
+    def class_stats(self, channel=None):
+        out = {k: ClassStats(bytes=1000, packets=1) for k in self.flows}
+        out[ClassRole.DEFAULT] = ClassStats()
+        return out
+
+    def stats(self) -> Dict[FlowKey, ClassStats]:
+        return {k: st for k, st in self.class_stats().items() if isinstance(k, FlowKey)}
 
 
 class FakeFactory:
@@ -135,13 +161,14 @@ class FakeFactory:
             return None
         return self._new("htb", interface, link_rate_bps), "auto: psp gone, using htb (fake)"
 
-    def psp_available(self) -> bool:
+    def preferred_available(self) -> bool:
         return self.psp
 
     def make_receive(self, send_backend, interface, link_rate_bps):
         if self.rx_error is not None:
             raise self.rx_error
-        b = FakeBackend(send_backend.name, "fpi-" + interface, link_rate_bps or 125_000_000)
+        b = FakeBackend(send_backend.name, "fpi-" + interface, link_rate_bps or 125_000_000,
+                        side=Side.RECEIVE)
         self.made_rx.append(b)
         b.setup()
         return b
