@@ -41,6 +41,7 @@ class FakeBackend:
         self.setup_error: Optional[Exception] = None    # setup() raises this (a lost module)
         self.raise_on_apply: List[Exception] = []       # apply() raises these, one per call
         self.refuse: set = set()                        # keys whose ADD the "kernel" refuses
+        self.busy: set = set()                          # keys whose REMOVE it refuses
         self.flows: Dict[FlowKey, tuple] = {}           # key -> (classid, Shape)
         self.kernel_before: Dict[FlowKey, Shape] = dict(installed or {})  # what a crash left
         self.applied: List[Op] = []
@@ -95,7 +96,9 @@ class FakeBackend:
             self.applied.append(op)
             cur = self.flows.get(op.key)
             if op.kind is OpKind.REMOVE:
-                if cur is not None:
+                if cur is not None and op.key in self.busy:
+                    res.errors.append(OpError(op, f"delete class of {op.key}: busy (test)"))
+                elif cur is not None:
                     del self.flows[op.key]
                     res.removed += 1
             elif cur is not None:
