@@ -269,7 +269,9 @@ class Daemon:
         return self._stage("firstbyte", self._first_byte, GiveUp.DEGRADE, stall_s=10.0)
 
     def _usable_backend(self):
-        return self.supervisor.backend if self.supervisor.usable else None
+        """The backend first-byte shaping may use: usable, with pools (``Capabilities``)."""
+        b = self.supervisor.backend
+        return b if self.supervisor.usable and b.capabilities.pools else None
 
     def _first_byte(self, ctx: StageContext) -> None:
         fb = self.firstbyte
