@@ -58,7 +58,6 @@ def link_speed_bps(interface: str) -> Optional[int]:
     return mbit * 1_000_000 // 8 if mbit > 0 else None
 
 
-
 def root_qdisc(rtnl: RtnlSocket, ifindex: int) -> Optional[nl.TcObject]:
     for mtype, body in rtnl.dump(RTM_GETQDISC, nl.tcmsg(ifindex)):
         obj = nl.parse_tcmsg(mtype, body)
