@@ -34,7 +34,7 @@ from .errors import FlowpacerError, TracerUnavailable
 from .memory import release_compiler_memory, trim_heap
 from .metrics import DEFAULT_LISTEN, DEFAULT_MAX_FLOW_SERIES, FlowpacerCollector, MetricsServer
 from .model import (BackendKind, DaemonView, FlowSourceMode, FlowSourceStatus, ReloadResult,
-                    RuleSet, Side, TracerStats)
+                    RuleSet, TracerStats)
 from .reconciler import Reconciler
 from .stages import GiveUp, Stage, StageContext, watchdog_ok
 from .supervisor import BackendSupervisor, TcBackendFactory
@@ -147,7 +147,7 @@ class Daemon:
                                         "reload": lambda req: views.reload_json(self.reload()),
                                         "ping": lambda req: {"ok": True}})
         self._metrics: Optional[MetricsServer] = None
-        self._metrics_rtnl = None
+        self._metrics_channels = None
         self.stages: List[Stage] = []
         self.main_stage: Optional[Stage] = None
         self._next_scan = 0.0
@@ -441,37 +441,21 @@ class Daemon:
         class counters are read after it is released, so that a status poll (``top`` asks every
         second) never holds up the tracer's events."""
         v = self.view()
-        stats = {}
-        if self.supervisor.backend is not None and self.supervisor.usable:
-            from .tc.nl import RtnlSocket
-            try:
-                with RtnlSocket() as rt:      # this thread's own socket: the loop uses b's
-                    stats = self._all_class_stats(rt)
-            except (OSError, FlowpacerError) as e:
-                log.debug("status: class statistics: %s", e)
+        channels = self.supervisor.open_stats_channel()
+        try:
+            stats = self.supervisor.class_stats(channels)
+        except (OSError, FlowpacerError) as e:
+            log.debug("status: class statistics: %s", e)
+            stats = {}
+        finally:
+            channels.close()
         return views.to_json(v, stats)
 
     def _class_stats(self) -> dict:
-        """Read by the metrics stage over its own netlink socket, without the loop's lock."""
-        if self.supervisor.backend is None:
-            return {}
-        if self._metrics_rtnl is None:
-            from .tc.nl import RtnlSocket
-            self._metrics_rtnl = RtnlSocket()
-        return self._all_class_stats(self._metrics_rtnl)
-
-    def _all_class_stats(self, rtnl) -> dict:
-        """{classid: ClassStats} of the send side's classes and {(Side.RECEIVE, classid):
-        ClassStats} of the receive side's (the same ids, on the ifb: ``FlowView.stats_key``)."""
-        sup = self.supervisor
-        out = dict(sup.backend.stats_by_class(rtnl))
-        rx = sup.rx
-        if rx is not None and sup.rx_usable:
-            try:
-                out.update(((Side.RECEIVE, c), st) for c, st in rx.stats_by_class(rtnl).items())
-            except (OSError, FlowpacerError) as e:
-                log.debug("receive side class statistics: %s", e)
-        return out
+        """Read by the metrics stage over its own channels, without the loop's lock."""
+        if self._metrics_channels is None:
+            self._metrics_channels = self.supervisor.open_stats_channel()
+        return self.supervisor.class_stats(self._metrics_channels)
 
     # -------------------------------------------------------------- shutdown
     def shutdown(self) -> None:
@@ -492,8 +476,8 @@ class Daemon:
             self._control.close()
         if self._metrics is not None:
             self._metrics.close()
-        if self._metrics_rtnl is not None:
-            self._metrics_rtnl.close()
+        if self._metrics_channels is not None:
+            self._metrics_channels.close()
         signal.set_wakeup_fd(-1)
         os.close(self._wake_r)
         os.close(self._wake_w)

@@ -26,7 +26,7 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 from .memory import trim_heap
-from .model import BackendHealth, FlowKey, Side, StageState
+from .model import BackendHealth, FlowKey, StageState
 from .text import printable
 
 # prometheus_client is imported where it is used: the daemon's start (and so its recovery after
@@ -108,7 +108,7 @@ def group_families(v, stats, addresses, limit: int = MAX_CLIENT_SERIES):
         rule, _, net = g.id.partition("/")
         label = net if addresses is AddressLabels.FULL else \
             address_label(net.split("/")[0], addresses)
-        st = stats.get(g.classid)
+        st = stats.get(g.stats_key(v.interface or ""))
         c = clients.setdefault((rule, label), [0, 0])
         c[0] += st.bytes if st else 0
         c[1] += g.rate_bps
@@ -211,7 +211,7 @@ class FlowSeries:
 
 class FlowpacerCollector:
     """``view()`` returns the daemon's ``DaemonView``; ``class_stats()`` returns
-    {classid: ClassStats} read from the kernel at this moment."""
+    {StatsKey: ClassStats} read from the kernel at this moment."""
 
     def __init__(self, view: Callable[[], dict], class_stats: Callable[[], dict],
                  max_flow_series: int = DEFAULT_MAX_FLOW_SERIES,
@@ -252,9 +252,9 @@ class FlowpacerCollector:
         seen = set()
         rows = []
         for f in v.flows:
-            st = stats.get(f.stats_key)
+            key = f.stats_key(v.interface or "")      # one flow, two classes (two sides)
+            st = stats.get(key)
             b, p, d = (st.bytes, st.packets, st.drops) if st else (0, 0, 0)
-            key = f.key if f.side is Side.SEND else (Side.RECEIVE, f.key)   # one flow, two classes
             seen.add(key)
             last = self._last.get(key)
             base = (0, 0, 0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import ipaddress
 from dataclasses import dataclass, field
-from typing import ClassVar, Dict, FrozenSet, Mapping, Optional, Tuple, Union
+from typing import ClassVar, Dict, FrozenSet, Mapping, NamedTuple, Optional, Tuple, Union
 
 IPAddress = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
 IPNetwork = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
@@ -340,6 +340,27 @@ class ClassStats:
     rate_est_bps: int = 0                # bytes/s, 0 when the kernel has none
 
 
+class GroupKey(NamedTuple):
+    """A group class by what it caps: its level and ``Group.id`` (kind None and id "" for a
+    group adopted after a restart that no plan has named yet)."""
+    kind: Optional[GroupKind]
+    id: str
+
+
+class ClassRole(str, enum.Enum):
+    """Classes that are neither a flow's nor a group's."""
+    DEFAULT = "default"    # unmatched traffic
+
+
+class StatsKey(NamedTuple):
+    """Where one class's counters belong: the shaped interface (the send side's, also for its
+    receive side's ifb), the side, and what the class shapes (a flow, a group, the default
+    class). The backend's own class ids never appear in a key (issue 25)."""
+    interface: str
+    side: "Side"
+    key: Union[FlowKey, GroupKey, ClassRole]
+
+
 @dataclass(frozen=True, slots=True)
 class LinkConfig:
     interface: str
@@ -501,7 +522,7 @@ class StageView:
 class FlowView:
     """One shaped flow as status, top and metrics show it."""
     key: FlowKey
-    classid: int
+    handle: str                          # the backend's name for its class, shown only ("f1f0:12")
     rule: str
     rate_bps: int
     ceil_bps: int
@@ -513,11 +534,9 @@ class FlowView:
     groups: Tuple[Group, ...] = ()       # its rule and client groups (issue 15), outermost first
     side: Side = Side.SEND               # which way its class shapes (issue 17)
 
-    @property
-    def stats_key(self):
-        """Its class's key in a class-statistics map: the classid on the send side,
-        (Side.RECEIVE, classid) on the receive side (its classes have the same ids, on the ifb)."""
-        return self.classid if self.side is Side.SEND else (Side.RECEIVE, self.classid)
+    def stats_key(self, interface: str) -> StatsKey:
+        """Its class's key in a statistics map of the daemon shaping ``interface``."""
+        return StatsKey(interface, self.side, self.key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -525,9 +544,17 @@ class GroupView:
     """One group class (a rule's total or one client's share of a rule) as the kernel has it."""
     kind: Optional[GroupKind]            # None: adopted after a restart, not named by a plan yet
     id: str                              # Group.id ("" until named)
-    classid: int
+    handle: str                          # the backend's name for its class, shown only
     rate_bps: int                        # its kernel rate (its share when its parent is full)
     ceil_bps: int                        # its cap
+
+    @property
+    def group_key(self) -> GroupKey:
+        return GroupKey(self.kind, self.id)
+
+    def stats_key(self, interface: str) -> StatsKey:
+        """Its class's key in a statistics map (groups are on the send side)."""
+        return StatsKey(interface, Side.SEND, self.group_key)
 
 
 @dataclass(frozen=True, slots=True)

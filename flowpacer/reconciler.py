@@ -81,9 +81,9 @@ class Reconciler:
         with self.lock:
             sup = self.supervisor
             b = sup.backend
-            pool = getattr(b, "pool", None)
-            if b is None or not sup.usable or pool is None:
+            if b is None or not sup.usable or not b.capabilities.pools:
                 return PoolGrant(False, report.epoch, self.rules)
+            pool = b.pool
             flows = self.table.flows
             classed = {c.key for c in report.claims if b.shape_of(c.key) is not None}
             pp = engine.plan_pools(report, pool.holding(), flows, classed, self.rules,

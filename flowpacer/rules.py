@@ -43,6 +43,7 @@ except ImportError:  # pragma: no cover
     _CParser = None
 
 from . import units
+from .backend import registry as backend_registry
 from .errors import FlowpacerError, RuleProblem, RulesError
 from .model import (DEFAULT_IDLE_TIMEOUT_NS, BackendKind, Direction, Match, PortSet, Protocol,
                     Rule, RuleSet)
@@ -217,7 +218,7 @@ def _choice(node: Node, kind, what: str, choices: str):
 
 
 def _p_backend(node: Node, env: _Env, name: str) -> BackendKind:
-    return _choice(node, BackendKind, "backend", "auto, psp or htb")
+    return _choice(node, BackendKind, "backend", backend_registry.choices_text())
 
 
 def _rate_text(node: Node) -> str:
@@ -716,7 +717,7 @@ TOP_FIELDS: Tuple[Field, ...] = (
           "the network interface whose egress is shaped (optional: the CLI can give it)",
           "eth0", "the CLI's --interface"),
     Field("backend", _p_backend, BackendKind.AUTO, False,
-          "psp (the sch_psp module), htb, or auto (psp when it loads, else htb)", "auto"),
+          backend_registry.doc_text(), "auto"),
     Field("link_rate", _p_link_rate, None, False,
           "the link's rate in tc units; optional when the interface reports its speed, "
           "required for veth and for NN% rates", "1gbit", "the interface's speed"),

@@ -14,10 +14,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Protocol
+from typing import Callable, Dict, List, Optional, Protocol
 
 from .errors import BackendError, FlowpacerError
-from .model import BackendHealth, BackendKind, FlowKey, RuleSet
+from .backend.contract import Backend, StatsChannel
+from .model import BackendHealth, BackendKind, ClassStats, FlowKey, RuleSet, Side, StatsKey
 
 log = logging.getLogger(__name__)
 
@@ -30,25 +31,24 @@ class BackendFactory(Protocol):
         """A backend set up on ``interface`` (its root qdisc in place) and why this kind;
         raises FlowpacerError."""
 
-    def fallback(self, kind: BackendKind, lost: str, interface: str,
+    def fallback(self, kind: BackendKind, lost: BackendKind, interface: str,
                  link_rate_bps: Optional[int]):
-        """(backend set up, reason) to replace the lost backend named ``lost``, or None to keep
-        retrying it; raises FlowpacerError when the replacement cannot be set up."""
+        """(backend set up, reason) to replace the lost backend of kind ``lost``, or None to
+        keep retrying it; raises FlowpacerError when the replacement cannot be set up."""
 
-    def psp_available(self) -> bool:
-        """May a reload go back to psp after a fall-back?"""
+    def preferred_available(self) -> bool:
+        """May a reload go back to auto's preferred kind (psp) after a fall-back?"""
 
-    # optional (issue 17): a factory without them cannot shape the receive side
-    def make_receive(self, send_backend, interface: str, link_rate_bps: Optional[int]):
+    def make_receive(self, send_backend: Backend, interface: str, link_rate_bps: Optional[int]):
         """The receive side's backend (same kind as ``send_backend``) set up on
-        ``interface``'s ingress; raises FlowpacerError."""
+        ``interface``'s ingress (issue 17); raises FlowpacerError."""
 
     def cleanup_receive(self, interface: str) -> None:
         """Remove a receive side that a previous run left (no rule receives now)."""
 
 
 class TcBackendFactory:
-    """The real thing: tc backends over rtnetlink."""
+    """The real thing: tc backends over rtnetlink, of the kinds in backend/registry.py."""
 
     def __init__(self, take_over: bool = False):
         self.take_over = take_over
@@ -81,13 +81,15 @@ class TcBackendFactory:
             raise
         return b
 
-    def psp_available(self) -> bool:
-        from .backend import psp_available
-        return psp_available()[0]
+    def preferred_available(self) -> bool:
+        from .backend import available, registry
+        return available(registry.auto_order()[0].kind)[0]
 
     def make_receive(self, send_backend, interface, link_rate_bps):
+        from .backend import registry
         from .backend.ingress import IngressBackend
-        return self._ready(IngressBackend(send_backend.codec, interface, link_rate_bps))
+        codec = registry.spec(send_backend.kind).codec()
+        return self._ready(IngressBackend(codec, interface, link_rate_bps))
 
     def cleanup_receive(self, interface):
         from .backend.ingress import cleanup
@@ -167,7 +169,7 @@ class BackendSupervisor:
         if not rs.receives:
             if self.rx is not None:
                 self._drop_receive()
-            elif at_start and hasattr(self.factory, "cleanup_receive"):
+            elif at_start:
                 try:
                     self.factory.cleanup_receive(self.backend.interface)
                 except (OSError, FlowpacerError) as e:
@@ -177,12 +179,9 @@ class BackendSupervisor:
             return False
         if self.rx is not None:
             return False
-        make = getattr(self.factory, "make_receive", None)
-        if make is None:
-            self.rx_problem = "this backend factory cannot shape the receive side"
-            return False
         try:
-            self.rx = make(self.backend, self.backend.interface, rs.link_rate_bps)
+            self.rx = self.factory.make_receive(self.backend, self.backend.interface,
+                                                rs.link_rate_bps)
         except (OSError, FlowpacerError) as e:
             self._rx_failed(f"cannot set up the receive side: {e}")
             return False
@@ -348,7 +347,7 @@ class BackendSupervisor:
     def _fall_back(self, b, why: str, reason: str) -> bool:
         rs = self._rules
         try:
-            alt = self.factory.fallback(self.kind_of(rs), b.name, b.interface, rs.link_rate_bps)
+            alt = self.factory.fallback(self.kind_of(rs), b.kind, b.interface, rs.link_rate_bps)
         except (OSError, FlowpacerError) as e:
             if self.problem != reason:
                 log.warning("%s: cannot fall back either: %s", b.interface, e)
@@ -365,9 +364,9 @@ class BackendSupervisor:
         self.problem = ""
         self._episode_failures = 0
         self.fell_back = True
-        self.reason = f"{alt_reason}; psp: {reason}"
-        log.warning("%s: %s and psp cannot be rebuilt (%s): %s; re-applying every flow",
-                    nb.interface, why, reason, alt_reason)
+        self.reason = f"{alt_reason}; {b.name}: {reason}"
+        log.warning("%s: %s and %s cannot be rebuilt (%s): %s; re-applying every flow",
+                    nb.interface, why, b.name, reason, alt_reason)
         return True
 
     # -------------------------------------------------------------- reload
@@ -377,7 +376,7 @@ class BackendSupervisor:
                 or self.kind_of(new) != self.kind_of(old)
                 or new.link_rate_bps != old.link_rate_bps
                 # auto fell back to htb after psp was lost: back to psp when it can be had
-                or (self.fell_back and self.factory.psp_available()))
+                or (self.fell_back and self.factory.preferred_available()))
 
     def switch(self, new: RuleSet) -> None:
         """Clean switch-over: the old backend's objects go, the new backend starts empty. On
@@ -401,6 +400,35 @@ class BackendSupervisor:
         self._rules = rs
         self._sync_receive(rs)
 
+    # ---------------------------------------------------------- statistics
+    def open_stats_channel(self) -> "StatsChannels":
+        """Channels for ``class_stats`` from the calling thread (status, metrics), closed by
+        the caller."""
+        return StatsChannels()
+
+    def class_stats(self, channels: "StatsChannels") -> Dict[StatsKey, ClassStats]:
+        """The counters of every class of the backends in use, by (interface, side, what it
+        shapes): the send side's and, on the same interface's key, the receive side's. Read
+        without the reconciler's lock, each backend over the caller's own channel."""
+        b = self.backend
+        if b is None or not self.usable:
+            return {}
+        ifname = b.interface
+        out: Dict[StatsKey, ClassStats] = {}
+        for be, side in ((b, Side.SEND), (self.rx, Side.RECEIVE)):
+            if be is None or (side is Side.RECEIVE and not self.rx_usable):
+                continue
+            try:
+                got = be.class_stats(channels.get(be))
+            except (OSError, FlowpacerError) as e:
+                if side is Side.SEND:
+                    raise
+                log.debug("receive side class statistics: %s", e)
+                continue
+            out.update((StatsKey(ifname, side, k), st) for k, st in got.items())
+        channels.retain(self.backends())
+        return out
+
     def shutdown(self) -> None:
         if self.rx is not None:
             self._drop_receive()
@@ -408,3 +436,32 @@ class BackendSupervisor:
             self.backend.teardown()
             self.backend.close()
             self.backend = None
+
+
+class StatsChannels:
+    """One thread's channels to the backends' counters, one per backend, made on first use and
+    kept while that backend is the one asked (a switched backend's channel is closed)."""
+
+    def __init__(self):
+        self._by_backend: Dict[int, tuple] = {}
+
+    def get(self, backend: Backend) -> Optional[StatsChannel]:
+        got = self._by_backend.get(id(backend))
+        if got is not None and got[0] is backend:
+            return got[1]
+        if got is not None:
+            got[1].close()
+        ch = backend.open_stats_channel()
+        self._by_backend[id(backend)] = (backend, ch)
+        return ch
+
+    def retain(self, backends) -> None:
+        """Close the channels of backends no longer in use (a switch, a fall-back)."""
+        keep = {id(b) for b in backends}
+        for k in [k for k in self._by_backend if k not in keep]:
+            self._by_backend.pop(k)[1].close()
+
+    def close(self) -> None:
+        for _b, ch in self._by_backend.values():
+            ch.close()
+        self._by_backend.clear()

@@ -11,9 +11,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Dict, Iterable, Optional, Tuple
 
-from .model import (BackendHealth, ClassStats, DaemonCounters, DaemonView, EventCounts,
-                    FirstByteView, FlowKey, FlowSourceStatus, FlowView, GroupKind, GroupView, Histogram,
-                    Percentiles, ReloadResult, Side, TracerStats, endpoint)
+from .model import (ClassStats, DaemonCounters, DaemonView, EventCounts, FirstByteView,
+                    FlowKey, FlowSourceStatus, FlowView, GroupKind, Histogram, Percentiles,
+                    ReloadResult, Side, StatsKey, TracerStats, endpoint)
 
 
 _COUNTS = tuple(f.name for f in dataclasses.fields(DaemonCounters) if f.type == "int")
@@ -24,17 +24,17 @@ def build(rec, sup, stages: Iterable, *, rules_path: str, flow_source: FlowSourc
           first_byte: Optional[FirstByteView] = None) -> DaemonView:
     """Called with ``rec.lock`` held."""
     b = sup.backend
-    rx = getattr(sup, "rx", None)
+    rx = sup.rx
     flows = []
     table = rec.table.flows
     for side, be in ((Side.SEND, b), (Side.RECEIVE, rx)):
-        for key, classid, shape in (be.flows_snapshot() if be else ()):
+        for key, handle, shape in (be.flows_snapshot() if be else ()):
             f = table.get(key)
             if f is None:
-                flows.append(FlowView(key, classid, shape.rule, shape.rate_bps, shape.ceil_bps,
+                flows.append(FlowView(key, handle, shape.rule, shape.rate_bps, shape.ceil_bps,
                                       groups=shape.groups, side=side))
             else:
-                flows.append(FlowView(key, classid, shape.rule, shape.rate_bps, shape.ceil_bps,
+                flows.append(FlowView(key, handle, shape.rule, shape.rate_bps, shape.ceil_bps,
                                       f.proc.pid, f.proc.comm, f.proc.uid, f.direction, f.source,
                                       shape.groups, side))
     c = rec.counters
@@ -63,15 +63,14 @@ def build(rec, sup, stages: Iterable, *, rules_path: str, flow_source: FlowSourc
         events=EventCounts(**{f"{src}_{kind}": n for (src, kind), n in rec.table.events.items()}),
         groups=_groups(b),
         receive_interface=rx.interface if rx is not None else None,
-        receive_health=getattr(sup, "rx_health", BackendHealth.OK),
-        receive_problem=getattr(sup, "rx_problem", ""),
+        receive_health=sup.rx_health,
+        receive_problem=sup.rx_problem,
         first_byte=first_byte,
     )
 
 
 def _groups(b) -> tuple:
-    snap = getattr(b, "groups_snapshot", None) if b is not None else None
-    return tuple(GroupView(*g) for g in snap()) if snap else ()
+    return b.group_views() if b is not None and b.capabilities.groups else ()
 
 
 def client_of(group_id: str) -> str:
@@ -92,12 +91,12 @@ def _flow_groups(f: FlowView) -> dict:
     return out
 
 
-def _groups_json(v: DaemonView, stats: Dict[int, ClassStats]) -> list:
+def _groups_json(v: DaemonView, stats: Dict[StatsKey, ClassStats]) -> list:
     out = []
     for g in v.groups:
-        st = stats.get(g.classid)
+        st = stats.get(g.stats_key(v.interface or ""))
         out.append({"kind": g.kind.value if g.kind else "", "id": g.id,
-                    "classid": classid_text(g.classid),
+                    "classid": g.handle,
                     "rate_bit": g.rate_bps * 8, "ceil_bit": g.ceil_bps * 8,
                     "bytes": st.bytes if st else 0, "packets": st.packets if st else 0,
                     "drops": st.drops if st else 0})
@@ -105,12 +104,12 @@ def _groups_json(v: DaemonView, stats: Dict[int, ClassStats]) -> list:
     return out
 
 
-def to_json(v: DaemonView, stats: Dict[int, ClassStats]) -> dict:
-    """The status answer: every flow with its class's counters (``stats``: by classid, and by
-    ``FlowView.stats_key`` for the receive side's classes)."""
+def to_json(v: DaemonView, stats: Dict[StatsKey, ClassStats]) -> dict:
+    """The status answer: every flow with its class's counters (``stats``: by ``StatsKey``,
+    the supervisor's ``class_stats``)."""
     flows = []
     for f in v.flows:
-        st = stats.get(f.stats_key)
+        st = stats.get(f.stats_key(v.interface or ""))
         flows.append({
             "rule": f.rule, "side": f.side.value, "pid": f.pid, "process": f.process,
             "uid": f.uid,
@@ -120,7 +119,7 @@ def to_json(v: DaemonView, stats: Dict[int, ClassStats]) -> dict:
             "remote": endpoint(f.key.remote_addr, f.key.remote_port),
             "family": f.key.family,
             "protocol": f.key.protocol.value,
-            "classid": classid_text(f.classid),
+            "classid": f.handle,
             "rate_bit": f.rate_bps * 8, "ceil_bit": f.ceil_bps * 8,
             "bytes": st.bytes if st else 0, "packets": st.packets if st else 0,
             "drops": st.drops if st else 0,
@@ -158,10 +157,6 @@ def _first_byte_json(fb: Optional[FirstByteView]) -> Optional[dict]:
     return {"pools": [{"rule": p.rule, "ready": p.ready, "claims": p.claims} for p in fb.pools],
             "counters": dict(fb.counters), "ids_held": fb.ids_held,
             "ids_awaiting": fb.ids_awaiting}
-
-
-def classid_text(c: Optional[int]) -> str:
-    return f"{c >> 16:x}:{c & 0xFFFF:x}" if c is not None else ""
 
 
 def _pcts(samples_ns) -> Percentiles:

@@ -2,8 +2,8 @@
 supervision (stage failures, restart adoption, fall-back, reload, watchdog) is tested
 in-process. Pure bookkeeping: nothing here touches the kernel. Real-kernel behaviour is tested
 with the real backend elsewhere; these fakes only have to keep the backend's contract
-(idempotent apply, per-op errors, installed/shape_of/flows_snapshot, check/audit/forget,
-first-byte pool ops). ``FakeFirstByte`` is the first-byte source over in-memory maps.
+(``flowpacer.backend.contract.Backend``; harness/backend_contract.py checks it), the first-byte
+pool ops included. ``FakeFirstByte`` is the first-byte source over in-memory maps.
 """
 from __future__ import annotations
 
@@ -11,26 +11,42 @@ import contextlib
 import threading
 from typing import Callable, Dict, List, Optional
 
+from flowpacer.backend.contract import Capabilities
 from flowpacer.backend.filters import LayoutFull
 from flowpacer.backend.pool import Pool
 from flowpacer.errors import BackendError
 from flowpacer.firstbyte import (EVENT, FB_DIR_INBOUND, FB_DIR_OUTBOUND, FB_F_CLOSED,
                                  POOL_SLOTS, FirstByte)
-from flowpacer.model import (ApplyResult, BackendHealth, ClassStats, FlowKey, Op, OpError,
-                             OpKind, PoolOp, Shape)
+from flowpacer.model import (ApplyResult, BackendHealth, BackendKind, ClassRole, ClassStats,
+                             FlowKey, Op, OpError, OpKind, PoolOp, Shape, Side)
+
+
+class FakeStatsChannel:
+    def __init__(self):
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
 
 
 class FakeBackend:
+    """A ``Backend`` (flowpacer/backend/contract.py) in memory: classes without groups, the
+    first-byte pools on the send side (``Pools``), every class with 1000 bytes sent."""
+
     def __init__(self, name: str = "htb", interface: str = "fake0",
                  link_rate_bps: int = 125_000_000,
-                 installed: Optional[Dict[FlowKey, Shape]] = None):
+                 installed: Optional[Dict[FlowKey, Shape]] = None, side: Side = Side.SEND):
+        self.kind = BackendKind(name)
         self.name = name
+        self.capabilities = Capabilities(has_classes=True, groups=False, kernel_shares=False,
+                                         pools=side is Side.SEND, side=side)
         self.interface = interface
         self.link_rate_bps = link_rate_bps
         self.health = BackendHealth.OK
         self.setup_error: Optional[Exception] = None    # setup() raises this (a lost module)
         self.raise_on_apply: List[Exception] = []       # apply() raises these, one per call
         self.refuse: set = set()                        # keys whose ADD the "kernel" refuses
+        self.busy: set = set()                          # keys whose REMOVE it refuses
         self.flows: Dict[FlowKey, tuple] = {}           # key -> (classid, Shape)
         self.kernel_before: Dict[FlowKey, Shape] = dict(installed or {})  # what a crash left
         self.applied: List[Op] = []
@@ -94,7 +110,9 @@ class FakeBackend:
                 continue
             cur = self.flows.get(op.key)
             if op.kind is OpKind.REMOVE:
-                if cur is not None:
+                if cur is not None and op.key in self.busy:
+                    res.errors.append(OpError(op, f"delete class of {op.key}: busy (test)"))
+                elif cur is not None:
                     del self.flows[op.key]
                     if cur[0] & 0xFFFF >= 0xC000:
                         self.pool.free_minor(cur[0] & 0xFFFF)
@@ -149,10 +167,21 @@ class FakeBackend:
                 made.append(cid)
 
     def flows_snapshot(self):
-        return [(k, c, s) for k, (c, s) in self.flows.items()]
+        return [(k, f"{c >> 16:x}:{c & 0xFFFF:x}", s) for k, (c, s) in self.flows.items()]
 
-    def stats_by_class(self, rtnl=None) -> Dict[int, ClassStats]:
-        return {c: ClassStats(bytes=1000, packets=1) for c, _ in self.flows.values()}
+    def group_views(self):
+        return ()
+
+    def open_stats_channel(self) -> FakeStatsChannel:
+        return FakeStatsChannel()
+
+    def class_stats(self, channel=None):
+        out = {k: ClassStats(bytes=1000, packets=1) for k in self.flows}
+        out[ClassRole.DEFAULT] = ClassStats()
+        return out
+
+    def stats(self) -> Dict[FlowKey, ClassStats]:
+        return {k: st for k, st in self.class_stats().items() if isinstance(k, FlowKey)}
 
 
 class FakeFactory:
@@ -187,13 +216,14 @@ class FakeFactory:
             return None
         return self._new("htb", interface, link_rate_bps), "auto: psp gone, using htb (fake)"
 
-    def psp_available(self) -> bool:
+    def preferred_available(self) -> bool:
         return self.psp
 
     def make_receive(self, send_backend, interface, link_rate_bps):
         if self.rx_error is not None:
             raise self.rx_error
-        b = FakeBackend(send_backend.name, "fpi-" + interface, link_rate_bps or 125_000_000)
+        b = FakeBackend(send_backend.name, "fpi-" + interface, link_rate_bps or 125_000_000,
+                        side=Side.RECEIVE)
         self.made_rx.append(b)
         b.setup()
         return b

@@ -502,13 +502,13 @@ def _view(groups, flows=()):
 def test_metrics_per_client_series_are_bounded_to_the_busiest():
     from flowpacer import metrics
     from flowpacer.model import ClassStats, GroupView
-    groups = [GroupView(GroupKind.RULE, "dl", 0x10, 25 * MBIT, 30 * MBIT)]
+    groups = [GroupView(GroupKind.RULE, "dl", "f1f0:10", 25 * MBIT, 30 * MBIT)]
     stats = {}
     for i in range(150):                      # 150 clients, client i sent i * 1000 bytes
         cid = 0x100 + i
-        groups.append(GroupView(GroupKind.CLIENT, f"dl/10.0.{i // 100}.{i % 100}/32", cid,
-                                MBIT, 2 * MBIT))
-        stats[cid] = ClassStats(bytes=i * 1000)
+        groups.append(GroupView(GroupKind.CLIENT, f"dl/10.0.{i // 100}.{i % 100}/32",
+                                f"f1f0:{cid:x}", MBIT, 2 * MBIT))
+        stats[groups[-1].stats_key("eth0")] = ClassStats(bytes=i * 1000)
     fams = {f.name: f for f in metrics.group_families(_view(groups), stats,
                                                       metrics.AddressLabels.FULL)}
     assert [(s.labels, s.value) for s in fams["flowpacer_rule_total_rate_bytes_per_second"].samples] \
@@ -533,12 +533,12 @@ def test_status_json_and_top_show_the_groups():
     k = FlowKey(ipaddress.ip_address("192.0.2.1"), 443, ipaddress.ip_address("2001:db8::7"), 4000)
     r = agg_rule(client=20, total=30)
     shape = engine.shape_of(r, k)
-    f = FlowView(k, 0xF1F00012, "dl", shape.rate_bps, shape.ceil_bps, 7, "nginx", groups=shape.groups)
-    plain = FlowView(FlowKey(k.local_addr, 443, ipaddress.ip_address("192.0.2.9"), 1), 0xF1F00013,
+    f = FlowView(k, "f1f0:12", "dl", shape.rate_bps, shape.ceil_bps, 7, "nginx", groups=shape.groups)
+    plain = FlowView(FlowKey(k.local_addr, 443, ipaddress.ip_address("192.0.2.9"), 1), "f1f0:13",
                      "p", MBIT, MBIT)
-    gv = (GroupView(GroupKind.RULE, "dl", 0xF1F00010, 8 * MBIT, 30 * MBIT),
-          GroupView(GroupKind.CLIENT, "dl/2001:db8::/64", 0xF1F00011, 8 * MBIT, 20 * MBIT))
-    st = view.to_json(_view(gv, [f, plain]), {0xF1F00011: ClassStats(bytes=1234)})
+    gv = (GroupView(GroupKind.RULE, "dl", "f1f0:10", 8 * MBIT, 30 * MBIT),
+          GroupView(GroupKind.CLIENT, "dl/2001:db8::/64", "f1f0:11", 8 * MBIT, 20 * MBIT))
+    st = view.to_json(_view(gv, [f, plain]), {gv[1].stats_key("eth0"): ClassStats(bytes=1234)})
     fj = next(x for x in st["flows"] if x["rule"] == "dl")
     assert (fj["client"], fj["client_rate_bit"], fj["total_rate_bit"]) == (
         "2001:db8::/64", 20_000_000, 30_000_000)

@@ -27,7 +27,7 @@ from harness.daemon import Daemon
 
 def _flow(i, rule="r", rate=1000, process="srv\n\x1b[31m"):
     k = FlowKey(ipaddress.ip_address("10.0.0.1"), 80, ipaddress.ip_address("10.0.0.2"), 1000 + i)
-    return FlowView(k, 0xF1F00010 + i, rule, rate, rate, 1, process, 0, Direction.INBOUND,
+    return FlowView(k, f"f1f0:{0x10 + i:x}", rule, rate, rate, 1, process, 0, Direction.INBOUND,
                     FlowSource.TRACER)
 
 
@@ -66,7 +66,7 @@ def value(samples, name, **labels):
 
 def test_collector_bounds_series_and_counts_overflow():
     flows = [_flow(i) for i in range(10)]
-    stats = {f.classid: ClassStats(bytes=100, packets=1) for f in flows}
+    stats = {f.stats_key("eth0"): ClassStats(bytes=100, packets=1) for f in flows}
     c = FlowpacerCollector(lambda: _view(flows), lambda: stats, max_flow_series=4)
     m = scrape(c)
     assert len(m["flowpacer_flow_sent_bytes_total"]) == 4
@@ -80,13 +80,13 @@ def test_collector_bounds_series_and_counts_overflow():
 
 def test_rule_totals_are_counters_across_flow_ends_and_rule_changes():
     flows = [_flow(0), _flow(1)]
-    stats = {f.classid: ClassStats(bytes=500) for f in flows}
+    stats = {f.stats_key("eth0"): ClassStats(bytes=500) for f in flows}
     view = {"v": _view(flows)}
     c = FlowpacerCollector(lambda: view["v"], lambda: stats)
     assert value(scrape(c), "flowpacer_rule_sent_bytes_total", rule="r") == 1000
     # flow 1 ends; flow 0 moves to rule s (reload) and sends 200 more
     moved = dataclasses.replace(flows[0], rule="s")
-    stats[moved.classid] = ClassStats(bytes=700)
+    stats[moved.stats_key("eth0")] = ClassStats(bytes=700)
     view["v"] = _view([moved])
     m = scrape(c)
     assert value(m, "flowpacer_rule_sent_bytes_total", rule="r") == 1000     # kept

@@ -120,7 +120,7 @@ def _view(flows):
 
 
 def _flow(i, remote="10.0.0.2", process=ESC_NAME, rule="r"):
-    return FlowView(_key(i, remote), 0xF1F00010 + i, rule, 1000, 1000, 7, process, 0,
+    return FlowView(_key(i, remote), f"f1f0:{0x10 + i:x}", rule, 1000, 1000, 7, process, 0,
                     Direction.INBOUND, FlowSource.TRACER)
 
 
@@ -134,7 +134,8 @@ def _scrape(collector):
 @pytest.mark.parametrize("mode", list(AddressLabels))
 def test_collector_address_modes_and_clean_labels_everywhere(mode):
     flows = [_flow(1, "10.1.2.3"), _flow(2, "10.1.2.4"), _flow(3, "192.0.2.9", rule="ru\x07le")]
-    stats = {f.classid: ClassStats(bytes=100 * (i + 1), packets=1) for i, f in enumerate(flows)}
+    stats = {f.stats_key(_view(flows).interface): ClassStats(bytes=100 * (i + 1), packets=1)
+             for i, f in enumerate(flows)}
     c = FlowpacerCollector(lambda: _view(flows), lambda: stats, addresses=mode)
     text, samples = _scrape(c)
     assert "\x1b" not in text and "\x07" not in text and "\r" not in text
@@ -161,7 +162,8 @@ def test_collector_address_modes_and_clean_labels_everywhere(mode):
 
 def test_only_the_busiest_flows_get_series():
     flows = [_flow(i, process="srv") for i in range(10)]
-    stats = {f.classid: ClassStats(bytes=i * 10) for i, f in enumerate(flows)}
+    stats = {f.stats_key(_view(flows).interface): ClassStats(bytes=i * 10)
+             for i, f in enumerate(flows)}
     c = FlowpacerCollector(lambda: _view(flows), lambda: stats, max_flow_series=3)
     _text, samples = _scrape(c)
     sent = [s for s in samples if s.name == "flowpacer_flow_sent_bytes_total"]

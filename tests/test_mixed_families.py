@@ -105,13 +105,14 @@ def test_mixed_batches_through_table_engine_backend_view_metrics_top(ks, extra, 
     # the view, its JSON, the metrics and top all take the mixed set
     with rec.lock:
         v = views.build(rec, sup, (), rules_path="r", flow_source=FlowSourceStatus(), tracer_stats=None)
-    j = views.to_json(v, sup.backend.stats_by_class())
+    ch = sup.open_stats_channel()
+    j = views.to_json(v, sup.class_stats(ch))
     assert len(j["flows"]) == len(want) == v.live_flows
     json.dumps(j)
     from prometheus_client import CollectorRegistry
     from prometheus_client.exposition import generate_latest
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(FlowpacerCollector(lambda: v, sup.backend.stats_by_class))
+    reg.register(FlowpacerCollector(lambda: v, lambda: sup.class_stats(ch)))
     text = generate_latest(reg).decode()
     assert text.count("flowpacer_flow_sent_bytes_total{") == len(want)
     tv = Tracker("/nonexistent", 1.0).update(j, time.monotonic())

@@ -275,7 +275,7 @@ def _samples(d):
     from prometheus_client.exposition import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(FlowpacerCollector(d.view, lambda: d.supervisor.backend.stats_by_class()))
+    reg.register(FlowpacerCollector(d.view, d._class_stats))
     for fam in text_string_to_metric_families(generate_latest(reg).decode()):
         for s in fam.samples:
             yield s.name, s.labels, s.value

@@ -8,7 +8,7 @@ its rate (at least ``MIN_BURST_BYTES``) and set the quantum ourselves, rate/10 c
 """
 from __future__ import annotations
 
-from ..model import Shape
+from ..model import BackendKind, Shape
 from ..tc import htb as enc
 
 BURST_NS = 2_000_000
@@ -28,9 +28,13 @@ def quantum_for(rate_bps: int) -> int:
 
 
 class HtbCodec:
-    kind = "htb"
+    """The ``Codec`` (contract.py) of htb."""
+    kind = BackendKind.HTB
+    qdisc_kind = "htb"
     has_link_class = True
+    makes_default_class = False  # the backend makes :2 under the link class
     supports_groups = True       # rule and client classes above the flows (groups.py)
+    kernel_shares = False        # htb gives each child its share (groups.targets computes it)
 
     def qdisc_options(self, link_rate_bps: int, default_minor: int) -> bytes:
         return enc.qdisc_options(default_minor)

@@ -14,19 +14,26 @@ changes when a sibling comes or goes.
 """
 from __future__ import annotations
 
-from ..model import Shape
+from ..errors import BackendError
+from ..model import BackendKind, Shape
 from ..tc import psp as enc
 
 
 class PspCodec:
-    kind = "psp"
-    has_link_class = False
+    """The ``Codec`` (contract.py) of psp."""
+    kind = BackendKind.PSP
+    qdisc_kind = "psp"
+    has_link_class = False       # the link rate is a qdisc option
     makes_default_class = True
     supports_groups = True       # rule and client group classes above the flows
     kernel_shares = True         # the module shares a group's rate; groups.targets: nominal rates
 
     def qdisc_options(self, link_rate_bps: int, default_minor: int) -> bytes:
         return enc.qdisc_options(link_rate_bps, default_minor)
+
+    def link_class_options(self, link_rate_bps: int) -> bytes:
+        """psp has no link class (``has_link_class`` is false): asking for one is a bug."""
+        raise BackendError("psp has no link class: its link rate is a qdisc option")
 
     def default_class_options(self, link_rate_bps: int) -> bytes:
         return enc.default_class_options()

@@ -1,0 +1,98 @@
+"""The backend contract (flowpacer/backend/contract.py): every backend and codec has every
+member the daemon uses, and the one contract suite (harness/backend_contract.py) passes against
+FakeBackend (pure) and htb on the host (kernel). psp runs the same suite in the VM
+(tests/guest/test_backend_contract.py)."""
+import pytest
+
+from flowpacer.backend import registry
+from flowpacer.backend.contract import Backend, Codec, Pools, members, missing_members
+from flowpacer.backend.htb import HtbCodec
+from flowpacer.backend.psp import PspCodec
+from flowpacer.model import BackendKind, Side
+from harness import backend_contract as bc
+from harness.fakes import FakeBackend, FakeFactory
+
+
+class _Empty:
+    pass
+
+
+def test_the_protocols_name_what_the_daemon_calls():
+    names = set(members(Backend))
+    assert {"apply", "installed", "shape_of", "setup", "teardown", "check", "audit", "forget",
+            "resync", "close", "flows_snapshot", "group_views", "class_stats", "stats",
+            "open_stats_channel", "capabilities", "kind", "name", "interface",
+            "link_rate_bps"} == names
+    assert {"makes_default_class", "supports_groups", "kernel_shares", "has_link_class",
+            "qdisc_kind", "kind"} <= set(members(Codec))
+    assert "pool" in members(Pools) and "apply" in members(Pools)
+    # the check fails on a missing member, attributes included
+    assert missing_members(_Empty(), Backend) == sorted(names)
+    half = FakeBackend()
+    del half.capabilities
+    assert missing_members(half, Backend) == ["capabilities"]
+
+
+@pytest.mark.parametrize("codec", [HtbCodec(), PspCodec()], ids=["htb", "psp"])
+def test_the_codecs_declare_their_attributes(codec):
+    assert missing_members(codec, Codec) == [] and isinstance(codec, Codec)
+    for attr in ("has_link_class", "makes_default_class", "supports_groups", "kernel_shares"):
+        assert isinstance(getattr(codec, attr), bool), attr
+    assert codec.kind is registry.spec(codec.kind).kind
+    assert type(registry.spec(codec.kind).codec()) is type(codec)
+
+
+def test_the_tc_backends_keep_the_protocol_and_declare_capabilities():
+    from flowpacer.backend.ingress import IngressBackend
+    from flowpacer.backend.tc import TcBackend
+    for b in (TcBackend(HtbCodec(), "lo", 1000), TcBackend(PspCodec(), "lo", 1000),
+              IngressBackend(PspCodec(), "lo", 1000)):
+        try:
+            assert missing_members(b, Backend) == [] and isinstance(b, Backend)
+            assert b.capabilities.has_classes and b.capabilities.groups
+            assert b.capabilities.kernel_shares is b.codec.kernel_shares
+            assert b.capabilities.pools is (b.capabilities.side is Side.SEND)
+            if b.capabilities.pools:
+                assert missing_members(b, Pools) == []
+        finally:
+            b.close()
+
+
+def test_the_fakes_keep_the_protocol():
+    fac = FakeFactory()
+    b, _why = fac.make(BackendKind.HTB, "fake0", None)
+    rx = fac.make_receive(b, "fake0", None)
+    for x in (b, rx):
+        assert missing_members(x, Backend) == [] and isinstance(x, Backend)
+        assert not x.capabilities.groups
+    # the send side declares first-byte pools and keeps their protocol; the receive side has none
+    assert b.capabilities.pools and missing_members(b, Pools) == [] and isinstance(b, Pools)
+    assert not rx.capabilities.pools
+    assert rx.capabilities.side is Side.RECEIVE
+
+
+def test_every_backend_kind_is_registered_once():
+    assert set(registry.kinds()) == set(BackendKind) - {BackendKind.AUTO}
+    assert registry.auto_order()[0].kind is BackendKind.PSP      # auto prefers psp
+    assert registry.choices_text() == "auto, psp or htb"
+
+
+# ------------------------------------------------------------------------- the suite
+
+@pytest.mark.parametrize("case", bc.CASES, ids=bc.case_ids())
+def test_contract_fake(case):
+    bed = bc.FakeBed()
+    try:
+        case(bed)
+    finally:
+        bed.close()
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("case", bc.CASES, ids=bc.case_ids())
+def test_contract_htb(case, testbed):
+    bed = bc.TcBed(testbed, HtbCodec, "htb")
+    try:
+        case(bed)
+    finally:
+        bed.close()
