@@ -39,6 +39,7 @@ class Compiled:
     """The rules as the program reads them (bit i = rule i)."""
     kernel: Dict[int, Rule] = field(default_factory=dict)      # index -> rule that may claim
     not_kernel: Dict[str, str] = field(default_factory=dict)      # rule name -> why not
+    never: int = 0              # rules no TCP handshake matches (udp, ...): never candidates
     live: int = 0
     kernel_mask: int = 0
     inbound: int = 0
@@ -165,19 +166,21 @@ FIELD_COMPILERS: Dict[str, FieldCompiler] = {
 }
 
 
-def _declarations() -> Tuple[Tuple[dataclasses.Field, Any], ...]:
-    """Every ``Match`` field with its declaration; raises TypeError when one has none, or when
-    a field the kernel (partly) decides has no compiler here or one it does not has one."""
+def _declarations(cls=Match) -> Tuple[Tuple[dataclasses.Field, Any], ...]:
+    """Every field of ``cls`` (``Match``) with its declaration; raises TypeError when one has
+    none, or when a field the kernel (partly) decides has no compiler here or one it does not
+    has one."""
     out = []
-    for f in dataclasses.fields(Match):
+    for f in dataclasses.fields(cls):
         d = handshake_of(f)
         if d is None:
-            raise TypeError(f"Match.{f.name} does not declare what the kernel can decide of it "
-                            "at the handshake (model.Handshake; docs/firstbyte.md)")
+            raise TypeError(f"{cls.__name__}.{f.name} does not declare what the kernel can decide "
+                            "of it at the handshake (model.Handshake; docs/firstbyte.md)")
         has = f.name in FIELD_COMPILERS
         if has != (d.decides is not Handshake.NO):
-            raise TypeError(f"Match.{f.name} is declared {d.decides.value} but handshake.py "
-                            f"{'has' if has else 'has no'} compiler for it")
+            raise TypeError(f"{cls.__name__}.{f.name} is declared {d.decides.value} but "
+                            "handshake.py "
+                            f"{'has a' if has else 'has no'} compiler for it")
         out.append((f, d))
     return tuple(out)
 
@@ -259,9 +262,9 @@ def compile_rules(ruleset: RuleSet) -> Compiled:
         else:
             c.kernel[i] = r
             c.kernel_mask |= bit
-    never = sum(b.excluded)
-    c.inbound &= ~never
-    c.outbound &= ~never
+    c.never = sum(b.excluded)
+    c.inbound &= ~c.never
+    c.outbound &= ~c.never
     # a longer prefix holds the rules of every shorter prefix around it (LPM finds the longest)
     nets = {k: ipaddress.ip_network((k[1][:4] if k[0] == 4 else k[1], k[2])) for k in c.remote}
     nested = {}
