@@ -17,7 +17,7 @@ import os
 import socket
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from flowpacer import engine, handshake
@@ -228,9 +228,10 @@ def comm_of(name):
     return name.encode()[:15].decode("utf-8", "replace")
 
 
-patterns = st.one_of(st.sampled_from(NAMES), st.sampled_from(NAMES).map(comm_of),
-                     st.sampled_from(["mus*", "*d", "?", "ngin?", "[mn]*", "*", "caf*"]),
-                     st.text("abmnd\u00e9\ufffd*?[]", min_size=1, max_size=17))
+patterns = st.one_of(
+    st.sampled_from(NAMES + [comm_of(n) for n in NAMES]
+                    + ["mus*", "*d", "?", "ngin?", "[mn]*", "*", "caf*", "a[b"]),
+    st.text("abmnd\u00e9\ufffd*?[]", min_size=1, max_size=17))
 ports = st.one_of(st.sampled_from(PORTS), st.integers(0, 65535))
 port_sets = st.lists(st.tuples(ports, ports).map(lambda t: (min(t), max(t))),
                      max_size=3).map(lambda rs: PortSet(tuple(rs)))
@@ -249,15 +250,20 @@ def tuples_of(s, max_size=2):
     return st.lists(s, max_size=max_size).map(tuple)
 
 
+def sometimes(values, default):
+    """Mostly the field's default ("any"), so that rules match flows often."""
+    return st.one_of(st.just(default), st.just(default), values)
+
+
 matches = st.builds(
     Match,
     process=st.one_of(st.just(()), tuples_of(patterns)),
-    exe=st.one_of(st.just(()), st.just(()), tuples_of(st.sampled_from(["/usr/bin/*", "/opt/x"]))),
-    user=st.one_of(st.just(()), tuples_of(st.sampled_from(UIDS))),
+    exe=sometimes(tuples_of(st.sampled_from(["/usr/bin/*", "/opt/x"]), 1), ()),
+    user=sometimes(tuples_of(st.sampled_from(UIDS)), ()),
     direction=st.sampled_from(list(Direction)),
-    local_port=st.one_of(st.just(PortSet()), port_sets),
-    remote_port=st.one_of(st.just(PortSet()), port_sets),
-    remote=st.one_of(st.just(()), tuples_of(networks(), 3)),
+    local_port=sometimes(port_sets, PortSet()),
+    remote_port=sometimes(port_sets, PortSet()),
+    remote=sometimes(tuples_of(networks(), 3), ()),
     protocol=st.sampled_from(list(Protocol)))
 
 
@@ -278,27 +284,174 @@ def rule_sets(draw):
     return RuleSet("eth0", rules=filler + tuple(rules))
 
 
+def _in(net, draw):
+    """An address inside ``net`` (its first, last or a random one)."""
+    off = draw(st.sampled_from([0, net.num_addresses - 1, None]))
+    if off is None:
+        off = draw(st.integers(0, net.num_addresses - 1))
+    return net.network_address + off
+
+
 @st.composite
-def socks(draw):
+def socks(draw, rs):
+    """A socket, its values often taken from the rules' own (so that they meet)."""
+    m = [r.match for r in rs.rules]
+    nets = [n for x in m for n in x.remote]
+    hint_ports = [p for x in m for ps in (x.local_port, x.remote_port) for lo, hi in ps.ranges
+                  for p in (lo, hi, (lo + hi) // 2)]
+    # a rule's literal name is the comm of itself, or of a longer name the kernel cuts to it
+    literal = {p for x in m for p in x.process if not engine.is_glob(p)}
+    hint_names = sorted(literal | {n for n in NAMES if comm_of(n) in literal})
+    hint_uids = [u for x in m for u in x.user]
+
+    def pick(pool, hints):
+        return draw(st.sampled_from(hints if hints and draw(st.booleans()) else pool))
+
+    port = st.one_of(ports, st.sampled_from(hint_ports)) if hint_ports else ports
+
+    def address(v):
+        mine = [n for n in nets if n.version == v]
+        how = draw(st.sampled_from(["pool", "random"] + ["rule"] * 2 * bool(mine)))
+        if how == "pool":
+            return A(draw(st.sampled_from(V4 if v == 4 else V6)))
+        if how == "random":
+            return draw(st.ip_addresses(v=v))
+        return _in(draw(st.sampled_from(mine)), draw)
+
     kind = draw(st.sampled_from(["v4", "v6", "mapped", "half-mapped"]))
     if kind == "v4":
-        fam, local = socket.AF_INET, A("198.51.100.1")
-        remote = draw(st.one_of(st.sampled_from(V4).map(A), st.ip_addresses(v=4)))
+        fam, local, remote = socket.AF_INET, A("198.51.100.1"), address(4)
+    elif kind == "v6":
+        fam, local, remote = socket.AF_INET6, A("2001:db8:ffff::1"), address(6)
     else:
+        mapped = A(f"::ffff:{address(4)}")
         fam = socket.AF_INET6
-        v4 = draw(st.one_of(st.sampled_from(V4).map(A), st.ip_addresses(v=4)))
-        mapped = A(f"::ffff:{v4}")
         if kind == "mapped":               # a dual-stack socket talking IPv4
             local, remote = A("::ffff:198.51.100.1"), mapped
-        elif kind == "half-mapped":        # only the peer looks mapped: IPv6 on the wire
+        else:                              # only the peer looks mapped: IPv6 on the wire
             local, remote = A("2001:db8:ffff::1"), mapped
-        else:
-            local = A("2001:db8:ffff::1")
-            remote = draw(st.one_of(st.sampled_from(V6).map(A), st.ip_addresses(v=6)))
-    return Sock(fam, local, remote, draw(ports), draw(ports),
+    return Sock(fam, local, remote, draw(port), draw(port),
                 draw(st.sampled_from([Direction.INBOUND, Direction.OUTBOUND])),
-                draw(st.booleans()) or draw(st.booleans()), draw(st.sampled_from(UIDS)),
-                draw(st.sampled_from(NAMES)), draw(st.sampled_from(["/usr/bin/musicd", ""])))
+                draw(st.booleans()) or draw(st.booleans()), pick(UIDS, hint_uids),
+                pick(NAMES, hint_names), draw(st.sampled_from(["/usr/bin/musicd", ""])))
+
+
+def check(kernel, rs, c, sock):
+    """One socket through the real first_rule(), against engine.first_match; the kernel's
+    answer (rule index or -1, why declined)."""
+    rules = rs.rules
+    seen = len(rules) if len(rules) <= handshake.MAX_RULES else handshake.MAX_RULES - 1
+    never = bits(c.never)
+    decided = set(c.kernel) | never                 # the kernel knows whether these match
+    flow = sock.flow()
+    got, why, wire = kernel.run(sock)
+    key = flow.key
+    # the program read the socket's addresses as FlowKey.wire does
+    assert wire == (key.family, key.local_addr.packed, key.remote_addr.packed), sock
+    want = engine.first_match(rules, flow)
+    idx = None if want is None else rules.index(want)
+    upto = range(len(rules)) if idx is None else range(idx + 1)
+    if got >= 0:
+        # a claim is only ever the engine's rule, and a rule the kernel decides wholly
+        assert got == idx and got in c.kernel, (sock, got, idx)
+        return got, why
+    # declined: for a reason the rules up to the engine's give
+    if why == "no match":
+        assert idx is None, (sock, idx)
+    elif why == "unattributed":
+        assert not sock.attributed and any(
+            (rules[i].match.process or rules[i].match.user) and i not in never
+            for i in upto if i < seen), (sock, idx)
+    else:
+        assert any(i >= seen or i not in decided for i in upto), (sock, idx)
+    # and never when the kernel sees and decides everything up to the engine's rule
+    owner_free = all(not (rules[i].match.process or rules[i].match.user)
+                     for i in upto if i not in never)
+    if all(i < seen and i in decided for i in upto) and (sock.attributed or owner_free):
+        assert idx is None and why == "no match", (sock, idx, why)
+    return got, why
+
+
+def sock(remote="10.1.2.3", local=None, lport=8443, rport=40000, inbound=True, attributed=True,
+         uid=1000, name="musicd"):
+    r = A(remote)
+    fam = socket.AF_INET if r.version == 4 else socket.AF_INET6
+    if local is None:
+        local = "198.51.100.1" if r.version == 4 else \
+            "::ffff:198.51.100.1" if r.ipv4_mapped else "2001:db8:ffff::1"
+    return Sock(fam, A(local), r, lport, rport,
+                Direction.INBOUND if inbound else Direction.OUTBOUND, attributed, uid, name,
+                "/usr/bin/musicd")
+
+
+CUT = NAMES[5]                          # its comm ends in a character cut in two
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("rules, s, want", [
+    # the bug: a udp rule first took the tcp flows of the rule after it
+    ([rule("u", process=("musicd",), protocol=Protocol.UDP), rule("t", process=("musicd",))],
+     sock(), (1, None)),
+    ([rule("any", user=(1000,), protocol=Protocol.ANY)], sock(), (0, None)),
+    # U+FFFD: user space compares it, the kernel cannot
+    ([rule("cut", process=(comm_of(CUT),)), rule("all", local_port=PortSet(((1, 65535),)))],
+     sock(name=CUT), (-1, "undecided")),
+    ([rule("cut", process=(comm_of(CUT),)), rule("all", local_port=PortSet(((1, 65535),)))],
+     sock(name="musicd"), (-1, "undecided")),
+    ([rule("cut", process=(comm_of(CUT),), local_port=PortSet(((80, 80),))), rule("x")],
+     sock(name=CUT), (1, None)),
+    # names as long as a comm, and longer (the kernel cut the owner's name)
+    ([rule("15", process=("very-long-proc",)), rule("x", user=(1000,))],
+     sock(name="very-long-process-name"), (1, None)),
+    ([rule("15", process=("very-long-proce",))], sock(name="very-long-process-name"), (0, None)),
+    # globs and exe stop the walk; receive-only and aggregate rules too
+    ([rule("g", process=("mus*",)), rule("p", local_port=PortSet(((8443, 8443),)))], sock(),
+     (-1, "undecided")),
+    ([rule("g", process=("mus*",), local_port=PortSet(((80, 80),))),
+      rule("p", local_port=PortSet(((8443, 8443),)))], sock(), (1, None)),
+    ([rule("e", exe=("/opt/*",)), rule("p", local_port=PortSet(((8443, 8443),)))], sock(),
+     (-1, "undecided")),
+    ([Rule("ro", Match(process=("musicd",)), None, receive_rate_bps=1000), rule("p")], sock(),
+     (-1, "undecided")),
+    ([Rule("agg", Match(process=("musicd",)), 1000, client_rate_bps=2000), rule("p")], sock(),
+     (-1, "undecided")),
+    # the owner is unknown: a rule that needs it stops the walk, an owner-free one claims
+    ([rule("n", process=("musicd",)), rule("p", local_port=PortSet(((8443, 8443),)))],
+     sock(attributed=False), (-1, "unattributed")),
+    ([rule("p", local_port=PortSet(((8443, 8443),))), rule("n", process=("musicd",))],
+     sock(attributed=False), (0, None)),
+    # nested prefixes: the longest holds the shorter ones' rules
+    ([rule("16", remote=(N("10.1.0.0/16"),), user=(5,)), rule("8", remote=(N("10.0.0.0/8"),))],
+     sock(), (1, None)),
+    ([rule("8", remote=(N("10.0.0.0/8"),), user=(5,)), rule("24", remote=(N("10.1.2.0/24"),))],
+     sock(), (1, None)),
+    # IPv4-mapped sockets are IPv4 (FlowKey.wire); an IPv6 prefix of mapped addresses never
+    # matches them, a socket whose local address is not mapped is IPv6
+    ([rule("v4", remote=(N("10.0.0.0/8"),))], sock("::ffff:10.1.2.3"), (0, None)),
+    ([rule("m", remote=(N("::ffff:0:0/96"),))], sock("::ffff:10.1.2.3"), (-1, "no match")),
+    ([rule("m", remote=(N("::ffff:0:0/96"),))], sock("::ffff:10.1.2.3", local="2001:db8::1"),
+     (0, None)),
+    ([rule("v6", remote=(N("2001:db8::/32"),), direction=Direction.OUTBOUND)],
+     sock("2001:db8:1::5", inbound=False), (0, None)),
+    ([rule("in", direction=Direction.INBOUND, user=(1000,))], sock(inbound=False),
+     (-1, "no match")),
+    # past the rules the kernel sees: one bit stands for them, undecided (not "no match")
+    ([rule(f"p{i}", local_port=PortSet(((1000 + i, 1000 + i),))) for i in range(70)],
+     sock(lport=1066), (-1, "undecided")),
+    ([rule(f"p{i}", local_port=PortSet(((1000 + i, 1000 + i),))) for i in range(70)],
+     sock(lport=1062), (62, None)),
+    ([rule(f"p{i}", local_port=PortSet(((1000 + i, 1000 + i),))) for i in range(70)],
+     sock(lport=999), (-1, "undecided")),
+    ([rule(f"p{i}", local_port=PortSet(((1000 + i, 1000 + i),))) for i in range(64)],
+     sock(lport=1063), (63, None)),
+    ([rule(f"p{i}", local_port=PortSet(((1000 + i, 1000 + i),))) for i in range(64)],
+     sock(lport=999), (-1, "no match")),
+])
+def test_the_kernel_on_fixed_cases(kernel, rules, s, want):
+    rs = RuleSet("eth0", rules=tuple(rules))
+    c = handshake.compile_rules(rs)
+    kernel.load(c)
+    assert check(kernel, rs, c, s) == want
 
 
 EXAMPLES = int(os.environ.get("FP_EXAMPLES", "200"))
@@ -308,38 +461,12 @@ EXAMPLES = int(os.environ.get("FP_EXAMPLES", "200"))
 @settings(max_examples=EXAMPLES, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                  HealthCheck.data_too_large])
-@given(rs=rule_sets(), sockets=st.lists(socks(), min_size=1, max_size=12))
-def test_the_kernel_chooses_the_engines_rule_or_declines_for_a_reason(kernel, rs, sockets):
+@given(data=st.data())
+def test_the_kernel_chooses_the_engines_rule_or_declines_for_a_reason(kernel, data):
+    rs = data.draw(rule_sets(), "rules")
+    sockets = data.draw(st.lists(socks(rs), min_size=1, max_size=12), "sockets")
     c = handshake.compile_rules(rs)
     kernel.load(c)
-    rules = rs.rules
-    seen = len(rules) if len(rules) <= handshake.MAX_RULES else handshake.MAX_RULES - 1
-    never = bits(c.never)
-    decided = set(c.kernel) | never                 # the kernel knows whether these match
-    for sock in sockets:
-        flow = sock.flow()
-        got, why, wire = kernel.run(sock)
-        key = flow.key
-        # the program read the socket's addresses as FlowKey.wire does
-        assert wire == (key.family, key.local_addr.packed, key.remote_addr.packed), sock
-        want = engine.first_match(rules, flow)
-        idx = None if want is None else rules.index(want)
-        upto = range(len(rules)) if idx is None else range(idx + 1)
-        if got >= 0:
-            # a claim is only ever the engine's rule, and a rule the kernel decides wholly
-            assert got == idx and got in c.kernel, (sock, got, idx)
-            continue
-        # declined: for a reason the rules before the engine's give
-        if why == "no match":
-            assert idx is None, (sock, idx)
-        elif why == "unattributed":
-            assert not sock.attributed and any(
-                (rules[i].match.process or rules[i].match.user) and i not in never
-                for i in upto if i < seen), (sock, idx)
-        else:
-            assert any(i >= seen or i not in decided for i in upto), (sock, idx)
-        # and never when the kernel sees and decides everything up to the engine's rule
-        owner_free = all(not (rules[i].match.process or rules[i].match.user)
-                         for i in upto if i not in never)
-        if all(i < seen and i in decided for i in upto) and (sock.attributed or owner_free):
-            assert idx is None and why == "no match", (sock, idx, why)
+    for s in sockets:
+        got, why = check(kernel, rs, c, s)
+        event(f"kernel: {'claim' if got >= 0 else why}")
