@@ -62,7 +62,8 @@ def test_a_field_without_a_declaration_is_refused():
 
 
 def test_a_field_declared_no_leaves_its_rules_to_user_space():
-    rs = RuleSet("eth0", rules=(rule("e", exe=("/usr/bin/x",)), rule("p", local_port=PortSet(((80, 80),)))))
+    rs = RuleSet("eth0", rules=(rule("e", exe=("/usr/bin/x",)),
+                                rule("p", local_port=PortSet(((80, 80),)))))
     c = handshake.compile_rules(rs)
     assert "exe" in c.not_kernel["e"] and set(c.kernel) == {1}
     # still a candidate of every flow (the walk stops there: undecided)
@@ -104,7 +105,8 @@ def test_process_names_the_kernel_cannot_compare_are_left_to_user_space():
 
 
 def test_port_masks_merge_overlapping_and_adjacent_ranges():
-    rs = RuleSet("eth0", rules=(rule("a", local_port=PortSet(((10, 20), (15, 30), (31, 31), (40, 40)))),
+    rs = RuleSet("eth0", rules=(rule("a", local_port=PortSet(((10, 20), (15, 30), (31, 31),
+                                                              (40, 40)))),
                                 rule("b", local_port=PortSet(((0, 0), (65535, 65535)))),
                                 rule("c")))
     m = handshake.compile_rules(rs).lport

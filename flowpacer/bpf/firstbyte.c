@@ -23,14 +23,28 @@
  *   PASSIVE_ESTABLISHED_CB  final ACK received (softirq): owner from the
  *                           listener of the local port
  *   STATE_CB                claimed sockets only: their close
- * At the end of a handshake the rules (fb_rules, first match wins) are
- * walked; a rule decided wholly here claims a class from its pool and sets
+ * At the end of a handshake first_rule() walks the rules (first match
+ * wins); a rule decided wholly here claims a class from its pool and sets
  * the socket's SO_PRIORITY to it: htb and psp put a packet whose
  * skb->priority is one of their class ids in that class before any filter
  * is asked, so the flow's first data packet is already paced.  The claim is
  * reported on the ring buffer; the daemon then installs the flow's u32
  * filter for that class (the source of truth for status and metrics) and
  * refills the pool.
+ *
+ * The rule masks (firstbyte.h) are not written by hand: the engine's side,
+ * flowpacer/handshake.py compile_rules(), makes them from what each field of
+ * model.Match declares the kernel can decide at the handshake (yes, partly,
+ * no).  A rule with a field the kernel cannot decide stays a candidate that
+ * stops the walk (the flow goes to user space), so this program never gives a
+ * flow a rule the engine would not.  Adding a match field: declare it in
+ * model.Match; a field this program does not see (declared no) needs nothing
+ * here; one it sees needs a compiler in handshake.py, a map or config mask
+ * here, and the test build's socket (docs/firstbyte.md, "Adding a match
+ * field").  The IPv4-mapped rule (family and addresses of a socket) is in
+ * wire_addrs4/6 and must agree with FlowKey.wire(); tests/test_handshake.py
+ * runs first_rule() and that rule (the FB_TEST_RUN build, BPF_PROG_TEST_RUN)
+ * against the engine on random rule sets and sockets.
  *
  * Pool of a rule r: fb_pool[r * FB_POOL_SLOTS + (i % FB_POOL_SLOTS)] holds
  * the class id of ticket i; tickets fb_take[r] <= i < fb_fill[r] are
