@@ -20,9 +20,11 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from flowpacer import engine, handshake
+from flowpacer import engine, firstbyte, handshake
 from flowpacer.model import (Direction, Flow, FlowKey, Handshake, Match, PortSet, ProcessInfo,
                              Protocol, Rule, RuleSet, handshake_of)
+
+from harness.bpfrun import run_once
 
 A = ipaddress.ip_address
 N = ipaddress.ip_network
@@ -117,9 +119,9 @@ def test_port_masks_merge_overlapping_and_adjacent_ranges():
 
 # ------------------------------------------------------------------ kernel
 
-FB_C_UNDECIDED, FB_C_UNATTRIBUTED, FB_C_NOMATCH = 2, 3, 6
-REASONS = {FB_C_UNDECIDED: "undecided", FB_C_UNATTRIBUTED: "unattributed",
-           FB_C_NOMATCH: "no match"}
+# why the program declines a flow: its counters (firstbyte.h FB_C_*)
+REASONS = {firstbyte.COUNTERS.index(name): why for name, why in (
+    ("undecided", "undecided"), ("unattributed", "unattributed"), ("no_match", "no match"))}
 
 
 class Kernel:
@@ -128,9 +130,6 @@ class Kernel:
 
     def __init__(self):
         import bcc
-        from flowpacer import firstbyte
-        from harness.bpfrun import run_once
-        self._run_once = run_once
         self.b = bcc.BPF(src_file=firstbyte.BPF_SRC.encode(),
                          cflags=[f"-I{firstbyte.BPF_DIR}", "-DFB_TEST_RUN"])
         self.fn = self.b.load_func(b"fb_test_first_rule", bcc.BPF.RAW_TRACEPOINT)
@@ -152,7 +151,8 @@ class Kernel:
         """(rule index or -1, why declined or None, (family, laddr, raddr) as the program saw)"""
         leaf = self.tin.Leaf()
         leaf.family, leaf.lport, leaf.rport = sock.family, sock.lport, sock.rport
-        leaf.direction = 2 if sock.direction is Direction.INBOUND else 1
+        leaf.direction = (firstbyte.FB_DIR_INBOUND if sock.direction is Direction.INBOUND
+                          else firstbyte.FB_DIR_OUTBOUND)
         leaf.attributed, leaf.uid = int(sock.attributed), sock.uid
         if sock.family == socket.AF_INET:
             leaf.local_ip4 = int.from_bytes(sock.local.packed, "little")
@@ -165,7 +165,7 @@ class Kernel:
                        len(sock.comm_bytes))
         self.tin[ctypes.c_int(0)] = leaf
         before = {i: self._count(i) for i in REASONS}
-        assert self._run_once(self.fn.fd) == 0
+        assert run_once(self.fn.fd) == 0
         after = {i: self._count(i) for i in REASONS}
         out = self.tout[ctypes.c_int(0)]
         assert out.live
