@@ -4,8 +4,9 @@ its handshake, before its first data packet, instead of after a round trip throu
 The cgroup ``sock_ops`` program is ``flowpacer/bpf/firstbyte.c`` (its header comment explains
 the callbacks, the rule masks and the pool protocol). This module owns it:
 
-* the bit masks the program reads are not made here: ``handshake.compile_rules`` (the engine's
-  side) compiles them from what each ``Match`` field declares the kernel can decide;
+* ``compile_rules(ruleset)`` (pure; ``handshake.py``, the engine's side: from what each ``Match``
+  field declares the kernel can decide; not exe patterns, process globs or rules with
+  aggregate rates), and the bit masks the program reads;
 * ``FirstByte``: compiles and attaches the program (a bpf_link on the cgroup v2 root: it is
   detached when the daemon's fd closes, also on a crash; nothing is pinned), keeps a pool of
   ready classes per kernel-decided rule in the backend (``backend/pool.py``), and turns the
@@ -35,7 +36,7 @@ from typing import Dict, List, Optional, Set, Tuple
 from . import cgroupbpf, model
 from .cgroupbpf import cgroup2_root, link_create  # noqa: F401  (cgroup2_root: tests use it)
 from .errors import TracerUnavailable
-from .handshake import COMM_LEN, Compiled, compile_rules
+from .handshake import Compiled, compile_rules
 from .model import Direction, FlowKey, OpKind, RuleSet
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,9 @@ log = logging.getLogger(__name__)
 BPF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bpf")
 BPF_SRC = os.path.join(BPF_DIR, "firstbyte.c")
 
-# firstbyte.h (COMM_LEN and MAX_RULES, which the rule masks use: handshake.py)
+# firstbyte.h
+COMM_LEN = 16
+MAX_RULES = 64
 POOL_SLOTS = 64
 FB_DIR_OUTBOUND, FB_DIR_INBOUND = 1, 2
 FB_F_ATTRIBUTED, FB_F_CLOSED = 0x01, 0x02

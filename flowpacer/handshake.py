@@ -28,7 +28,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from .engine import is_glob
 from .model import Direction, Handshake, Match, PortSet, Protocol, Rule, RuleSet, handshake_of
 
-# firstbyte.h (flowpacer/bpf): FB_COMM_LEN, FB_MAX_RULES (one bit per rule in a u64)
+# firstbyte.h (flowpacer/bpf; firstbyte.py mirrors them too): FB_COMM_LEN, FB_MAX_RULES (one
+# bit per rule in a u64)
 COMM_LEN = 16
 MAX_RULES = 64
 PORTS = 65536

@@ -52,6 +52,15 @@ def test_every_match_field_declares_what_the_kernel_decides():
     assert set(handshake.FIELD_COMPILERS) <= {f.name for f in dataclasses.fields(Match)}
 
 
+def test_the_masks_have_the_programs_sizes():
+    """handshake.py (policy) and firstbyte.py (the program's owner) both mirror firstbyte.h."""
+    assert (handshake.COMM_LEN, handshake.MAX_RULES) == (firstbyte.COMM_LEN, firstbyte.MAX_RULES)
+    with open(os.path.join(firstbyte.BPF_DIR, "firstbyte.h")) as f:
+        h = f.read()
+    assert f"#define FB_COMM_LEN   {handshake.COMM_LEN}\n" in h
+    assert f"#define FB_MAX_RULES  {handshake.MAX_RULES} " in h
+
+
 def test_a_field_without_a_declaration_is_refused():
     @dataclasses.dataclass(frozen=True)
     class Undeclared:
