@@ -19,6 +19,11 @@ COMM_LEN = 15      # TASK_COMM_LEN - 1: what the kernel reports of a process nam
 _GLOB_CHARS = set("*?[")
 
 
+def is_glob(pattern: str) -> bool:
+    """Whether ``pattern`` may match more than itself (fnmatch's special characters)."""
+    return bool(_GLOB_CHARS & set(pattern))
+
+
 def rule_matches(rule: Rule, flow: Flow) -> bool:
     m = rule.match
     if m.protocol is not Protocol.ANY and m.protocol is not flow.key.protocol:
@@ -173,7 +178,7 @@ def watch_filter(ruleset: RuleSet) -> Tuple[Optional[FrozenSet[str]], Optional[F
     comms, uids = set(), set()
     for r in ruleset.rules:
         m = r.match
-        literal = m.process and not any(_GLOB_CHARS & set(p) for p in m.process)
+        literal = m.process and not any(is_glob(p) for p in m.process)
         if literal:
             comms.update(p[:COMM_LEN] for p in m.process)
         elif m.user:

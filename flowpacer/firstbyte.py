@@ -4,8 +4,8 @@ its handshake, before its first data packet, instead of after a round trip throu
 The cgroup ``sock_ops`` program is ``flowpacer/bpf/firstbyte.c`` (its header comment explains
 the callbacks, the rule masks and the pool protocol). This module owns it:
 
-* ``compile_rules(ruleset)`` (pure): which rules the kernel can decide (process names without
-  globs, users, ports, direction, remote prefixes; not exe patterns, process globs or rules with
+* ``compile_rules(ruleset)`` (pure; ``handshake.py``, the engine's side: from what each ``Match``
+  field declares the kernel can decide; not exe patterns, process globs or rules with
   aggregate rates), and the bit masks the program reads;
 * ``FirstByte``: compiles and attaches the program (a bpf_link on the cgroup v2 root: it is
   detached when the daemon's fd closes, also on a crash; nothing is pinned), owns its maps and
@@ -38,7 +38,8 @@ from typing import Dict, List, Optional, Set, Tuple
 from . import cgroupbpf, model
 from .cgroupbpf import cgroup2_root, link_create  # noqa: F401  (cgroup2_root: tests use it)
 from .errors import TracerUnavailable
-from .model import Direction, FlowKey, RuleSet
+from .handshake import Compiled, compile_rules
+from .model import FlowKey, RuleSet
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +74,6 @@ GRACE_S = 0.005            # a sock_ops run that saw the old rules has finished 
 # come for SWEEP_S, and at most every SWEEP_S; normally the close report frees an id
 SWEEP_S = 10.0
 
-_GLOB = set("*?[")
-
 # bpf(2)
 _BPF_CGROUP_SOCK_OPS = 3
 # cgroup sock_addr programs: (function, attach type); BPF_CGROUP_INET{4,6}_{BIND,CONNECT}
@@ -89,114 +88,6 @@ class FirstByteUnavailable(TracerUnavailable):
 def _last_line(e: Exception) -> str:
     text = str(e).strip()
     return text.splitlines()[-1] if text else type(e).__name__
-
-
-# ------------------------------------------------------------------ rules
-
-@dataclass
-class Compiled:
-    """The rules as the program reads them (bit i = rule i)."""
-    kernel: Dict[int, model.Rule] = field(default_factory=dict)   # index -> rule that may claim
-    not_kernel: Dict[str, str] = field(default_factory=dict)      # rule name -> why not
-    live: int = 0
-    kernel_mask: int = 0
-    inbound: int = 0
-    outbound: int = 0
-    any_comm: int = 0
-    any_uid: int = 0
-    any_remote: int = 0
-    lport: List[int] = field(default_factory=list)                # 65536 masks
-    rport: List[int] = field(default_factory=list)
-    comms: Dict[bytes, int] = field(default_factory=dict)         # 16-byte comm -> mask
-    uids: Dict[int, int] = field(default_factory=dict)
-    remote: Dict[Tuple[int, bytes, int], int] = field(default_factory=dict)  # (4|6, addr, plen)
-
-    def summary(self) -> str:
-        yes = [r.name for _i, r in sorted(self.kernel.items())]
-        no = [f"{n} ({why})" for n, why in self.not_kernel.items()]
-        return (f"rules shaped from the first byte: {', '.join(yes) or 'none'}"
-                + (f"; after the handshake: {', '.join(no)}" if no else ""))
-
-
-def _port_masks(rules, side: str) -> List[int]:
-    masks = [0] * 65536
-    any_mask = 0
-    for i, r in enumerate(rules):
-        ps = getattr(r.match, side)
-        if not ps.ranges:
-            any_mask |= 1 << i
-            continue
-        bit = 1 << i
-        for lo, hi in ps.ranges:
-            for p in range(max(0, lo), min(65535, hi) + 1):
-                masks[p] |= bit
-    if any_mask:
-        masks = [m | any_mask for m in masks]
-    return masks
-
-
-def compile_rules(ruleset: RuleSet) -> Compiled:
-    """What the kernel can decide of ``ruleset``, as masks (pure)."""
-    c = Compiled()
-    rules = ruleset.rules[:MAX_RULES]
-    for r in ruleset.rules[MAX_RULES:]:
-        c.not_kernel[r.name] = f"only the first {MAX_RULES} rules are seen in the kernel"
-    for i, r in enumerate(rules):
-        bit = 1 << i
-        m = r.match
-        c.live |= bit
-        why = []
-        if m.exe:
-            why.append("exe patterns are matched in user space")
-        if m.direction in (Direction.ANY, Direction.INBOUND):
-            c.inbound |= bit
-        if m.direction in (Direction.ANY, Direction.OUTBOUND):
-            c.outbound |= bit
-        if not m.process:
-            c.any_comm |= bit
-        elif any(_GLOB & set(p) for p in m.process):
-            why.append("process pattern with a glob")
-            c.any_comm |= bit          # may match: a candidate that stops the walk
-        else:
-            for p in m.process:
-                raw = p.encode("utf-8")
-                if len(raw) >= COMM_LEN:
-                    continue           # longer than any comm: never matches (as in user space)
-                k = raw.ljust(COMM_LEN, b"\0")
-                c.comms[k] = c.comms.get(k, 0) | bit
-        if not m.user:
-            c.any_uid |= bit
-        else:
-            for u in m.user:
-                c.uids[u] = c.uids.get(u, 0) | bit
-        if not m.remote:
-            c.any_remote |= bit
-        else:
-            for n in m.remote:
-                k = (n.version, n.network_address.packed.ljust(16, b"\0"), n.prefixlen)
-                c.remote[k] = c.remote.get(k, 0) | bit
-        if r.has_groups:
-            why.append("aggregate rates (client/total) get their class in user space")
-        if not r.sends:       # its flows get no send class: the walk stops here, nothing taken
-            why.append("receive only: nothing to shape on the send side")
-        if why:
-            c.not_kernel[r.name] = "; ".join(why)
-        else:
-            c.kernel[i] = r
-            c.kernel_mask |= bit
-    # a longer prefix holds the rules of every shorter prefix around it (LPM finds the longest)
-    nets = {k: ipaddress.ip_network((k[1][:4] if k[0] == 4 else k[1], k[2])) for k in c.remote}
-    nested = {}
-    for k, net in nets.items():
-        mask = c.remote[k]
-        for k2, net2 in nets.items():
-            if k2 != k and net.version == net2.version and net.subnet_of(net2):
-                mask |= c.remote[k2]
-        nested[k] = mask
-    c.remote = nested
-    c.lport = _port_masks(rules, "local_port")
-    c.rport = _port_masks(rules, "remote_port")
-    return c
 
 
 # ---------------------------------------------------------------- helpers

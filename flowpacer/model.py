@@ -215,17 +215,59 @@ class PortSet:
         return not self.ranges or any(lo <= port <= hi for lo, hi in self.ranges)
 
 
+class Handshake(str, enum.Enum):
+    """What the first-byte program (``flowpacer/bpf/firstbyte.c``) can decide of a ``Match``
+    field at the end of a TCP handshake. Every field of ``Match`` declares one (its
+    ``handshake`` metadata, ``handshake_of``); ``flowpacer/handshake.py`` compiles the
+    program's masks from these declarations, and a test fails for a field without one."""
+    YES = "yes"            # every value: the kernel sees it and decides it as the engine does
+    PARTIAL = "partial"    # some values (the declaration says which); a rule with another is
+    #                        left to user space
+    NO = "no"              # the kernel does not see it: a rule that sets it (a value other
+    #                        than the field's default, "any") is left to user space
+
+
+@dataclass(frozen=True, slots=True)
+class HandshakeDecl:
+    decides: Handshake
+    why: str               # what the kernel sees of the field, or why it cannot
+
+
+def _match_field(default, decides: Handshake, why: str):
+    return field(default=default, metadata={"handshake": HandshakeDecl(decides, why)})
+
+
 @dataclass(frozen=True, slots=True)
 class Match:
-    """All given fields must match; an empty tuple / None means "any"."""
-    process: Tuple[str, ...] = ()        # comm globs
-    exe: Tuple[str, ...] = ()            # absolute path globs
-    user: Tuple[int, ...] = ()           # uids (names resolved by the loader)
-    direction: Direction = Direction.ANY
-    local_port: PortSet = PortSet()
-    remote_port: PortSet = PortSet()
-    remote: Tuple[IPNetwork, ...] = ()
-    protocol: Protocol = Protocol.TCP     # TCP unless the rule says udp or any
+    """All given fields must match; an empty tuple / None means "any".
+
+    Each field declares what the kernel can decide of it at the handshake (``Handshake``);
+    a new field needs that answer (docs/firstbyte.md, "Adding a match field")."""
+    process: Tuple[str, ...] = _match_field(      # comm globs
+        (), Handshake.PARTIAL,
+        "names without a glob are compared with the owner's comm (the kernel's 15 bytes); a "
+        "glob, or a name holding U+FFFD (what user space shows for a comm byte that is not "
+        "UTF-8), is matched in user space")
+    exe: Tuple[str, ...] = _match_field(          # absolute path globs
+        (), Handshake.NO, "exe patterns are matched in user space (the kernel has no path of "
+        "the owner's executable at the handshake)")
+    user: Tuple[int, ...] = _match_field(         # uids (names resolved by the loader)
+        (), Handshake.YES, "the owner's uid")
+    direction: Direction = _match_field(
+        Direction.ANY, Handshake.YES, "passive (inbound) or active (outbound) end of the handshake")
+    local_port: PortSet = _match_field(PortSet(), Handshake.YES, "the socket's local port")
+    remote_port: PortSet = _match_field(PortSet(), Handshake.YES, "the socket's remote port")
+    remote: Tuple[IPNetwork, ...] = _match_field(
+        (), Handshake.YES, "prefixes in an LPM trie of (family, address); an IPv4-mapped socket "
+        "is IPv4, as FlowKey.wire says")
+    protocol: Protocol = _match_field(            # TCP unless the rule says udp or any
+        Protocol.TCP, Handshake.PARTIAL,
+        "sock_ops sees TCP handshakes only: a tcp or any rule is a candidate, a udp rule never")
+
+
+def handshake_of(f) -> Optional[HandshakeDecl]:
+    """The declaration of a ``dataclasses.fields(Match)`` field, None when it has none."""
+    return f.metadata.get("handshake")
 
 
 DEFAULT_IDLE_TIMEOUT_NS = 30_000_000_000

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from flowpacer import firstbyte, rules as rules_loader
+from flowpacer import firstbyte, handshake, rules as rules_loader
 from flowpacer.backend.htb import burst_for
 from flowpacer.backend.pool import POOL_FIRST_MINOR
 from flowpacer.testbed import PY, in_netns, wait_for
@@ -82,7 +82,7 @@ def test_compile_rules_kernel_decided_and_masks(tmp_path):
         match: {process: fp-ingest}
         receive_rate: 1mbit
 """)
-    c = firstbyte.compile_rules(rs)
+    c = handshake.compile_rules(rs)
     names = {r.name for r in c.kernel.values()}
     assert names == {"burst", "up", "byport", "upport", "nets", "users"}
     assert "exe" in c.not_kernel["late"] and "glob" in c.not_kernel["late2"]

@@ -23,14 +23,28 @@
  *   PASSIVE_ESTABLISHED_CB  final ACK received (softirq): owner from the
  *                           listener of the local port
  *   STATE_CB                claimed sockets only: their close
- * At the end of a handshake the rules (fb_rules, first match wins) are
- * walked; a rule decided wholly here claims a class from its pool and sets
+ * At the end of a handshake first_rule() walks the rules (first match
+ * wins); a rule decided wholly here claims a class from its pool and sets
  * the socket's SO_PRIORITY to it: htb and psp put a packet whose
  * skb->priority is one of their class ids in that class before any filter
  * is asked, so the flow's first data packet is already paced.  The claim is
  * reported on the ring buffer; the daemon then installs the flow's u32
  * filter for that class (the source of truth for status and metrics) and
  * refills the pool.
+ *
+ * The rule masks (firstbyte.h) are not written by hand: the engine's side,
+ * flowpacer/handshake.py compile_rules(), makes them from what each field of
+ * model.Match declares the kernel can decide at the handshake (yes, partly,
+ * no).  A rule with a field the kernel cannot decide stays a candidate that
+ * stops the walk (the flow goes to user space), so this program never gives a
+ * flow a rule the engine would not.  Adding a match field: declare it in
+ * model.Match; a field this program does not see (declared no) needs nothing
+ * here; one it sees needs a compiler in handshake.py, a map or config mask
+ * here, and the test build's socket (docs/firstbyte.md, "Adding a match
+ * field").  The IPv4-mapped rule (family and addresses of a socket) is in
+ * wire_addrs4/6 and must agree with FlowKey.wire(); tests/test_handshake.py
+ * runs first_rule() and that rule (the FB_TEST_RUN build, BPF_PROG_TEST_RUN)
+ * against the engine on random rule sets and sockets.
  *
  * Pool of a rule r: fb_pool[r * FB_POOL_SLOTS + (i % FB_POOL_SLOTS)] holds
  * the class id of ticket i; tickets fb_take[r] <= i < fb_fill[r] are
@@ -207,40 +221,46 @@ static __always_inline u32 claim(u32 r)
 	return 0;
 }
 
+/* The flow's addresses as on the wire.  flowpacer/model.py FlowKey.wire() is
+ * the one definition of this rule and this must agree with it (the test build's
+ * fb_test_first_rule checks both on the same sockets): an AF_INET socket is
+ * IPv4; an AF_INET6 socket whose local AND remote addresses are IPv4-mapped
+ * (::ffff:a.b.c.d: a dual-stack socket talking IPv4) is IPv4 too, its
+ * addresses the last 4 bytes; any other AF_INET6 socket is IPv6.  (wire()'s
+ * other case, an unspecified local address, is no established socket's.) */
+static __always_inline void wire_addrs4(struct fb_event *e, u32 l, u32 r)
+{
+	e->family = 4;
+	__builtin_memcpy(e->laddr, &l, 4);
+	__builtin_memcpy(e->raddr, &r, 4);
+}
+
+static __always_inline void wire_addrs6(struct fb_event *e, const u32 *l, const u32 *r)
+{
+	if (l[0] == 0 && l[1] == 0 && l[2] == bpf_htonl(0xffff) &&
+	    r[0] == 0 && r[1] == 0 && r[2] == bpf_htonl(0xffff)) {
+		wire_addrs4(e, l[3], r[3]);
+		return;
+	}
+	e->family = 6;
+	__builtin_memcpy(e->laddr, l, 16);
+	__builtin_memcpy(e->raddr, r, 16);
+}
+
 static __always_inline void fill_tuple(struct bpf_sock_ops *skops, struct fb_event *e)
 {
 	e->lport = (u16)skops->local_port;
 	e->rport = (u16)bpf_ntohl(skops->remote_port);
 	if (skops->family == AF_INET) {
-		u32 l = skops->local_ip4, rm = skops->remote_ip4;
-
-		e->family = 4;
-		__builtin_memcpy(e->laddr, &l, 4);
-		__builtin_memcpy(e->raddr, &rm, 4);
+		wire_addrs4(e, skops->local_ip4, skops->remote_ip4);
 		return;
 	}
-	u32 l0 = skops->local_ip6[0], l1 = skops->local_ip6[1];
-	u32 l2 = skops->local_ip6[2], l3 = skops->local_ip6[3];
-	u32 r0 = skops->remote_ip6[0], r1 = skops->remote_ip6[1];
-	u32 r2 = skops->remote_ip6[2], r3 = skops->remote_ip6[3];
+	u32 l[4] = {skops->local_ip6[0], skops->local_ip6[1], skops->local_ip6[2],
+		    skops->local_ip6[3]};
+	u32 r[4] = {skops->remote_ip6[0], skops->remote_ip6[1], skops->remote_ip6[2],
+		    skops->remote_ip6[3]};
 
-	/* ::ffff:a.b.c.d on both sides: IPv4 on the wire */
-	if (l0 == 0 && l1 == 0 && l2 == bpf_htonl(0xffff) &&
-	    r0 == 0 && r1 == 0 && r2 == bpf_htonl(0xffff)) {
-		e->family = 4;
-		__builtin_memcpy(e->laddr, &l3, 4);
-		__builtin_memcpy(e->raddr, &r3, 4);
-		return;
-	}
-	e->family = 6;
-	__builtin_memcpy(e->laddr, &l0, 4);
-	__builtin_memcpy(e->laddr + 4, &l1, 4);
-	__builtin_memcpy(e->laddr + 8, &l2, 4);
-	__builtin_memcpy(e->laddr + 12, &l3, 4);
-	__builtin_memcpy(e->raddr, &r0, 4);
-	__builtin_memcpy(e->raddr + 4, &r1, 4);
-	__builtin_memcpy(e->raddr + 8, &r2, 4);
-	__builtin_memcpy(e->raddr + 12, &r3, 4);
+	wire_addrs6(e, l, r);
 }
 
 static __always_inline void established(struct bpf_sock_ops *skops, struct fb_config *cfg,
@@ -432,3 +452,68 @@ int fb_connect6(struct bpf_sock_addr *ctx)
 {
 	return remember_owner(ctx);
 }
+
+#ifdef FB_TEST_RUN
+/*
+ * Only in the test build (-DFB_TEST_RUN, tests/test_handshake.py): the real
+ * first_rule() and address rule on one socket that user space describes, run
+ * with BPF_PROG_TEST_RUN (a raw_tracepoint program, never attached).  The
+ * rules are in the maps FirstByte writes; the counters say why a flow was
+ * declined.
+ */
+struct fb_test_sock {
+	__u32 family;              /* AF_INET or AF_INET6, as the socket's */
+	__u32 lport;               /* host order */
+	__u32 rport;
+	__u32 direction;           /* FB_DIR_* */
+	__u32 attributed;          /* the owner (uid, comm) is known */
+	__u32 uid;
+	__u32 local_ip4;           /* network order, as struct bpf_sock_ops */
+	__u32 remote_ip4;
+	__u32 local_ip6[4];
+	__u32 remote_ip6[4];
+	char  comm[FB_COMM_LEN];
+};
+
+struct fb_test_result {
+	__s32 rule;                /* first_rule(): the index, or -1 */
+	__u32 live;                /* config.live was non-zero */
+	struct fb_event ev;        /* the flow as the rules saw it */
+};
+
+BPF_ARRAY(fb_test_in, struct fb_test_sock, 1);
+BPF_ARRAY(fb_test_out, struct fb_test_result, 1);
+
+int fb_test_first_rule(struct bpf_raw_tracepoint_args *ctx)
+{
+	u32 zero = 0;
+	struct fb_test_sock *in = fb_test_in.lookup(&zero);
+	struct fb_test_result *out = fb_test_out.lookup(&zero);
+	struct fb_config *cfg = fb_config.lookup(&zero);
+	struct fb_flow f = {};
+
+	if (!in || !out || !cfg)
+		return 1;
+	f.ev.direction = in->direction;
+	f.ev.lport = in->lport;
+	f.ev.rport = in->rport;
+	if (in->family == AF_INET) {
+		wire_addrs4(&f.ev, in->local_ip4, in->remote_ip4);
+	} else {
+		u32 l[4] = {in->local_ip6[0], in->local_ip6[1], in->local_ip6[2], in->local_ip6[3]};
+		u32 r[4] = {in->remote_ip6[0], in->remote_ip6[1], in->remote_ip6[2],
+			    in->remote_ip6[3]};
+
+		wire_addrs6(&f.ev, l, r);
+	}
+	if (in->attributed) {
+		f.attributed = 1;
+		f.ev.uid = in->uid;
+		__builtin_memcpy(f.ev.comm, in->comm, FB_COMM_LEN);
+	}
+	out->live = cfg->live != 0;
+	out->rule = cfg->live ? first_rule(cfg, &f) : -1;
+	__builtin_memcpy(&out->ev, &f.ev, sizeof(f.ev));
+	return 0;
+}
+#endif /* FB_TEST_RUN */

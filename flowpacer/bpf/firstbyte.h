@@ -46,7 +46,11 @@
  * config[0] holds the masks of the parts with no map of their own.
  * Only a candidate whose rule is in `kernel` (no exe glob, no process
  * glob, no aggregates) may claim; the first candidate deciding otherwise
- * leaves the flow to user space (today's path).
+ * leaves the flow to user space (today's path).  The masks are compiled by
+ * flowpacer/handshake.py from model.Match's per-field declarations; a udp
+ * rule is in neither `inbound` nor `outbound`; with more than FB_MAX_RULES
+ * rules the last bit stands for all the rules past the first 63 (a
+ * candidate of every flow, never in `kernel`).
  */
 struct fb_config {
 	__u64 netns_cookie;  /* only sockets of this network namespace; 0: off */
