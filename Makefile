@@ -13,7 +13,7 @@ deps: .deps-stamp
 	touch $@
 
 demo: deps
-	$(PY) -m flowpacer.demo
+	$(PY) -m harness.demo
 
 test: deps
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
@@ -43,10 +43,10 @@ bench-quick: deps
 	$(PY) -m bench.run --quick
 
 kmod: deps
-	$(MAKE) -C flowpacer/kmod
+	$(MAKE) -C flowpacer/kernel/kmod
 
 sim: deps
-	$(MAKE) -C flowpacer/kmod sim
+	$(PY) -c 'from harness.pspsim import pspsim; print(pspsim.build(force=True))'
 
 install: deps
 	bash tools/install.sh
@@ -71,4 +71,4 @@ soak: deps
 
 clean:
 	rm -rf build *.egg-info .pytest_cache
-	$(MAKE) -C flowpacer/kmod clean 2>/dev/null || true
+	$(MAKE) -C flowpacer/kernel/kmod clean 2>/dev/null || true

@@ -24,8 +24,8 @@ import sys
 import time
 from typing import List
 
-from flowpacer.backend import tc as tcb
-from flowpacer.backend.htb import HtbCodec
+from flowpacer.kernel.backend import tc as tcb
+from flowpacer.kernel.backend.htb import HtbCodec
 from flowpacer.model import FlowKey, Op, OpKind, Shape
 from harness.daemon import Daemon
 from harness.testbed import PY, Testbed, in_netns, wait_for
@@ -145,7 +145,7 @@ HELD_RULES = """
 def daemon_scale(tb, steps=(100, 1000, 10_000), scrapes=5, mixed=False) -> dict:
     """One daemon; live shaped flows raised step by step (each step one more holder process;
     with ``mixed`` two, one over IPv4 and one over IPv6, half of the new flows each)."""
-    tb.popen(tb.server_ns, [PY, "-m", "flowpacer.tools.blaster", "hold-serve", "--port", "7000"])
+    tb.popen(tb.server_ns, [PY, "-m", "harness.blaster", "hold-serve", "--port", "7000"])
     tb.wait_listening(7000)
     d = Daemon(tb, None, HELD_RULES, verbose=False, rules_mode=0o600).start(timeout=60)
     wait_for(lambda: _try_scrape(tb), 30, 0.2, "the metrics endpoint")
@@ -157,7 +157,7 @@ def daemon_scale(tb, steps=(100, 1000, 10_000), scrapes=5, mixed=False) -> dict:
             t0 = time.monotonic()
             parts = ([(tb.server_v4, more - more // 2), (tb.server_v6, more // 2)] if mixed
                      else [(tb.server_v4, more)])
-            hs = [tb.popen(tb.client_ns, [PY, "-m", "flowpacer.tools.blaster", "hold-connect", "--host",
+            hs = [tb.popen(tb.client_ns, [PY, "-m", "harness.blaster", "hold-connect", "--host",
                                           str(host), "--port", "7000", "--count", str(count),
                                           "--seconds", "600"], stdin=subprocess.PIPE,
                            stdout=subprocess.PIPE, text=True) for host, count in parts if count]

@@ -3,7 +3,7 @@
 Two layouts on the same htb root (``f1f0:``, link class ``:1``, default class ``:2``, one class per
 filter, every class far above what the veth carries, so only classification can slow the flow):
 
-* ``hashed``: flowpacer's own (``flowpacer.backend``: two levels of 256-bucket u32 hash tables,
+* ``hashed``: flowpacer's own (``flowpacer.kernel.backend``: two levels of 256-bucket u32 hash tables,
   installed by ``TcBackend`` exactly as the daemon does);
 * ``linear``: plain u32 filters (src, dst and the ports word: three exact keys each) in one
   bucket of the root table at one prio, the target installed last. A u32 bucket holds at most
@@ -35,10 +35,10 @@ import tempfile
 import time
 from typing import List
 
-from flowpacer.backend import tc as tcb
-from flowpacer.backend.htb import HtbCodec, burst_for, quantum_for
+from flowpacer.kernel.backend import tc as tcb
+from flowpacer.kernel.backend.htb import HtbCodec, burst_for, quantum_for
 from flowpacer.model import FlowKey, Op, OpKind, Shape
-from flowpacer.testbed import Testbed, in_netns
+from harness.testbed import Testbed, in_netns
 
 from .common import percentiles, write
 from .reportkit import COLORS, Goal, ResultIndex, g, num, pyplot, savefig, share, table

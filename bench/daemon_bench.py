@@ -25,8 +25,8 @@ import sys
 import time
 from typing import List
 
-from flowpacer.backend.tc import DEFAULT_MINOR, MAJOR
-from flowpacer.tc import nl
+from flowpacer.kernel.backend.tc import DEFAULT_MINOR, MAJOR
+from flowpacer.kernel.tc import nl
 from harness.daemon import Daemon
 from harness.testbed import PY, Testbed, in_netns, wait_for
 
@@ -53,7 +53,7 @@ def churn(tb, rate, seconds, procs=1, mixed=False):
     """``procs`` churn clients sharing ``rate`` open+read+close per second; with ``mixed`` every
     other client connects over IPv6 (half of the flows IPv6 when ``procs`` is even)."""
     hosts = [tb.server_v6 if mixed and i % 2 else tb.server_v4 for i in range(procs)]
-    ps = [tb.popen(tb.client_ns, [PY, "-m", "flowpacer.tools.blaster", "churn", "--host",
+    ps = [tb.popen(tb.client_ns, [PY, "-m", "harness.blaster", "churn", "--host",
                                   str(h), "--port", "7100", "--rate", str(rate / procs),
                                   "--seconds", str(seconds)], stdout=subprocess.PIPE, text=True)
           for h in hosts]
@@ -67,7 +67,7 @@ def churn(tb, rate, seconds, procs=1, mixed=False):
 
 def time_to_shape(tb, seconds=5, mixed=False) -> dict:
     """200 new flows/s from 2 client processes (with ``mixed``: one of them over IPv6)."""
-    tb.popen(tb.server_ns, [PY, "-m", "flowpacer.tools.blaster", "burst-serve", "--port", "7100",
+    tb.popen(tb.server_ns, [PY, "-m", "harness.blaster", "burst-serve", "--port", "7100",
                             "--bytes", "65536"])
     tb.wait_listening(7100)
     d = bench_daemon(tb)
@@ -86,7 +86,7 @@ def time_to_shape(tb, seconds=5, mixed=False) -> dict:
 
 def churn_ceiling(tb, rates=(500, 1000, 2000, 3000, 4000), seconds=5, mixed=False) -> dict:
     """Rising open+close rates from 2 client processes (with ``mixed``: one over IPv6)."""
-    tb.popen(tb.server_ns, [PY, "-m", "flowpacer.tools.blaster", "burst-serve", "--port", "7100"])
+    tb.popen(tb.server_ns, [PY, "-m", "harness.blaster", "burst-serve", "--port", "7100"])
     tb.wait_listening(7100)
     d = bench_daemon(tb)
     steps = []
@@ -119,9 +119,9 @@ def churn_ceiling(tb, rates=(500, 1000, 2000, 3000, 4000), seconds=5, mixed=Fals
 
 
 def unshaped_bytes(tb, n=100) -> dict:
-    tb.popen(tb.server_ns, [PY, "-m", "flowpacer.tools.blaster", "burst-serve", "--port", "7100",
+    tb.popen(tb.server_ns, [PY, "-m", "harness.blaster", "burst-serve", "--port", "7100",
                             "--bytes", str(256 * 1024)])
-    tb.popen(tb.server_ns, [PY, "-m", "flowpacer.tools.blaster", "burst-serve", "--port", "7101",
+    tb.popen(tb.server_ns, [PY, "-m", "harness.blaster", "burst-serve", "--port", "7101",
                             "--name", "fp-other-srv"])
     tb.wait_listening(7100)
     tb.wait_listening(7101)
@@ -180,12 +180,12 @@ def unshaped_churn(tb, probes=20, rates=(200, 2000)) -> dict:
     its class's burst (htb: 2 ms at the rate, 5000 B) plus about one packet."""
     import os
     import threading
-    from flowpacer.backend.htb import burst_for
+    from flowpacer.kernel.backend.htb import burst_for
     from harness.headcapture import HeadCapture
     rate_bps = 20_000_000 // 8
     tb.set_gso(False)
-    tb.popen(tb.server_ns, [PY, "-m", "flowpacer.tools.blaster", "burst-serve", "--port", "7100"])
-    tb.popen(tb.server_ns, [PY, "-m", "flowpacer.tools.blaster", "burst-serve", "--port", "7102",
+    tb.popen(tb.server_ns, [PY, "-m", "harness.blaster", "burst-serve", "--port", "7100"])
+    tb.popen(tb.server_ns, [PY, "-m", "harness.blaster", "burst-serve", "--port", "7102",
                             "--bytes", str(256 * 1024)])
     tb.wait_listening(7100)
     tb.wait_listening(7102)

@@ -1,7 +1,7 @@
 """Per-packet cost of psp's scheduling core at 10 ... 100 000 classes (issue 4).
 
-The module's scheduling code (flowpacer/kmod/psp_sched.h) and its trees (psp_tree.h: rbtrees with
-sorted runs) run unchanged in the userspace simulator (flowpacer/kmod/sim), on a userspace rbtree
+The module's scheduling code (flowpacer/kernel/kmod/psp_sched.h) and its trees (psp_tree.h: rbtrees with
+sorted runs) run unchanged in the userspace simulator (harness/pspsim), on a userspace rbtree
 with the kernel's interface (sim/kshim.h).
 Every class is backlogged all the time (an endless source of 1514-byte packets) and the rates are
 equal and add up to 90 % of a 100 Gbit/s link, so each packet is one select + one charge + the
@@ -37,7 +37,7 @@ import sys
 import time
 from typing import List
 
-from flowpacer.kmod.sim.pspsim import NSEC, Sim, build
+from harness.pspsim.pspsim import NSEC, Sim, build
 
 from .common import percentiles, write
 from .reportkit import Goal, ResultIndex, g, num, pyplot, savefig, share, table

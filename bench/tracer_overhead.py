@@ -405,7 +405,7 @@ def main(argv=None) -> int:
         print("tracer_overhead: needs root (BPF, network namespaces)", file=sys.stderr)
         return 2
     from flowpacer.errors import TracerUnavailable
-    from flowpacer.tracer import Tracer, prog_info
+    from flowpacer.sources.tracer import Tracer, prog_info
 
     rtt_n = 3000 if args.quick else 10000
     rounds = 2 if args.quick else 3

@@ -200,7 +200,7 @@ def pktgen_run(bed: Bed, qdisc: str, rate_mbit: float, seconds: int, capture: st
 
 def run_all(rates, qdiscs, gsos, seconds, gap_sample, window_ms, capture="pcap", source="iperf3",
             overload=1.1) -> list:
-    from flowpacer.testbed import Testbed
+    from harness.testbed import Testbed
     out = []
     with Testbed(tag="vgap") as tb:
         bed = Bed(tb)

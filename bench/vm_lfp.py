@@ -218,7 +218,7 @@ def calibrate(bed: Bed, path: Path_, seconds: int) -> dict:
 
 def run_all(rtts, mixes, pacers, bottleneck_mbit, buffer_kb, seconds, udp_mbit, margin, tag="vlfp",
             progress=None):
-    from flowpacer.testbed import Testbed
+    from harness.testbed import Testbed
     res = {"cases": []}
     with Testbed(tag=tag) as tb:
         bed = Bed(tb)

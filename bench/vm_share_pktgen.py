@@ -181,7 +181,7 @@ def set_mtu(bed: Bed, mtu: int) -> None:
 
 
 def run_all(qdiscs, link_mbit, seconds, warmup, offered, capture, frame_bytes=1514, frags=0) -> dict:
-    from flowpacer.testbed import Testbed
+    from harness.testbed import Testbed
     out = {}
     with Testbed(tag="vshp") as tb:
         bed = Bed(tb)

@@ -67,11 +67,11 @@ def vm_unavailable() -> Optional[str]:
 
 
 def build_psp_for_guest() -> Path:
-    """sch_psp.ko built against the guest's kernel, from a copy of flowpacer/kmod (cached in /tmp
+    """sch_psp.ko built against the guest's kernel, from a copy of flowpacer/kernel/kmod (cached in /tmp
     by the sources' hash, so a repeated run does not rebuild)."""
     from vm import build as vmbuild
     kver = vmbuild.find_kernel().version
-    src = REPO / "flowpacer" / "kmod"
+    src = REPO / "flowpacer" / "kernel" / "kmod"
     h = hashlib.sha256(kver.encode())
     for name in KMOD_SOURCES:
         p = src / name
@@ -184,7 +184,7 @@ def mbit(x: float) -> int:
 
 
 class Bed:
-    """flowpacer.testbed.Testbed seen through harness/pacing.py's names: the server's
+    """harness.testbed.Testbed seen through harness/pacing.py's names: the server's
     namespace sends (its veth gets the qdisc under test), the client's receives."""
 
     def __init__(self, tb):
@@ -232,7 +232,7 @@ def setup_psp(bed: Bed, link_bps: int, classes: Sequence[tuple]) -> None:
 def setup_htb(bed: Bed, link_bps: int, classes: Sequence[tuple]) -> None:
     """flowpacer's htb layout: root f1f0:, link class :1, default :2, flow classes under :1 at
     their rate (ceil = rate) with flowpacer's burst and quantum."""
-    from flowpacer.backend.htb import DEFAULT_SHARE, burst_for, quantum_for
+    from flowpacer.kernel.backend.htb import DEFAULT_SHARE, burst_for, quantum_for
     pacing.modprobe("sch_htb", "cls_u32")
     bed.clear_qdisc()
 
@@ -379,7 +379,7 @@ def sharing_run(bed: Bed, qdisc: str, unit_bps: int, spacing: int, hold: int, bi
 
 def run_sharing(qdiscs: Sequence[str], unit_mbit: float, spacing: int, hold: int, bin_s: float,
                 settle: float, tag: str) -> Dict[str, dict]:
-    from flowpacer.testbed import Testbed
+    from harness.testbed import Testbed
     out = {}
     with Testbed(tag=tag) as tb:
         bed = Bed(tb)

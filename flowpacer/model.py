@@ -216,9 +216,9 @@ class PortSet:
 
 
 class Handshake(str, enum.Enum):
-    """What the first-byte program (``flowpacer/bpf/firstbyte.c``) can decide of a ``Match``
+    """What the first-byte program (``flowpacer/sources/bpf/firstbyte.c``) can decide of a ``Match``
     field at the end of a TCP handshake. Every field of ``Match`` declares one (its
-    ``handshake`` metadata, ``handshake_of``); ``flowpacer/handshake.py`` compiles the
+    ``handshake`` metadata, ``handshake_of``); ``flowpacer/policy/handshake.py`` compiles the
     program's masks from these declarations, and a test fails for a field without one."""
     YES = "yes"            # every value: the kernel sees it and decides it as the engine does
     PARTIAL = "partial"    # some values (the declaration says which); a rule with another is

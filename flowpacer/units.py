@@ -36,7 +36,7 @@ import re
 from fractions import Fraction
 from typing import Optional
 
-from .text import quoted as _show
+from flowpacer.text import quoted as _show
 
 MAX_RATE_BPS = 2**64 - 1          # bytes/s: tc's 64-bit rate
 _MAX_EXPONENT = 30                # |e| in "1e6": bounded, so no giant integers

@@ -1,4 +1,4 @@
-"""One contract suite for every backend (``flowpacer.backend.contract.Backend``).
+"""One contract suite for every backend (``flowpacer.kernel.backend.contract.Backend``).
 
 The cases take a *bed*: where a backend of one kind lives, how to make a new instance of it on
 the same interface (a restart), how to look at what is left in the "kernel", and how to make
@@ -21,7 +21,7 @@ import contextlib
 import ipaddress
 from typing import Callable, Dict, List, Optional
 
-from flowpacer.backend.contract import Backend, Pools, missing_members
+from flowpacer.kernel.backend.contract import Backend, Pools, missing_members
 from flowpacer.model import (ClassRole, ClassStats, FlowKey, Group, GroupKey, GroupKind, Op,
                              OpKind, Shape)
 
@@ -94,7 +94,7 @@ class TcBed:
         return in_netns(self.tb.server_ns)
 
     def make(self) -> Backend:
-        from flowpacer.backend.tc import TcBackend
+        from flowpacer.kernel.backend.tc import TcBackend
         with self.ctx():
             b = TcBackend(self.codec_factory(), self.tb.server_if, LINK_RATE_BPS)
             b.setup()
@@ -116,7 +116,7 @@ class TcBed:
         """A class of someone else's at the id the backend gives ``key``'s class next: the
         kernel refuses the add (EEXIST, the generic layer gives no extack: its strerror is the
         kernel's text). Knows the tc backend's ids: this is the tc bed."""
-        from flowpacer.backend.handles import MAJOR
+        from flowpacer.kernel.backend.handles import MAJOR
         minor = b._free_minors[-1] if b._free_minors else b._next_minor
         kind = self.codec_factory().qdisc_kind
         if kind == "htb":
@@ -130,9 +130,10 @@ class TcBed:
         return "File exists"
 
     def _refuse_psp(self, b, minor: int) -> str:
-        from flowpacer.backend.handles import MAJOR, QDISC_HANDLE
-        from flowpacer.tc import nl, psp as enc
-        from flowpacer.tc.nl import NLM_F_CREATE, NLM_F_EXCL, RTM_NEWTCLASS, Request, RtnlSocket
+        from flowpacer.kernel.backend.handles import MAJOR, QDISC_HANDLE
+        from flowpacer.kernel.tc import nl, psp as enc
+        from flowpacer.kernel.tc.nl import (NLM_F_CREATE, NLM_F_EXCL, RTM_NEWTCLASS, Request,
+                                            RtnlSocket)
         with self.ctx(), RtnlSocket() as rt:
             rt.request(Request(RTM_NEWTCLASS, NLM_F_CREATE | NLM_F_EXCL,
                                nl.tcmsg(b.ifindex, nl.tc_handle(MAJOR, minor), QDISC_HANDLE)
@@ -259,7 +260,7 @@ def case_apply_is_idempotent(bed):
 
 
 def case_installed_and_shape_of_agree_with_the_plan(bed):
-    from flowpacer import engine
+    from flowpacer.policy import engine
     b = bed.make()
     ks = keys(bed, 6)
     want = {k: shape(1 + i, 2 + i) for i, k in enumerate(ks)}
@@ -303,7 +304,7 @@ def case_a_new_instance_adopts(bed):
     assert {k: (s.rate_bps, s.ceil_bps) for k, s in got.items()} == \
         {k: (s.rate_bps, s.ceil_bps) for k, s in want.items()}
     # the adopted flows are b2's: planned again (relabelled) and removed without leftovers
-    from flowpacer import engine
+    from flowpacer.policy import engine
     with bed.ctx():
         res = b2.apply(engine.plan(want, got))
     assert res.errors == [] and res.added == 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 import socket
 from typing import List, Set, Tuple
 
-from flowpacer.testbed import in_netns
+from harness.testbed import in_netns
 
 BASE_CLASSES = ("f1f0:1", "f1f0:2")   # flowpacer's link class and default class
 
@@ -25,7 +25,7 @@ def tc_show(tb, what: str, stats: bool = False, dev: str = "") -> str:
                                  dev or tb.server_if]).stdout
 
 
-POOL_FIRST_MINOR = 0xC000   # first-byte pool classes (flowpacer/backend/pool.py)
+POOL_FIRST_MINOR = 0xC000   # first-byte pool classes (flowpacer/kernel/backend/pool.py)
 
 
 def kernel_objects(tb, dev: str = "") -> Tuple[int, int]:
@@ -70,8 +70,8 @@ class NlProbe:
     the server namespace: no ``tc``/``ss`` processes. The same answers as the two functions."""
 
     def __init__(self, tb, ports=(7000, 7100)):
-        from flowpacer.sockdiag import NETLINK_SOCK_DIAG
-        from flowpacer.tc.nl import RtnlSocket
+        from flowpacer.sources.sockdiag import NETLINK_SOCK_DIAG
+        from flowpacer.kernel.tc.nl import RtnlSocket
         self.ports = tuple(ports)
         with in_netns(tb.server_ns):
             self.ifindex = socket.if_nametoindex(tb.server_if)
@@ -79,9 +79,9 @@ class NlProbe:
             self.diag = RtnlSocket(NETLINK_SOCK_DIAG)
 
     def objects(self) -> Tuple[int, int]:
-        from flowpacer.backend.tc import MAJOR, QDISC_HANDLE
+        from flowpacer.kernel.backend.tc import MAJOR, QDISC_HANDLE
         from flowpacer.errors import NetlinkError
-        from flowpacer.tc import nl, u32
+        from flowpacer.kernel.tc import nl, u32
         minors, targets, nflt = [], set(), 0
         try:
             for mtype, body in self.rt.dump(nl.RTM_GETTCLASS, nl.tcmsg(self.ifindex)):
@@ -101,7 +101,7 @@ class NlProbe:
         return ncls, nflt
 
     def live(self) -> Set[str]:
-        from flowpacer.sockdiag import PORTS, REQ, SOCK_DIAG_BY_FAMILY, TCP_ESTABLISHED
+        from flowpacer.sources.sockdiag import PORTS, REQ, SOCK_DIAG_BY_FAMILY, TCP_ESTABLISHED
         out = set()
         for fam in (socket.AF_INET, socket.AF_INET6):
             for _t, body in self.diag.dump(SOCK_DIAG_BY_FAMILY,

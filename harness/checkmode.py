@@ -118,7 +118,7 @@ def _replace(obj, name: str, what: str, marker: str = "kernel") -> None:
 def install() -> Path:
     """Put every layer in place for the rest of this process (a pytest session); returns the
     directory of the PATH scripts."""
-    from flowpacer import testbed
+    from harness import testbed
     for name in ("__enter__", "create"):
         _replace(testbed.Testbed, name, "create network namespaces (Testbed)")
     _replace(testbed.Daemon, "start", "start the daemon (eBPF tracer, tc on a testbed)")

@@ -4,14 +4,14 @@
     d.flows(); d.status(); d.call({"cmd": "reload"})
     assert d.stop() == 0                                           # SIGTERM, its exit status
 
-``Daemon`` is ``flowpacer.testbed.Daemon`` (``make demo`` runs the daemon with it too); here
+``Daemon`` is ``harness.testbed.Daemon`` (``make demo`` runs the daemon with it too); here
 with the rules file most tests use and the checks of a daemon's health after a test.
 """
 from __future__ import annotations
 
 from typing import Iterable, List
 
-from flowpacer.testbed import FLOWPACER, Daemon, DaemonExited  # noqa: F401 (re-exported)
+from harness.testbed import FLOWPACER, Daemon, DaemonExited  # noqa: F401 (re-exported)
 
 from .capture import kernel_objects, qdisc_kind  # noqa: F401 (re-exported: what a daemon left)
 

@@ -2,7 +2,7 @@
 supervision (stage failures, restart adoption, fall-back, reload, watchdog) is tested
 in-process. Pure bookkeeping: nothing here touches the kernel. Real-kernel behaviour is tested
 with the real backend elsewhere; these fakes only have to keep the backend's contract
-(``flowpacer.backend.contract.Backend``; harness/backend_contract.py checks it), the first-byte
+(``flowpacer.kernel.backend.contract.Backend``; harness/backend_contract.py checks it), the first-byte
 pool ops included. ``FakeFirstByte`` is the first-byte source over in-memory maps.
 """
 from __future__ import annotations
@@ -11,12 +11,12 @@ import contextlib
 import threading
 from typing import Callable, Dict, List, Optional
 
-from flowpacer.backend.contract import Capabilities
-from flowpacer.backend.filters import LayoutFull
-from flowpacer.backend.pool import Pool
+from flowpacer.kernel.backend.contract import Capabilities
+from flowpacer.kernel.backend.filters import LayoutFull
+from flowpacer.kernel.backend.pool import Pool
 from flowpacer.errors import BackendError
-from flowpacer.firstbyte import (EVENT, FB_DIR_INBOUND, FB_DIR_OUTBOUND, FB_F_CLOSED,
-                                 POOL_SLOTS, FirstByte)
+from flowpacer.sources.firstbyte import (EVENT, FB_DIR_INBOUND, FB_DIR_OUTBOUND, FB_F_CLOSED,
+                                         POOL_SLOTS, FirstByte)
 from flowpacer.model import (ApplyResult, BackendHealth, BackendKind, ClassRole, ClassStats,
                              FlowKey, Op, OpError, OpKind, PoolOp, Shape, Side)
 
@@ -30,7 +30,7 @@ class FakeStatsChannel:
 
 
 class FakeBackend:
-    """A ``Backend`` (flowpacer/backend/contract.py) in memory: classes without groups, the
+    """A ``Backend`` (flowpacer/kernel/backend/contract.py) in memory: classes without groups, the
     first-byte pools on the send side (``Pools``), every class with 1000 bytes sent."""
 
     def __init__(self, name: str = "htb", interface: str = "fake0",
@@ -298,7 +298,7 @@ class _FakeBpf:
 
 
 class FakeFirstByte(FirstByte):
-    """A ``flowpacer.firstbyte.FirstByte`` whose kernel side (the sock_ops program, its maps
+    """A ``flowpacer.sources.firstbyte.FirstByte`` whose kernel side (the sock_ops program, its maps
     and ring buffer) is in memory: ``claim`` plays the program's ticket protocol on the rings
     the daemon filled, ``close_socket`` its close report. Everything above the maps (the
     rounds with the reconciler, pools, counters) is the real code. ``on_kernel_access`` is
@@ -400,7 +400,7 @@ def inprocess_daemon(tmp_path, ruleset, *, factory=None, sockdiag=None, tracer=N
                      backoff_s=(0.01, 0.05), firstbyte=None):
     """A real ``Daemon`` wired to fakes, its main loop in a thread; stopped and shut down on
     exit. Yields the daemon (``d.supervisor.backend`` is the FakeBackend)."""
-    from flowpacer.app import Daemon, Options
+    from flowpacer.daemon.app import Daemon, Options
     opts = Options(rules_path=str(tmp_path / "rules.yaml"), socket_path=str(tmp_path / "ctl.sock"),
                    rescan_s=rescan_s, tracer=tracer_enabled, metrics_listen=None)
     d = Daemon(opts, backend_factory=factory or FakeFactory(),

@@ -18,7 +18,7 @@ import socket
 import struct
 from typing import Dict, List, Tuple
 
-from flowpacer.testbed import in_netns
+from harness.testbed import in_netns
 
 ETH_P_ALL = 0x0003
 SO_TIMESTAMPNS = 35

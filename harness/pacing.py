@@ -66,7 +66,7 @@ def to_mbit(rate_bps: float) -> float:
     return rate_bps * 8 / 1e6
 
 
-# the one testbed of the project (flowpacer/testbed.py through the harness package): its
+# the one testbed of the project (harness/testbed.py through the harness package): its
 # server side is the sender here (sender_ns/sender_dev/sender_addr), its client the receiver
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:                  # also when run as a script (python harness/pacing.py)

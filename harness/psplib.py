@@ -1,11 +1,11 @@
 """The psp module inside the test VM: loading it, and talking to it over rtnetlink.
 
 iproute2's tc does not know psp's options, so qdiscs and classes are made with raw rtnetlink
-requests (``flowpacer.tc.nl`` transport, ``flowpacer.tc.psp`` encodings); filters, which are
+requests (``flowpacer.kernel.tc.nl`` transport, ``flowpacer.kernel.tc.psp`` encodings); filters, which are
 generic, are made with ``tc``. Every refusal comes back with the kernel's extack text.
 
 The module file is ``$FLOWPACER_PSP_KO`` (``tests/test_vm.py`` builds it on the host against the
-guest's kernel before the boot) or else ``flowpacer/kmod/sch_psp.ko``; a missing file or one built
+guest's kernel before the boot) or else ``flowpacer/kernel/kmod/sch_psp.ko``; a missing file or one built
 for another kernel fails the test that needs it, with the command that builds it.
 
     ensure_loaded()
@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from flowpacer.tc import nl
-from flowpacer.tc import psp as enc
-from flowpacer.testbed import in_netns
+from flowpacer.kernel.tc import nl
+from flowpacer.kernel.tc import psp as enc
+from harness.testbed import in_netns
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,7 +44,7 @@ BIG_RMEM_MAX = 4 << 20           # the project's host machines
 def rmem_max(value: int):
     """net.core.rmem_max at ``value`` inside the block, the old value back after it.
 
-    The daemon's netlink socket (flowpacer/tc/nl.py) asks for a 4 MiB receive buffer; with
+    The daemon's netlink socket (flowpacer/kernel/tc/nl.py) asks for a 4 MiB receive buffer; with
     SO_RCVBUFFORCE it gets it whatever rmem_max says, so the stock value must work too
     (``test_daemon_starts_with_stock_rmem_max``); the daemon tests run with the host's value."""
     old = RMEM_MAX.read_text().strip()
@@ -56,7 +56,7 @@ def rmem_max(value: int):
 
 
 KO_ENV = "FLOWPACER_PSP_KO"
-BUILD_HINT = "make -C flowpacer/kmod KVER=$(uname -r) (tests/test_vm.py does it before the boot)"
+BUILD_HINT = "make -C flowpacer/kernel/kmod KVER=$(uname -r) (tests/test_vm.py does it before the boot)"
 
 NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE = nl.NLM_F_CREATE, nl.NLM_F_EXCL, nl.NLM_F_REPLACE
 RTM_NEWQDISC, RTM_DELQDISC, RTM_GETQDISC = nl.RTM_NEWQDISC, nl.RTM_DELQDISC, nl.RTM_GETQDISC
@@ -76,7 +76,7 @@ def h(minor: int, major: int = MAJOR) -> int:
 # ------------------------------------------------------------------------ module
 
 def module_path() -> Path:
-    return Path(os.environ.get(KO_ENV) or REPO / "flowpacer" / "kmod" / "sch_psp.ko")
+    return Path(os.environ.get(KO_ENV) or REPO / "flowpacer" / "kernel" / "kmod" / "sch_psp.ko")
 
 
 def loaded() -> bool:

@@ -16,7 +16,7 @@ import subprocess
 import tempfile
 import time
 
-from flowpacer.testbed import PY, client_argv, wait_for
+from harness.testbed import PY, client_argv, wait_for
 
 from .capture import NlProbe, kernel_objects, live_target_flows  # noqa: F401 (NlProbe re-exported)
 from .daemon import Daemon
@@ -74,7 +74,7 @@ def crash_restart(tb, held=500, churn_rate=100, backend="htb", extra=(), doomed_
     objects = probe.objects if probe else (lambda: kernel_objects(tb))
     live_flows = probe.live if probe else (lambda: live_target_flows(tb))
     tmp = tempfile.mkdtemp(prefix="fp-crash-")
-    blaster = [PY, "-m", "flowpacer.tools.blaster"]
+    blaster = [PY, "-m", "harness.blaster"]
     tb.popen(tb.server_ns, blaster + ["hold-serve", "--port", "7000"])
     tb.popen(tb.server_ns, blaster + ["burst-serve", "--port", "7100", "--bytes", "2000"])
     tb.popen(tb.server_ns, blaster + ["serve", "--ports", "7200", "--name", "fp-other-srv"])
@@ -159,7 +159,7 @@ def crash_restart(tb, held=500, churn_rate=100, backend="htb", extra=(), doomed_
 
 def churn_soak(tb, cycles=100_000, rate=2500) -> dict:
     tmp = tempfile.mkdtemp(prefix="fp-soak-")
-    blaster = [PY, "-m", "flowpacer.tools.blaster"]
+    blaster = [PY, "-m", "harness.blaster"]
     tb.popen(tb.server_ns, blaster + ["burst-serve", "--port", "7100"])
     tb.wait_listening(7100)
     d = daemon(tb, tmp)

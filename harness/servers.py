@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 from typing import Dict, Optional
 
-from flowpacer.testbed import server_argv
+from harness.testbed import server_argv
 
 
 def make_files(root: Path, files: Dict[str, int]) -> None:
@@ -141,7 +141,7 @@ def rsync_daemon(tb, workdir: Path, files: Dict[str, int], port: int = 8730) -> 
 
 
 def blaster_server(tb, ports, name: str = "fp-test-srv", v6: bool = False) -> subprocess.Popen:
-    """flowpacer's own delivery server (``flowpacer.tools.blaster serve``) on ``ports``."""
+    """flowpacer's own delivery server (``harness.blaster serve``) on ``ports``."""
     p = tb.popen(tb.server_ns, server_argv(list(ports), name, v6=v6))
     for port in ports:
         tb.wait_listening(port)

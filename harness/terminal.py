@@ -4,7 +4,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from flowpacer.testbed import PY, wait_for
+from harness.testbed import PY, wait_for
 
 ROOT = str(Path(__file__).resolve().parents[1])
 

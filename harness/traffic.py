@@ -4,7 +4,7 @@ Rates are measured at the receiver (the client namespace) in bytes per second of
 a flow paced at ``rate_bps`` on the wire carries at most ``rate_bps * wire(v6)`` of payload
 (1448 payload bytes per 1514-byte frame over IPv4 with timestamps, 1428 over IPv6).
 
-- ``fetch``/``fetch_result``: ``flowpacer.tools.blaster fetch`` (any HTTP server that sends a
+- ``fetch``/``fetch_result``: ``harness.blaster fetch`` (any HTTP server that sends a
   big body: blaster's own ``serve``, nginx with ``path=``), its goodput after a warm-up;
 - ``iperf3``: ``iperf3 -c`` (``-R``: the server sends), its JSON report;
 - ``ab``, ``h2load``, ``curl``: ApacheBench, nghttp2's h2load and curl, their summaries;
@@ -26,7 +26,7 @@ import threading
 import time
 from typing import List, Optional, Sequence
 
-from flowpacer.testbed import PY, client_argv, in_netns, server_argv  # noqa: F401 (re-exported)
+from harness.testbed import PY, client_argv, in_netns, server_argv  # noqa: F401 (re-exported)
 
 WIRE = 1448 / 1514       # TCP payload per full IPv4 frame (timestamps on)
 WIRE6 = 1428 / 1514      # the same over IPv6 (20 more bytes of IP header)

@@ -41,7 +41,7 @@ import sys
 import threading
 import time
 
-from flowpacer.tools.blaster import set_comm
+from harness.blaster import set_comm
 
 MAX_SECONDS = 60.0
 
@@ -368,7 +368,7 @@ def sink(port: int) -> None:
 
 
 class ProbeRun:
-    """A ``probe`` in ``tb``'s server namespace under a started ``flowpacer.tracer.Tracer`` of
+    """A ``probe`` in ``tb``'s server namespace under a started ``flowpacer.sources.tracer.Tracer`` of
     that namespace, and the tracer's UDP events of it (the tracer tests, host and VM):
     ``peers`` and ``connected`` are the flows the probe makes as (local address, local port,
     remote address) triples; ``of(kind)`` lists the events of a kind as such triples (repeats

@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 from typing import List, Optional
 
-from flowpacer.testbed import in_netns
+from harness.testbed import in_netns
 
 log = logging.getLogger(__name__)
 

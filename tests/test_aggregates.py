@@ -13,12 +13,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flowpacer import engine
-from flowpacer.backend import tc as tcb
-from flowpacer.backend.groups import GroupTree, Member, Node, shares, targets
-from flowpacer.backend.htb import HtbCodec
+from flowpacer.policy import engine
+from flowpacer.kernel.backend import tc as tcb
+from flowpacer.kernel.backend.groups import GroupTree, Member, Node, shares, targets
+from flowpacer.kernel.backend.htb import HtbCodec
 from flowpacer.model import FlowKey, Group, GroupKind, Match, Op, OpKind, Rule, Shape
-from flowpacer.testbed import in_netns, wait_for
+from harness.testbed import in_netns, wait_for
 
 MBIT = 1_000_000 // 8
 LINK = 1000 * MBIT
@@ -500,7 +500,7 @@ def _view(groups, flows=()):
 
 
 def test_metrics_per_client_series_are_bounded_to_the_busiest():
-    from flowpacer import metrics
+    from flowpacer.surfaces import metrics
     from flowpacer.model import ClassStats, GroupView
     groups = [GroupView(GroupKind.RULE, "dl", "f1f0:10", 25 * MBIT, 30 * MBIT)]
     stats = {}
@@ -528,7 +528,7 @@ def test_metrics_per_client_series_are_bounded_to_the_busiest():
 
 
 def test_status_json_and_top_show_the_groups():
-    from flowpacer import top, view
+    from flowpacer.surfaces import top, view
     from flowpacer.model import ClassStats, FlowView, GroupView
     k = FlowKey(ipaddress.ip_address("192.0.2.1"), 443, ipaddress.ip_address("2001:db8::7"), 4000)
     r = agg_rule(client=20, total=30)
@@ -557,7 +557,7 @@ def test_status_json_and_top_show_the_groups():
 
 @pytest.mark.kernel          # root: chown, root-owned files
 def test_the_daemon_logs_the_warnings_of_its_rules(tmp_path, caplog):
-    from flowpacer import rules
+    from flowpacer.policy import rules
     f = tmp_path / "rules.yaml"
     f.write_text("link_rate: 100mbit\nrules:\n"
                  "  - {name: a, match: {process: a}, rate: 8mbit, total_rate: 60mbit}\n"

@@ -1,13 +1,13 @@
-"""The backend contract (flowpacer/backend/contract.py): every backend and codec has every
+"""The backend contract (flowpacer/kernel/backend/contract.py): every backend and codec has every
 member the daemon uses, and the one contract suite (harness/backend_contract.py) passes against
 FakeBackend (pure) and htb on the host (kernel). psp runs the same suite in the VM
 (tests/guest/test_backend_contract.py)."""
 import pytest
 
-from flowpacer.backend import registry
-from flowpacer.backend.contract import Backend, Codec, Pools, members, missing_members
-from flowpacer.backend.htb import HtbCodec
-from flowpacer.backend.psp import PspCodec
+from flowpacer.kernel.backend import registry
+from flowpacer.kernel.backend.contract import Backend, Codec, Pools, members, missing_members
+from flowpacer.kernel.backend.htb import HtbCodec
+from flowpacer.kernel.backend.psp import PspCodec
 from flowpacer.model import BackendKind, Side
 from harness import backend_contract as bc
 from harness.fakes import FakeBackend, FakeFactory
@@ -43,8 +43,8 @@ def test_the_codecs_declare_their_attributes(codec):
 
 
 def test_the_tc_backends_keep_the_protocol_and_declare_capabilities():
-    from flowpacer.backend.ingress import IngressBackend
-    from flowpacer.backend.tc import TcBackend
+    from flowpacer.kernel.backend.ingress import IngressBackend
+    from flowpacer.kernel.backend.tc import TcBackend
     for b in (TcBackend(HtbCodec(), "lo", 1000), TcBackend(PspCodec(), "lo", 1000),
               IngressBackend(PspCodec(), "lo", 1000)):
         try:

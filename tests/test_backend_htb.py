@@ -5,11 +5,11 @@ import subprocess
 
 import pytest
 
-from flowpacer.backend import tc as tcb
-from flowpacer.backend.htb import HtbCodec
+from flowpacer.kernel.backend import tc as tcb
+from flowpacer.kernel.backend.htb import HtbCodec
 from flowpacer.errors import BackendError
 from flowpacer.model import FlowKey, Op, OpKind, Shape
-from flowpacer.testbed import in_netns, server_argv
+from harness.testbed import in_netns, server_argv
 from harness import traffic
 
 pytestmark = pytest.mark.kernel

@@ -17,7 +17,8 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from flowpacer.control import MAX_CLIENTS, MAX_REQUEST, ControlServer, call, json_depth, parse_request
+from flowpacer.surfaces.control import (MAX_CLIENTS, MAX_REQUEST, ControlServer, call, json_depth,
+                                        parse_request)
 from harness.capture import qdisc_kind
 from harness.daemon import RULES, Daemon, tracebacks
 from harness.testbed import Testbed, wait_for

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from flowpacer.control import call
+from flowpacer.surfaces.control import call
 from harness.capture import qdisc_kind
 from harness.daemon import RULES, Daemon
 from harness.testbed import PY, client_argv, server_argv, wait_for
@@ -47,7 +47,7 @@ def test_status_shows_each_flow(testbed, daemon):
     st = daemon.status()
     assert st["backend"] == "htb" and st["interface"] == testbed.server_if
     # the CLI prints the same as a table
-    out = testbed.run(testbed.server_ns, [PY, "-m", "flowpacer.cli", "status", "--socket", daemon.sock]).stdout
+    out = testbed.run(testbed.server_ns, [PY, "-m", "flowpacer", "status", "--socket", daemon.sock]).stdout
     assert "slow" in out and "fp-test-srv" in out and f"{testbed.client_v4}:45001" in out
     c.communicate(timeout=30)
 
@@ -57,7 +57,7 @@ def test_outbound_flows_of_a_client_process(testbed, daemon):
     testbed.popen(testbed.client_ns, server_argv([9201], "fp-peer-srv"))
     testbed.wait_listening(9201, ns=testbed.client_ns)
     daemon.start()
-    c = testbed.popen(testbed.server_ns, [PY, "-m", "flowpacer.tools.blaster", "fetch", "--host",
+    c = testbed.popen(testbed.server_ns, [PY, "-m", "harness.blaster", "fetch", "--host",
                                           str(testbed.client_v4), "--port", "9201", "--seconds", "3",
                                           "--name", "fp-test-cli"], stdout=subprocess.PIPE, text=True)
     f = wait_for(lambda: [x for x in daemon.flows() if x["rule"] == "out"], 5, 0.05,
@@ -112,7 +112,7 @@ def test_sighup_reload_rerates_in_place_and_bad_file_keeps_old_rules(testbed, da
 def test_bad_rules_exit_2_with_file_line_col(testbed, tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("interface: x\nrules:\n  - name: a\n    match: {process: a}\n    rate: 0mbit\n")
-    r = subprocess.run([PY, "-m", "flowpacer.cli", "run", "--rules", str(p), "--socket",
+    r = subprocess.run([PY, "-m", "flowpacer", "run", "--rules", str(p), "--socket",
                         str(tmp_path / "s")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert r.stderr.startswith(f"{p}:5:") and "Traceback" not in r.stderr
@@ -134,7 +134,7 @@ def test_cleanup_command(testbed, daemon):
     daemon.proc.send_signal(signal.SIGKILL)                  # dies without cleaning up
     daemon.proc.wait(timeout=10)
     assert qdisc_kind(testbed) == "htb"
-    r = testbed.run(testbed.server_ns, [PY, "-m", "flowpacer.cli", "cleanup", "--interface",
+    r = testbed.run(testbed.server_ns, [PY, "-m", "flowpacer", "cleanup", "--interface",
                                         testbed.server_if])
     assert "removed" in r.stdout and qdisc_kind(testbed) != "htb"
 

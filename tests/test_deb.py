@@ -37,6 +37,8 @@ from pathlib import Path
 
 import pytest
 
+from harness import package
+
 pytestmark = pytest.mark.deb
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -259,10 +261,12 @@ def test_make_deb_builds_both_packages_lintian_clean(debs):
     for path in ("/usr/bin/flowpacer", "/lib/systemd/system/flowpacer.service",
                  "/etc/flowpacer/rules.yaml", "/usr/share/man/man8/flowpacer.8.gz",
                  "/usr/share/man/man5/flowpacer-rules.5.gz",
-                 "/usr/lib/python3/dist-packages/flowpacer/bpf/flowtrace.c",
+                 "/usr/lib/python3/dist-packages/flowpacer/sources/bpf/flowtrace.c",
                  "/usr/share/doc/flowpacer/examples/example.yaml"):
         assert path in have, path
     assert not [p for p in have if "/kmod" in p], "the module's source belongs to sch-psp-dkms"
+    dist = "/usr/lib/python3/dist-packages/"      # the product only, in its rooms (issue 25)
+    assert package.problems(p[len(dist):] for p in have if p.startswith(dist + "flowpacer/")) == []
     conffiles = run(["dpkg-deb", "-I", str(fp), "conffiles"], 60, "dpkg-deb -I").stdout.split()
     assert conffiles == ["/etc/flowpacer/rules.yaml"]
     depends = field(fp, "Depends")
@@ -270,10 +274,10 @@ def test_make_deb_builds_both_packages_lintian_clean(debs):
         assert dep in depends, depends
     assert "python3-bpfcc" in field(fp, "Recommends")
 
-    conf = (ROOT / "flowpacer/kmod/dkms.conf").read_text()
+    conf = (ROOT / "flowpacer/kernel/kmod/dkms.conf").read_text()
     version = re.search(r'^PACKAGE_VERSION="?([^"\n]+)"?', conf, re.M).group(1)
     have = contents(psp)
-    kmod = ROOT / "flowpacer/kmod"
+    kmod = ROOT / "flowpacer/kernel/kmod"
     sources = [p.relative_to(kmod).as_posix() for p in kmod.rglob("*")
                if p.is_file() and re.search(r"\.[ch]$|^Kbuild$|^Makefile$|^dkms\.conf$", p.name)
                and p.relative_to(kmod).parts[0] != "sim"]
@@ -299,7 +303,7 @@ def test_apt_resolves_every_dependency_from_the_archive(installed):
 @pytest.mark.parametrize("which", ["6.1", "6.12"])
 def test_dkms_built_sch_psp_without_warnings(installed, chroot, which):
     kver = next(k for k in chroot.kernels if k.startswith(which + "."))
-    conf = (ROOT / "flowpacer/kmod/dkms.conf").read_text()
+    conf = (ROOT / "flowpacer/kernel/kmod/dkms.conf").read_text()
     version = re.search(r'^PACKAGE_VERSION="?([^"\n]+)"?', conf, re.M).group(1)
     st = chroot.sh(f"dkms status -m sch_psp -v {version} -k {kver}").stdout
     assert re.search(rf"^sch_psp/{re.escape(version)}, {re.escape(kver)}, x86_64: installed$", st, re.M), st
@@ -330,8 +334,8 @@ def test_rules_check_and_man_pages(installed, chroot):
     assert p.stdout.split() == ["/usr/share/man/man8/flowpacer.8.gz",
                                 "/usr/share/man/man5/flowpacer-rules.5.gz"], p.stdout
     # the daemon's modules import with Debian's libraries (python3-pyroute2 0.7.2, ...)
-    chroot.sh("python3 -c 'import flowpacer.app, flowpacer.tc, flowpacer.metrics; "
-              "flowpacer.tc.register()'")
+    chroot.sh("python3 -c 'import flowpacer.daemon.app, flowpacer.kernel.tc, flowpacer.surfaces.metrics; "
+              "flowpacer.kernel.tc.register()'")
 
 
 def test_purge_removes_what_the_packages_added(installed, chroot):

@@ -11,8 +11,8 @@ import textwrap
 
 import pytest
 
-from flowpacer.edit import EditError, editor_argv
-from flowpacer.testbed import PY, client_argv, server_argv, wait_for
+from flowpacer.surfaces.edit import EditError, editor_argv
+from harness.testbed import PY, client_argv, server_argv, wait_for
 
 from harness.daemon import RULES, Daemon
 
@@ -81,7 +81,7 @@ def run_edit(tmp_path, editor_cmd, *args, env=None, timeout=60):
     e = dict(os.environ, EDITOR=editor_cmd, TMPDIR=str(tmp_path))
     e.pop("VISUAL", None)
     e.update(env or {})
-    return subprocess.run([PY, "-m", "flowpacer.cli", "rules", "edit", *args], env=e,
+    return subprocess.run([PY, "-m", "flowpacer", "rules", "edit", *args], env=e,
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
 
 
@@ -148,7 +148,7 @@ def test_edit_reloads_the_running_daemon(testbed, tmp_path, editor):
         assert r.returncode == 0, r.stderr
         assert f"{d.rules} saved (previous version in {d.rules}.bak)" in r.stdout
         assert "daemon reloaded: rules changed, 1 flows re-rated, 0 added, 0 removed" in r.stdout
-        st = json.loads(subprocess.run([PY, "-m", "flowpacer.cli", "status", "--json", "--socket",
+        st = json.loads(subprocess.run([PY, "-m", "flowpacer", "status", "--json", "--socket",
                                         d.sock], capture_output=True, text=True, timeout=30,
                                        check=True).stdout)
         f1 = [f for f in st["flows"] if f["remote"] == f0["remote"]][0]
@@ -188,7 +188,7 @@ def test_concurrent_edit_is_refused_with_the_holders_pid(tmp_path, rules_file, e
     mark, release = tmp_path / "started", tmp_path / "release"
     env = dict(os.environ, EDITOR=editor("hold"), TMPDIR=str(tmp_path), FP_MARK=str(mark),
                FP_RELEASE=str(release))
-    first = subprocess.Popen([PY, "-m", "flowpacer.cli", "rules", "edit", str(rules_file),
+    first = subprocess.Popen([PY, "-m", "flowpacer", "rules", "edit", str(rules_file),
                               *nosock(tmp_path)], env=env, stdin=subprocess.DEVNULL,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -290,7 +290,7 @@ def test_editor_choice():
 # ------------------------------------------------------------------ vi in tmux
 
 def test_vi_in_tmux_edit_again_then_discard(tmp_path, rules_file, tmux):
-    argv = [PY, "-m", "flowpacer.cli", "rules", "edit", str(rules_file), *nosock(tmp_path)]
+    argv = [PY, "-m", "flowpacer", "rules", "edit", str(rules_file), *nosock(tmp_path)]
     env = [("EDITOR", "vi -u NONE -i NONE -n"), ("TMPDIR", str(tmp_path))]
     vi_ready = lambda text: lambda s: text in s and "~" in s       # noqa: E731  file shown in vi
 

@@ -1,9 +1,9 @@
 """The engine is pure: flows + rules in, desired shapes and an ordered plan out."""
 import ipaddress
 
-from flowpacer import engine
-from flowpacer.model import (Direction, Flow, FlowKey, Group, GroupKind, Match, Op, OpKind, PortSet,
-                             ProcessInfo, Protocol, Rule, RuleSet, Shape)
+from flowpacer.policy import engine
+from flowpacer.model import (Direction, Flow, FlowKey, Group, GroupKind, Match, Op, OpKind,
+                             PortSet, ProcessInfo, Protocol, Rule, RuleSet, Shape)
 
 A = ipaddress.ip_address
 
@@ -188,9 +188,9 @@ def test_idle_expiry_per_rule_and_bounds():
 
 
 def test_flow_table_idle_reopen_and_snapshot_keeps_peers_of_open_sockets():
-    from flowpacer.flows import FlowTable
+    from flowpacer.daemon.flows import FlowTable
     from flowpacer.model import EventKind, FlowEvent, FlowSource
-    from flowpacer.sockdiag import Snapshot
+    from flowpacer.sources.sockdiag import Snapshot
     ft = FlowTable()
     u = udp(flow())
     u = Flow(u.key, u.direction, u.proc, FlowSource.TRACER, 0, 5)
@@ -217,9 +217,9 @@ def test_flow_table_connected_udp_idled_out_is_not_reopened_by_a_snapshot():
     """sock_diag keeps listing a connected UDP socket that idled out: the snapshot must not open
     it again (only the tracer does, at its next datagram); once its socket is gone from the
     snapshot, a new socket of that tuple is adopted as usual."""
-    from flowpacer.flows import FlowTable
+    from flowpacer.daemon.flows import FlowTable
     from flowpacer.model import EventKind, FlowEvent, FlowSource
-    from flowpacer.sockdiag import Snapshot
+    from flowpacer.sources.sockdiag import Snapshot
     ft = FlowTable()
     u = udp(flow())
     u = Flow(u.key, u.direction, u.proc, FlowSource.TRACER, 0, 5)

@@ -8,10 +8,11 @@ import textwrap
 
 import pytest
 
-from flowpacer import firstbyte, handshake, rules as rules_loader
-from flowpacer.backend.htb import burst_for
-from flowpacer.backend.pool import POOL_FIRST_MINOR
-from flowpacer.testbed import PY, in_netns, wait_for
+from flowpacer.sources import firstbyte
+from flowpacer.policy import handshake, rules as rules_loader
+from flowpacer.kernel.backend.htb import burst_for
+from flowpacer.kernel.backend.pool import POOL_FIRST_MINOR
+from harness.testbed import PY, in_netns, wait_for
 
 from harness import bpfobjs
 from harness.capture import kernel_objects, tc_show
@@ -109,7 +110,7 @@ def test_first_byte_metrics_bounded_by_rules():
     """One series per kernel rule for ready classes and claims, one per fixed counter name."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
     from flowpacer import model
-    from flowpacer.metrics import _first_byte_metrics
+    from flowpacer.surfaces.metrics import _first_byte_metrics
     fb = model.FirstByteView((model.FirstBytePool("a", 48, 3), model.FirstBytePool("b", 40, 9)),
                              {k: 1 for k in firstbyte.VIEW_COUNTERS}, 2, 1)
     fams = {f.name: f for f in _first_byte_metrics(fb, CounterMetricFamily, GaugeMetricFamily)}
@@ -127,7 +128,7 @@ def test_first_byte_metrics_bounded_by_rules():
 def test_pool_ids_that_open_sockets_carry_are_not_handed_out():
     """The id bookkeeping alone (backend/pool.py): ids a sweep found on open sockets are skipped
     and wait; a later sweep without them, or their socket's close, frees them."""
-    from flowpacer.backend.pool import Pool
+    from flowpacer.kernel.backend.pool import Pool
 
     b = Pool(0xF1F0)
     c = lambda m: 0xF1F00000 | m
@@ -175,9 +176,9 @@ def shared(module_testbed, tmp_path_factory):
     256 KiB burst server on 7100 (rule "burst") and one on 7101 (the exe rule "late")."""
     tb = module_testbed
     tb.set_gso(False)
-    tb.popen(tb.server_ns, [PY, "-m", "flowpacer.tools.blaster", "burst-serve", "--port", "7100",
+    tb.popen(tb.server_ns, [PY, "-m", "harness.blaster", "burst-serve", "--port", "7100",
                             "--bytes", str(PAYLOAD)])
-    tb.popen(tb.server_ns, [PY, "-m", "flowpacer.tools.blaster", "burst-serve", "--port", "7101",
+    tb.popen(tb.server_ns, [PY, "-m", "harness.blaster", "burst-serve", "--port", "7101",
                             "--bytes", str(PAYLOAD), "--name", "fp-other-srv"])
     tb.wait_listening(7100, timeout=10 * T)
     tb.wait_listening(7101, timeout=10 * T)

@@ -2,7 +2,7 @@
 only as the engine would.
 
 Pure: every ``Match`` field declares what the kernel can decide of it, and the masks follow.
-Kernel (root): the real ``first_rule()`` of ``flowpacer/bpf/firstbyte.c`` (its test build,
+Kernel (root): the real ``first_rule()`` of ``flowpacer/sources/bpf/firstbyte.c`` (its test build,
 run with ``BPF_PROG_TEST_RUN``) on random rule sets and sockets, its maps written by
 ``FirstByte``'s own code, against ``engine.first_match``: whenever the kernel claims a rule it
 is the engine's, it claims whenever everything up to the engine's rule is decided in the kernel,
@@ -20,7 +20,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from flowpacer import engine, firstbyte, handshake
+from flowpacer.policy import engine, handshake
+from flowpacer.sources import firstbyte
 from flowpacer.model import (Direction, Flow, FlowKey, Handshake, Match, PortSet, ProcessInfo,
                              Protocol, Rule, RuleSet, handshake_of)
 

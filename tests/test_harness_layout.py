@@ -52,7 +52,7 @@ def test_benchmarks_and_harness_do_not_import_test_files_by_path():
 
 def test_one_testbed_class_and_one_daemon_launcher():
     """``Testbed`` is defined once; the launcher of ``flowpacer run`` in a testbed is
-    ``flowpacer.testbed.Daemon`` (the daemon itself is ``flowpacer.app.Daemon``)."""
+    ``harness.testbed.Daemon`` (the daemon itself is ``flowpacer.daemon.app.Daemon``)."""
     testbeds, launchers = [], []
     for p in _py("flowpacer", "harness", "tests", "bench"):
         tree = ast.parse(p.read_text(), str(p))
@@ -61,5 +61,5 @@ def test_one_testbed_class_and_one_daemon_launcher():
                 testbeds.append(str(p.relative_to(ROOT)))
             if isinstance(node, ast.ClassDef) and node.name in ("Daemon", "Run", "BenchDaemon"):
                 launchers.append(str(p.relative_to(ROOT)))
-    assert testbeds == ["flowpacer/testbed.py"], testbeds
-    assert sorted(launchers) == ["flowpacer/app.py", "flowpacer/testbed.py"], launchers
+    assert testbeds == ["harness/testbed.py"], testbeds
+    assert sorted(launchers) == ["flowpacer/daemon/app.py", "harness/testbed.py"], launchers

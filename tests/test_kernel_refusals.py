@@ -5,12 +5,12 @@ import subprocess
 
 import pytest
 
-from flowpacer.backend import tc as tcb
-from flowpacer.backend.htb import HtbCodec
+from flowpacer.kernel.backend import tc as tcb
+from flowpacer.kernel.backend.htb import HtbCodec
 from flowpacer.errors import NetlinkError
 from flowpacer.model import FlowKey, Op, OpKind, Shape
-from flowpacer.tc import nl, u32
-from flowpacer.testbed import client_argv, in_netns, server_argv, wait_for
+from flowpacer.kernel.tc import nl, u32
+from harness.testbed import client_argv, in_netns, server_argv, wait_for
 
 from harness.daemon import RULES, Daemon
 

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from flowpacer.metrics import FlowpacerCollector, LatencyHistogram
+from flowpacer.surfaces.metrics import FlowpacerCollector, LatencyHistogram
 from flowpacer.model import (BackendHealth, ClassStats, DaemonCounters, DaemonView, Direction,
                              EventCounts, FlowKey, FlowSource, FlowSourceMode, FlowSourceStatus,
                              FlowView, Histogram, StageState, StageView, TracerStats)

@@ -31,9 +31,10 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from flowpacer import webconfig
-from flowpacer.metrics import (MAX_CONNECTIONS, AddressLabels, FlowpacerCollector, FlowSeries,
-                               LatencyHistogram, MetricsServer, address_label, flow_labels)
+from flowpacer.surfaces import webconfig
+from flowpacer.surfaces.metrics import (MAX_CONNECTIONS, AddressLabels, FlowpacerCollector,
+                                        FlowSeries, LatencyHistogram, MetricsServer,
+                                        address_label, flow_labels)
 from flowpacer.model import (BackendHealth, ClassStats, DaemonCounters, DaemonView, Direction,
                              EventCounts, FlowKey, FlowSource, FlowSourceMode, FlowSourceStatus,
                              FlowView, Histogram, Protocol, StageState, StageView, TracerStats)
@@ -284,7 +285,7 @@ def test_idle_connections_are_capped_timed_out_and_cannot_lock_scrapes_out(serve
 @pytest.mark.slow
 def test_clients_that_leave_mid_answer_leave_no_trace(serve, caplog):
     srv = serve(Fixed(200_000))                 # a ~6 MB exposition
-    caplog.set_level(logging.DEBUG, logger="flowpacer.metrics")
+    caplog.set_level(logging.DEBUG, logger="flowpacer.surfaces.metrics")
     for _ in range(5):
         s = socket.create_connection(("127.0.0.1", _port(srv)), timeout=5)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -388,7 +389,7 @@ def test_tls_and_basic_auth_from_the_web_config_file(serve, tmp_path, caplog):
             _get(url, tmp_path / "cert.pem", auth)
         assert e.value.code == 401 and "Basic" in e.value.headers["WWW-Authenticate"]
     # plain HTTP to the TLS port and a half-done handshake: closed, nothing but debug lines
-    caplog.set_level(logging.DEBUG, logger="flowpacer.metrics")
+    caplog.set_level(logging.DEBUG, logger="flowpacer.surfaces.metrics")
     try:
         assert not _raw(srv, b"GET /metrics HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 200")
     except ConnectionResetError:
@@ -548,7 +549,7 @@ def test_a_process_name_with_an_escape_is_escaped_everywhere(testbed, tmp_path):
         assert f["process"] == ESC_NAME and f["rule"] == "esc"        # JSON carries it as \u001b
 
         # flowpacer status (text)
-        out = testbed.run(testbed.server_ns, [PY, "-m", "flowpacer.cli", "status", "--socket",
+        out = testbed.run(testbed.server_ns, [PY, "-m", "flowpacer", "status", "--socket",
                                               d.sock]).stdout
         assert ESC_SHOWN in out and "\x1b" not in out, out
 
@@ -559,7 +560,7 @@ def test_a_process_name_with_an_escape_is_escaped_everywhere(testbed, tmp_path):
         assert f'process="{ESC_SHOWN}"' in text.replace("\\\\", "\\")
 
         # flowpacer top, in a real terminal: a raw ESC would colour the screen, not show
-        tmux.start([PY, "-m", "flowpacer.cli", "top", "--socket", d.sock, "--interval", "0.5"])
+        tmux.start([PY, "-m", "flowpacer", "top", "--socket", d.sock, "--interval", "0.5"])
         screen = tmux.wait_screen(lambda s: ESC_SHOWN in s, 15, "the escaped name in top")
         assert "pyX" not in screen
         tmux("send-keys", "-t", "t", "q")

@@ -9,15 +9,16 @@ import time
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from flowpacer import engine, view as views
-from flowpacer.flows import FlowTable
-from flowpacer.metrics import FlowpacerCollector
+from flowpacer.policy import engine
+from flowpacer.surfaces import view as views
+from flowpacer.daemon.flows import FlowTable
+from flowpacer.surfaces.metrics import FlowpacerCollector
 from flowpacer.model import (BackendKind, Direction, EventKind, Flow, FlowEvent, FlowKey,
                              FlowSource, FlowSourceStatus, Match, Op, OpKind, ProcessInfo,
                              Protocol, Rule, RuleSet, Shape)
-from flowpacer.reconciler import Reconciler
-from flowpacer.supervisor import BackendSupervisor
-from flowpacer.top import Tracker
+from flowpacer.daemon.reconciler import Reconciler
+from flowpacer.daemon.supervisor import BackendSupervisor
+from flowpacer.surfaces.top import Tracker
 from harness.fakes import FakeFactory
 
 ports = st.integers(1, 65535)
@@ -148,9 +149,9 @@ def test_flow_table_snapshot_diff_with_mixed_families():
 def test_real_htb_backend_mixed_batch_adoption_and_audit(testbed):
     """One plan with IPv4, IPv6 and v4-mapped keys into the kernel, a restart that adopts them
     (keys read back from the u32 filters), and the audit: nothing mixed up, nothing refused."""
-    from flowpacer.backend import tc as tcb
-    from flowpacer.backend.htb import HtbCodec
-    from flowpacer.testbed import in_netns
+    from flowpacer.kernel.backend import tc as tcb
+    from flowpacer.kernel.backend.htb import HtbCodec
+    from harness.testbed import in_netns
     tb = testbed
     mapped_server = ipaddress.ip_address(f"::ffff:{tb.server_v4}")
     mapped_client = ipaddress.ip_address(f"::ffff:{tb.client_v4}")

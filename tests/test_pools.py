@@ -8,11 +8,13 @@ import types
 
 import pytest
 
-from flowpacer import engine, firstbyte, reconciler
+from flowpacer.policy import engine
+from flowpacer.sources import firstbyte
+from flowpacer.daemon import reconciler
 from flowpacer.model import (BackendHealth, BackendKind, ClaimEvent, Direction, EventKind, Flow,
                              FlowEvent, FlowKey, FlowSource, Match, Op, OpKind, PoolHolding,
                              PoolReport, ProcessInfo, Rule, RuleSet, Shape)
-from flowpacer.testbed import wait_for
+from harness.testbed import wait_for
 from harness.fakes import FakeFirstByte, FakeSockDiag, FakeTracer, inprocess_daemon
 
 RATE = 2_500_000
@@ -260,11 +262,11 @@ def test_claims_reach_the_flows_through_the_reconciler_with_no_io_under_its_lock
 
 @pytest.mark.kernel
 def test_pool_ops_and_a_rebound_flow_go_to_the_kernel_in_one_batch(testbed):
-    from flowpacer.backend import tc as tcb
-    from flowpacer.backend.htb import HtbCodec
-    from flowpacer.backend.pool import POOL_FIRST_MINOR
+    from flowpacer.kernel.backend import tc as tcb
+    from flowpacer.kernel.backend.htb import HtbCodec
+    from flowpacer.kernel.backend.pool import POOL_FIRST_MINOR
     from flowpacer.model import PoolOp
-    from flowpacer.testbed import in_netns
+    from harness.testbed import in_netns
     tb = testbed
 
     def tc_lines(what):

@@ -1,7 +1,7 @@
-"""Deterministic tests of the psp scheduling core (flowpacer/kmod/psp_sched.h, psp_tree.h).
+"""Deterministic tests of the psp scheduling core (flowpacer/kernel/kmod/psp_sched.h, psp_tree.h).
 
 The kernel module's scheduling code and its ordering code (the rbtrees with sorted runs, the
-64-bit sequence) are compiled unchanged into a userspace library (flowpacer/kmod/sim, on a
+64-bit sequence) are compiled unchanged into a userspace library (harness/pspsim, on a
 userspace rbtree with the kernel's interface) and driven here on a virtual clock: departure
 times are exact numbers, so the assertions can be tight. Rates are bytes/s, times ns, as in the
 module.
@@ -16,9 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flowpacer.kmod.sim import pspsim
-from flowpacer.kmod.sim.pspsim import BORROW, NSEC, PACED, UNPACED, Sim
-from flowpacer.tc.psp import PSP_DEFAULT_CATCHUP_NS
+from harness.pspsim import pspsim
+from harness.pspsim.pspsim import BORROW, NSEC, PACED, UNPACED, Sim
+from flowpacer.kernel.tc.psp import PSP_DEFAULT_CATCHUP_NS
 
 MBIT = 125_000                 # 1 Mbit/s in bytes/s
 GBIT = 1000 * MBIT

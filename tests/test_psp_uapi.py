@@ -1,4 +1,4 @@
-"""flowpacer/tc/psp.py against the psp uapi header, with a C compiler as the referee.
+"""flowpacer/kernel/tc/psp.py against the psp uapi header, with a C compiler as the referee.
 
 * Every TCA_PSP_* name, every constant and every field of both statistics structs is read from
   the header text itself (so a field added there and not here fails), compiled with gcc and
@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from flowpacer.tc import psp
+from flowpacer.kernel.tc import psp
 
 ROOT = Path(__file__).resolve().parent.parent
-HEADER = ROOT / "flowpacer" / "kmod" / "uapi" / "pkt_sch_psp.h"
+HEADER = ROOT / "flowpacer" / "kernel" / "kmod" / "uapi" / "pkt_sch_psp.h"
 
 # linux/rtnetlink.h, linux/gen_stats.h
 RTM_NEWQDISC, RTM_NEWTCLASS = 36, 40
@@ -374,7 +374,7 @@ def test_c_encoded_dump_decodes_in_pyroute2(tmp_path):
     xs = c.get_attr("TCA_XSTATS")
     assert {k: xs[k] for k in want} == want
     assert psp.parse_class_xstats(cxs) == want
-    from flowpacer.tc.nl import parse_attrs
+    from flowpacer.kernel.tc.nl import parse_attrs
     opts = parse_attrs(copt)
     assert psp.parse_class_rates(opts) == (1_250_000, 2_500_000)
     assert psp.parse_class_limit(opts) == 777
@@ -420,7 +420,7 @@ def test_register_is_idempotent_and_plugs_in():
     psp.register()
     psp.register()
     assert plugins["psp"] is psp
-    from flowpacer import tc
+    from flowpacer.kernel import tc
     tc.register()
     assert plugins["psp"] is psp
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from flowpacer.control import call
+from flowpacer.surfaces.control import call
 from harness.daemon import RULES, Daemon
 from harness.testbed import PY, server_argv, wait_for
 from harness.traffic import WIRE
@@ -28,7 +28,7 @@ def test_reload_rerates_live_flow_within_2s_without_drops(testbed, tmp_path, old
     testbed.wait_listening(9101)
     d = Daemon(testbed, tmp_path, RULES.replace("rate: 10mbit", f"rate: {old}mbit")).start()
     try:
-        c = testbed.popen(testbed.client_ns, [PY, "-m", "flowpacer.tools.blaster", "fetch", "--host",
+        c = testbed.popen(testbed.client_ns, [PY, "-m", "harness.blaster", "fetch", "--host",
                                               str(testbed.server_v4), "--port", "9101", "--seconds",
                                               "9", "--warmup", "0", "--interval", "0.1"],
                           stdout=subprocess.PIPE, text=True)

@@ -1,4 +1,4 @@
-"""flowpacer.rules: every field, every error with its exact FILE:LINE:COL message."""
+"""flowpacer.policy.rules: every field, every error with its exact FILE:LINE:COL message."""
 from __future__ import annotations
 
 import ipaddress
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from flowpacer import rules
+from flowpacer.policy import rules
 from flowpacer.errors import RulesError
 from flowpacer.model import BackendKind, Direction, Match, PortSet, Protocol, Rule, RuleSet
 
@@ -648,7 +648,7 @@ def test_protocol_and_idle_timeout():
 def test_field_table_is_documented():
     doc = (ROOT / "docs/rules.md").read_text()
     block = doc.split("<!-- fields:begin -->\n", 1)[1].split("<!-- fields:end -->", 1)[0]
-    assert block == rules.fields_markdown(), "regenerate with: python -m flowpacer.rules"
+    assert block == rules.fields_markdown(), "regenerate with: python -m flowpacer.policy.rules"
     seen = set()
     for section, name, default, text, example in rules.field_docs():
         assert f"`{name}`" in doc, name

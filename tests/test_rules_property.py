@@ -10,7 +10,8 @@ import yaml
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from flowpacer import rules, units
+from flowpacer.policy import rules
+from flowpacer import units
 from flowpacer.errors import RulesError
 from flowpacer.model import BackendKind, Direction, Match, PortSet, Protocol, Rule, RuleSet
 

@@ -6,8 +6,8 @@ import socket
 import pytest
 
 from flowpacer.model import Direction, FlowKey, FlowSource
-from flowpacer.sockdiag import SockDiagSource
-from flowpacer.testbed import in_netns
+from flowpacer.sources.sockdiag import SockDiagSource
+from harness.testbed import in_netns
 
 pytestmark = pytest.mark.kernel
 

@@ -6,14 +6,14 @@ import ipaddress
 import logging
 import time
 
-from flowpacer.control import call
+from flowpacer.surfaces.control import call
 from flowpacer.errors import BackendError
-from flowpacer.metrics import FlowpacerCollector
+from flowpacer.surfaces.metrics import FlowpacerCollector
 from flowpacer.model import (BackendHealth, BackendKind, Direction, EventKind, Flow, FlowEvent,
                              FlowKey, FlowSource, Match, ProcessInfo, Rule, RuleSet, Shape,
                              StageState)
-from flowpacer.stages import GiveUp, Stage
-from flowpacer.testbed import wait_for
+from flowpacer.daemon.stages import GiveUp, Stage
+from harness.testbed import wait_for
 from harness.fakes import FakeFactory, FakeSockDiag, FakeTracer, inprocess_daemon
 
 RATE = 5_000_000          # bytes/s
@@ -66,7 +66,7 @@ def test_mixed_family_batch_is_shaped_and_the_tracer_stays_alive(tmp_path):
 def test_a_failing_tracer_is_restarted_then_degrades_to_sock_diag_visibly(tmp_path, caplog):
     tr, sd = FakeTracer(), FakeSockDiag()
     with inprocess_daemon(tmp_path, RULES, tracer=tr, sockdiag=sd) as d:
-        caplog.set_level(logging.ERROR, logger="flowpacer.stages")
+        caplog.set_level(logging.ERROR, logger="flowpacer.daemon.stages")
         tr.fail_with = lambda: RuntimeError("perf buffer broken")
         wait_for(lambda: stage(d, "tracer")["state"] == "degraded", 5, what="tracer degraded")
         st = d.status()

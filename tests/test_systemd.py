@@ -27,7 +27,7 @@ import urllib.request
 
 import pytest
 
-from flowpacer.control import call
+from flowpacer.surfaces.control import call
 from harness.daemon import RULES, Daemon
 from harness.testbed import PY, client_argv, in_netns, server_argv, wait_for
 
@@ -106,8 +106,8 @@ def test_every_third_party_import_is_a_declared_dependency():
     missing = {}
     pkg = os.path.join(ROOT, "flowpacer")
     for dirpath, _dirs, files in os.walk(pkg):
-        if os.path.relpath(dirpath, pkg).split(os.sep)[0] == "kmod":
-            continue          # the module's sources and its userspace simulator (tests only)
+        if os.path.relpath(dirpath, pkg).split(os.sep)[:2] == ["kernel", "kmod"]:
+            continue          # the module's sources (sch-psp-dkms)
         for name in files:
             if not name.endswith(".py"):
                 continue
@@ -199,7 +199,7 @@ def test_install_into_a_temp_prefix_twice_then_verify_the_unit(testbed, tmp_path
     assert "include-system-site-packages = true" in (prefix / "pyvenv.cfg").read_text()
     # the venv works from anywhere, with Debian's bcc and this checkout's code
     out = subprocess.run([str(prefix / "bin/python"), "-c",
-                          "import bcc, flowpacer.edit, flowpacer.top; print(flowpacer.edit.__file__)"],
+                          "import bcc, flowpacer.surfaces.edit, flowpacer.surfaces.top; print(flowpacer.surfaces.edit.__file__)"],
                          cwd="/", capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.startswith(str(prefix)), out.stderr
     # the rules: the example, root:root 0644, valid
@@ -471,7 +471,7 @@ def test_the_daemon_works_in_the_units_sandbox(testbed, tmp_path):
 
         d.command = [PY, str(wrapper), json.dumps(cfg),
                      "setpriv", "--bounding-set=-all," + ",".join("+" + c[4:].lower() for c in caps),
-                     "--inh-caps=-all", "--no-new-privs", "--", PY, "-m", "flowpacer.cli"]
+                     "--inh-caps=-all", "--no-new-privs", "--", PY, "-m", "flowpacer"]
         d.env = dict(os.environ, NOTIFY_SOCKET=notify.path, INVOCATION_ID="x")
         daemon = d.start(wait=False).proc
 
@@ -532,7 +532,7 @@ def test_the_daemon_works_in_the_units_sandbox(testbed, tmp_path):
 # ------------------------------------------------------------------ the Grafana dashboard
 
 DASHBOARD = os.path.join(ROOT, "docs", "grafana-dashboard.json")
-# the metrics the daemon exports (flowpacer/metrics.py) that the dashboard may use
+# the metrics the daemon exports (flowpacer/surfaces/metrics.py) that the dashboard may use
 METRICS = {
     "flowpacer_flow_sent_bytes_total", "flowpacer_flow_target_rate_bytes_per_second",
     "flowpacer_rule_sent_bytes_total", "flowpacer_rule_flows", "flowpacer_flow_dropped_packets_total",

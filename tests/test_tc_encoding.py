@@ -7,7 +7,7 @@ import subprocess
 import pytest
 from pyroute2.netlink.rtnl.tcmsg import sched_htb as p2_htb
 
-from flowpacer.tc import htb, nl, u32
+from flowpacer.kernel.tc import htb, nl, u32
 
 C_PROBE = r"""
 #include <stdio.h>
@@ -178,7 +178,7 @@ int main(void) {
 
 
 def test_receive_side_structures_match_uapi(tmp_path):
-    from flowpacer.tc import link, mirred
+    from flowpacer.kernel.tc import link, mirred
     cc = shutil.which("cc") or shutil.which("gcc")
     assert cc, "a C compiler is needed (build-essential)"
     (tmp_path / "rx.c").write_text(C_PROBE_RX)

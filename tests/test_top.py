@@ -6,9 +6,9 @@ import subprocess
 
 import pytest
 
-from flowpacer.testbed import PY, client_argv, server_argv, wait_for
+from harness.testbed import PY, client_argv, server_argv, wait_for
 from flowpacer.text import ascii_only as term_safe
-from flowpacer.top import Tracker, render
+from flowpacer.surfaces.top import Tracker, render
 from flowpacer.units import format_bit_rate as fmt_bits
 
 from harness.daemon import Daemon
@@ -129,7 +129,7 @@ def test_fmt_bits():
 
 
 def test_top_without_a_terminal_says_so(tmp_path):
-    r = subprocess.run([PY, "-m", "flowpacer.cli", "top", "--socket", str(tmp_path / "s")],
+    r = subprocess.run([PY, "-m", "flowpacer", "top", "--socket", str(tmp_path / "s")],
                        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30)
     assert r.returncode == 1 and "needs a terminal" in r.stderr and "Traceback" not in r.stderr
 
@@ -185,7 +185,7 @@ def test_top_in_tmux_shows_flows_rates_and_survives_the_daemon(testbed, tmp_path
         wait_for(lambda: len([f for f in d.flows() if f["bytes"] > 0]) == 2, 10, 0.05,
                  "both flows shaped")
 
-        tmux.start([PY, "-m", "flowpacer.cli", "top", "--socket", d.sock, "--interval", "0.5"])
+        tmux.start([PY, "-m", "flowpacer", "top", "--socket", d.sock, "--interval", "0.5"])
         remote = f"{testbed.client_v4}:45101"
         # the flow, with its rule, pid, process, addresses, target, and an actual rate near
         # the 10 Mbit/s it is held to (the class counts the frames' bytes, headers included)

@@ -193,9 +193,9 @@ if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "agent":
 import pytest  # noqa: E402
 
 from flowpacer import model  # noqa: E402
-from flowpacer import tracer as tracer_mod  # noqa: E402
+from flowpacer.sources import tracer as tracer_mod  # noqa: E402
 from flowpacer.errors import TracerUnavailable  # noqa: E402
-from flowpacer.tracer import Tracer  # noqa: E402
+from flowpacer.sources.tracer import Tracer  # noqa: E402
 
 pytestmark = pytest.mark.kernel
 
@@ -876,7 +876,7 @@ def test_unprivileged_start_says_so():
     """A process without root's capabilities gets one line saying what it lacks."""
     code = ("import os; os.setgroups([]); os.setresgid(65534, 65534, 65534); "
             "os.setresuid(65534, 65534, 65534)\n"
-            "from flowpacer.tracer import Tracer\n"
+            "from flowpacer.sources.tracer import Tracer\n"
             "from flowpacer.errors import TracerUnavailable\n"
             "try:\n    Tracer(netns_ino=1).start()\nexcept TracerUnavailable as e:\n    print(e)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,

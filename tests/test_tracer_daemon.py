@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from flowpacer.testbed import PY, in_netns, server_argv, wait_for
+from harness.testbed import PY, in_netns, server_argv, wait_for
 
 from harness.daemon import Daemon
 
@@ -42,12 +42,12 @@ def daemon(testbed, tmp_path):
 
 
 def test_burst_of_short_flows_leaves_nothing(testbed, daemon):
-    testbed.popen(testbed.server_ns, [PY, "-m", "flowpacer.tools.blaster", "burst-serve", "--port",
+    testbed.popen(testbed.server_ns, [PY, "-m", "harness.blaster", "burst-serve", "--port",
                                       "7100", "--bytes", "20000"])
     testbed.wait_listening(7100)
     daemon.start()
     assert daemon.status()["flow_source"].startswith("tracer")
-    r = testbed.run(testbed.client_ns, [PY, "-m", "flowpacer.tools.blaster", "churn", "--host",
+    r = testbed.run(testbed.client_ns, [PY, "-m", "harness.blaster", "churn", "--host",
                                         str(testbed.server_v6), "--port", "7100", "--rate", "400",
                                         "--seconds", "1"], timeout=60)
     t_end = time.monotonic()
@@ -66,7 +66,7 @@ def test_class_goes_within_1s_of_any_close(testbed, daemon, how):
     testbed.wait_listening(9101)
     daemon.start()
     if how == "exit":
-        p = testbed.popen(testbed.client_ns, [PY, "-m", "flowpacer.tools.blaster", "fetch", "--host",
+        p = testbed.popen(testbed.client_ns, [PY, "-m", "harness.blaster", "fetch", "--host",
                                               str(testbed.server_v4), "--port", "9101", "--seconds", "30"])
         wait_for(lambda: daemon.flows(), 3, 0.02, "the flow shaped")
         p.kill()                                   # the client dies: its kernel resets the flow
@@ -91,7 +91,7 @@ def test_non_targets_cost_nothing_in_userspace(testbed, daemon):
     testbed.wait_listening(9102)
     daemon.start()
     before = daemon.status()["tracer"]
-    r = testbed.run(testbed.client_ns, [PY, "-m", "flowpacer.tools.blaster", "fetch", "--host",
+    r = testbed.run(testbed.client_ns, [PY, "-m", "harness.blaster", "fetch", "--host",
                                         str(testbed.server_v4), "--port", "9102", "--seconds", "1"])
     after = daemon.status()["tracer"]
     assert json.loads(r.stdout.splitlines()[-1])["bytes"] > 0

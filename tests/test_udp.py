@@ -91,7 +91,7 @@ def test_tracer_udp_peers_connected_release_idle_and_filter(module_testbed):
     half on 6.1: tests/guest/test_udp_tracer.py.)"""
     import os
     from flowpacer import model
-    from flowpacer.tracer import Tracer
+    from flowpacer.sources.tracer import Tracer
     from harness.udpflows import ProbeRun
     tb = module_testbed
     ino = os.stat(f"/run/netns/{tb.server_ns}").st_ino
@@ -133,8 +133,8 @@ def test_sockdiag_lists_connected_udp_and_unconnected_ports(module_testbed):
     """sock_diag (the reconcile pass): a connected UDP socket is a UDP flow with its owner; an
     unconnected socket gives only its local port (its peers are the tracer's)."""
     from flowpacer import model
-    from flowpacer.sockdiag import SockDiagSource
-    from flowpacer.testbed import in_netns
+    from flowpacer.sources.sockdiag import SockDiagSource
+    from harness.testbed import in_netns
     tb = module_testbed
     p = tb.popen(tb.server_ns, [PY, "-m", "harness.udpflows", "probe", "--v4", str(tb.client_v4),
                                 "--v6", str(tb.client_v6), "--hold", "3"],

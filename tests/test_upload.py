@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from flowpacer.backend.ingress import ifb_name
+from flowpacer.kernel.backend.ingress import ifb_name
 from harness import traffic
 from harness.capture import kernel_objects, tc_show
 from harness.daemon import Daemon, healthy, tracebacks

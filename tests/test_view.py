@@ -11,18 +11,18 @@ import time
 import pytest
 from hypothesis import given, settings, strategies as hs
 
-from flowpacer import view as views
-from flowpacer.app import Daemon, Options
-from flowpacer.control import call, command_handler, dispatch
+from flowpacer.surfaces import view as views
+from flowpacer.daemon.app import Daemon, Options
+from flowpacer.surfaces.control import call, command_handler, dispatch
 from flowpacer.errors import FlowpacerError, RulesError
-from flowpacer.metrics import AddressLabels, address_label
+from flowpacer.surfaces.metrics import AddressLabels, address_label
 from flowpacer.model import (BackendKind, Direction, EventKind, Flow, FlowEvent, FlowKey,
                              FlowSource, FlowSourceMode, FlowSourceStatus, Match, ProcessInfo,
                              Protocol, ReloadResult, Rule, RuleSet, StageState, TracerStats)
-from flowpacer.sockdiag import Snapshot
-from flowpacer.testbed import wait_for
-from flowpacer.top import Tracker, render
-from flowpacer.tracer import Tracer
+from flowpacer.sources.sockdiag import Snapshot
+from harness.testbed import wait_for
+from flowpacer.surfaces.top import Tracker, render
+from flowpacer.sources.tracer import Tracer
 from harness.fakes import FakeFactory, FakeSockDiag, FakeTracer, inprocess_daemon
 
 RATE = 5_000_000
@@ -79,7 +79,7 @@ def test_status_is_read_back_typed_by_status_and_top(tmp_path):
         text = "\n".join(t for _s, t in render(v, 200, 40))
         assert "[fd00:2::9]:50001/udp" in text and "10.3.0.1:41000" in text   # mapped: IPv4
         # the CLI's table, from the same typed answer
-        out = subprocess.run([sys.executable, "-m", "flowpacer.cli", "status", "--socket",
+        out = subprocess.run([sys.executable, "-m", "flowpacer", "status", "--socket",
                               d.opts.socket_path], capture_output=True, text=True, timeout=30)
         assert out.returncode == 0, out.stderr
         for k in KEYS:
@@ -265,7 +265,7 @@ def test_the_first_byte_switch_is_an_option(tmp_path):
 
 
 def test_the_rules_loader_checks_access(tmp_path):
-    from flowpacer import rules
+    from flowpacer.policy import rules
     f = tmp_path / "rules.yaml"
     f.write_text("interface: lo\nrules:\n  - {name: a, match: {process: a}, rate: 8mbit}\n")
     f.chmod(0o666)

@@ -10,7 +10,7 @@ host with ``FLOWPACER_COLLECT_GUEST=1 pytest --collect-only -q tests/guest``. A 
 cannot boot fails every test, with the console log; it never skips.
 
 Before the boot the psp module is built on the host against the guest's kernel, from a copy of
-``flowpacer/kmod`` in the session's tmp dir (so a build here never races one in the repo); the
+``flowpacer/kernel/kmod`` in the session's tmp dir (so a build here never races one in the repo); the
 guest tests load it from there (``FLOWPACER_PSP_KO``). ``test_psp_module_builds`` reports a
 failed build with its log; the guest tests that need the module then fail too, never skip.
 The departure capture's BPF object (``harness.xmitstamp.build_object``, clang) is built then
@@ -70,7 +70,7 @@ def host_import_s(runs: int = 3) -> float:
     best = float("inf")
     for _ in range(runs):
         t = time.monotonic()
-        subprocess.run([sys.executable, "-c", "import flowpacer.app"], cwd=REPO, check=True,
+        subprocess.run([sys.executable, "-c", "import flowpacer.daemon.app"], cwd=REPO, check=True,
                        timeout=120)
         best = min(best, time.monotonic() - t)
     return best
@@ -447,10 +447,10 @@ def test_guest_outcomes_after_the_guest_died():
 
 
 def test_kernel_version_differences_only_in_psp_compat_h():
-    """Kernel version tests live in one small header (flowpacer/kmod/psp_compat.h), on the
+    """Kernel version tests live in one small header (flowpacer/kernel/kmod/psp_compat.h), on the
     kernel's own macros; the module's other sources have none (no LINUX_VERSION_CODE, no
     __has_include guessing), and the ethtool read that deadlocked on 7.2+ goes through it."""
-    kmod = REPO / "flowpacer" / "kmod"
+    kmod = REPO / "flowpacer" / "kernel" / "kmod"
     for name in ("sch_psp.c", "psp_sched.h", "psp_tree.h", "uapi/pkt_sch_psp.h"):
         text = (kmod / name).read_text()
         assert "LINUX_VERSION_CODE" not in text and "__has_include" not in text, name

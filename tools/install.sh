@@ -11,7 +11,7 @@
 #   3. the unit to $UNITDIR (paths rewritten when PREFIX/CONFDIR are not the defaults) and
 #      `systemctl daemon-reload` when systemd runs and the unit changed
 #   4. rules/example.yaml to $CONFDIR/rules.yaml (root:root 0644) if there is none
-#   5. the psp qdisc module through DKMS when flowpacer/kmod/dkms.conf exists (add, build,
+#   5. the psp qdisc module through DKMS when flowpacer/kernel/kmod/dkms.conf exists (add, build,
 #      install); a failure there is reported, not fatal: the daemon then uses htb
 #
 # Overrides (environment):
@@ -129,9 +129,9 @@ if ! "$venv/bin/flowpacer" rules check "$rules" >/dev/null 2>"$work/check"; then
 fi
 
 # ------------------------------------------------------------------ 5. the psp module (DKMS)
-kmod=$SRC/flowpacer/kmod
+kmod=$SRC/flowpacer/kernel/kmod
 if [ ! -f "$kmod/dkms.conf" ]; then
-  say "psp module: no flowpacer/kmod/dkms.conf here, skipped (the daemon uses htb)"
+  say "psp module: no flowpacer/kernel/kmod/dkms.conf here, skipped (the daemon uses htb)"
 elif [ "$DKMS" = no ] || { [ "$DKMS" = auto ] && [ -n "$DESTDIR" ]; }; then
   say "psp module: DKMS skipped (DKMS=$DKMS${DESTDIR:+, DESTDIR set})"
 elif ! command -v "$DKMS_CMD" >/dev/null; then
@@ -148,8 +148,7 @@ else
     warn "psp module: cannot read PACKAGE_NAME/PACKAGE_VERSION from $kmod/dkms.conf: skipped"
   else
     dst=$DESTDIR$DKMS_SRCDIR/$name-$version
-    copy_sources "$work/kmod" flowpacer/kmod
-    rm -rf "$work/kmod/flowpacer/kmod/sim"         # the userspace simulator is not the module
+    copy_sources "$work/kmod" flowpacer/kernel/kmod
     # a fresh source tree each time: dkms builds what is in it
     if "$DKMS_CMD" status -m "$name" -v "$version" 2>/dev/null | grep -q .; then
       "$DKMS_CMD" remove -m "$name" -v "$version" --all >/dev/null 2>&1 \
@@ -157,7 +156,7 @@ else
     fi
     rm -rf "$dst"
     mkdir -p "$(dirname "$dst")"
-    cp -r "$work/kmod/flowpacer/kmod" "$dst"
+    cp -r "$work/kmod/flowpacer/kernel/kmod" "$dst"
     ok=1
     for step in add build install; do
       if ! "$DKMS_CMD" "$step" -m "$name" -v "$version" >"$work/dkms.log" 2>&1; then

@@ -1,4 +1,4 @@
-"""Build flowpacer's psp module (``flowpacer/kmod``) for the test VM's kernel, on the host.
+"""Build flowpacer's psp module (``flowpacer/kernel/kmod``) for the test VM's kernel, on the host.
 
     from vm import kmod
     ko = kmod.build_psp(Path("/tmp/x/kmod"))     # -> /tmp/x/kmod/sch_psp.ko, or raises
@@ -26,7 +26,7 @@ else:  # imported with vm/ as sys.path[0]
     import build as vmbuild  # type: ignore[no-redef]
 
 SOURCES = ("Kbuild", "Makefile", "sch_psp.c", "psp_compat.h", "psp_sched.h", "psp_tree.h", "uapi")
-KMOD_DIR = Path(__file__).resolve().parents[1] / "flowpacer" / "kmod"
+KMOD_DIR = Path(__file__).resolve().parents[1] / "flowpacer" / "kernel" / "kmod"
 
 
 KBUILD_ROOT = Path(os.environ.get("FLOWPACER_KBUILD_ROOT", "/var/cache/flowpacer/trixie-kbuild"))

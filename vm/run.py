@@ -233,7 +233,7 @@ def run(cmd: Union[Sequence[str], str], *, cwd: Optional[str] = None, timeout: f
 
     ``cmd`` is an argv list, or a string for ``/bin/sh -c``. ``env`` adds variables to the
     guest's clean environment. ``insmod`` lists module files (e.g. a freshly built
-    ``flowpacer/kmod/sch_psp.ko``) loaded before the command; a failing insmod fails the run.
+    ``flowpacer/kernel/kmod/sch_psp.ko``) loaded before the command; a failing insmod fails the run.
     ``on_output`` receives the command's output as it arrives. ``clock``: ``Clock.VIRTUAL``
     (or "virtual") runs the guest in virtual time on one vCPU (``smp`` is then 1); None takes
     ``$FLOWPACER_VM_CLOCK`` (default real). The guest's command sees ``FLOWPACER_VM_CLOCK``.

@@ -4,7 +4,7 @@ Random psp qdisc and class requests (create, change, replace, delete; random att
 flags, sizes, nesting and edge values; random parents, class ids, netlink flags and rate
 estimators) go to the module on a veth while UDP and TCP traffic flows through it (classified
 by u32 filters made and deleted along the way, and by ``skb->priority``). A Python model of the
-documented semantics (``flowpacer/kmod/README.md``, the kernel's strict attribute parsing and
+documented semantics (``flowpacer/kernel/kmod/README.md``, the kernel's strict attribute parsing and
 the generic tc layer) predicts each request's outcome:
 
 * every request must be refused with the predicted errno, or accepted when predicted valid;
@@ -41,9 +41,9 @@ from harness import psplib  # noqa: E402
 from harness.pacing import Testbed, wait_for  # noqa: E402
 from harness.psplib import (NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE, QDISC, RTM_DELQDISC,  # noqa: E402
                     RTM_DELTCLASS, RTM_NEWQDISC, RTM_NEWTCLASS, TC_H_ROOT, PspNl, h)
-from flowpacer.tc import nl as N  # noqa: E402
-from flowpacer.tc import psp as enc  # noqa: E402
-from flowpacer.testbed import in_netns  # noqa: E402
+from flowpacer.kernel.tc import nl as N  # noqa: E402
+from flowpacer.kernel.tc import psp as enc  # noqa: E402
+from harness.testbed import in_netns  # noqa: E402
 
 MAX = enc.PSP_RATE_MAX
 LIMIT_MAX = enc.PSP_LIMIT_MAX

@@ -2,7 +2,7 @@
 cases as FakeBackend and htb on the host (tests/test_backend_contract.py)."""
 import pytest
 
-from flowpacer.backend.psp import PspCodec
+from flowpacer.kernel.backend.psp import PspCodec
 from harness import backend_contract as bc
 
 

@@ -15,7 +15,7 @@ import struct
 
 import pytest
 
-from flowpacer.testbed import in_netns
+from harness.testbed import in_netns
 
 SYS_BPF, BPF_MAP_LOOKUP_ELEM = 321, 1
 COMM = b"fp-up-cli"
@@ -46,7 +46,7 @@ def netns():
 
 def test_bind_and_connect_hooks_tell_the_owner(netns):
     import bcc
-    from flowpacer import firstbyte
+    from flowpacer.sources import firstbyte
     libc = ctypes.CDLL(None, use_errno=True)
     libc.syscall.restype = ctypes.c_long
     with in_netns(netns):

@@ -1,7 +1,7 @@
 """Aggregate rates (issue 15) on psp, with real iperf3 traffic, in the VM's virtual time.
 
 The daemon (``--no-tracer``: flows found by sock_diag) runs the psp backend with rules that have
-``client_rate`` and ``total_rate``; the group classes are psp groups (flowpacer/kmod/psp_sched.h,
+``client_rate`` and ``total_rate``; the group classes are psp groups (flowpacer/kernel/kmod/psp_sched.h,
 "Groups"). Rates are ones the VM paces exactly (2-9 Mbit/s). ``iperf3 -R`` measures at the
 client (the receiver); psp counts whole frames, so a cap leaves rate x 1448/1514 (IPv4) or
 x 1428/1514 (IPv6) of TCP payload. tests/test_aggregates.py has the same cases on htb.
@@ -34,9 +34,9 @@ from harness.daemon import Daemon
 from harness.servers import iperf3_server
 from harness.pacing import guest_timeout, require_virtual_time, wait_for
 from harness.psplib import RTM_NEWTCLASS, TC_H_ROOT, PspNl, h
-from flowpacer.tc import nl as N
+from flowpacer.kernel.tc import nl as N
 
-from flowpacer.tc import psp as enc
+from flowpacer.kernel.tc import psp as enc
 
 MBIT = 1_000_000 // 8
 RULES = """

@@ -2,7 +2,7 @@
 
 ``flowpacer run --no-tracer`` (finding flows by sock_diag; bcc would take minutes to compile
 under TCG) runs in the server namespace of a ``harness.testbed.Testbed`` with a rules file;
-a real delivery server (``flowpacer.tools.blaster``) serves clients in the client namespace,
+a real delivery server (``harness.blaster``) serves clients in the client namespace,
 which measure their goodput as they receive. Each shaped flow must be within 2 % of its rule's
 rate x 1448/1514 (TCP payload per full frame; 1428/1514 over IPv6), the unmatched one far
 above every rule, each flow's psp class must be in the kernel while it lives and gone after it

@@ -14,8 +14,8 @@ from harness import psplib
 from harness.pacing import Capture, Iperf, IPERF_PORT, Psp, Testbed, mbit, to_mbit, wait_for, window_rate
 from harness.psplib import (NLM_F_CREATE, NLM_F_EXCL, QDISC, RTM_DELTCLASS, RTM_NEWQDISC,  # noqa: F401
                     RTM_NEWTCLASS, TC_H_ROOT, PspNl, expect_refused, h)
-from flowpacer.tc import nl as N
-from flowpacer.tc import psp as enc
+from flowpacer.kernel.tc import nl as N
+from flowpacer.kernel.tc import psp as enc
 
 U32 = lambda v: struct.pack("=I", v)  # noqa: E731
 U64 = lambda v: struct.pack("=Q", v)  # noqa: E731

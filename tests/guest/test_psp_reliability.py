@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from harness import psplib
-from flowpacer.control import call
+from flowpacer.surfaces.control import call
 from harness.capture import NlProbe
 from harness.scenarios import crash_restart, daemon
 from harness.testbed import PY, in_netns, wait_for
@@ -57,7 +57,7 @@ def _import_s(runs: int = 3) -> float:
     best = float("inf")
     for _ in range(runs):
         t = time.monotonic()
-        subprocess.run([PY, "-c", "import flowpacer.app"], check=True, timeout=120)
+        subprocess.run([PY, "-c", "import flowpacer.daemon.app"], check=True, timeout=120)
         best = min(best, time.monotonic() - t)
     return best
 
@@ -124,7 +124,7 @@ METRICS = "127.0.0.1:9717"
 
 def _daemon_with_held_flows(tb, backend):
     """The daemon (``backend``) shaping HELD_B idle held flows; (daemon, holder, probe)."""
-    blaster = [PY, "-m", "flowpacer.tools.blaster"]
+    blaster = [PY, "-m", "harness.blaster"]
     tb.popen(tb.server_ns, blaster + ["hold-serve", "--port", "7000"])
     tb.wait_listening(7000, timeout=30)
     d = daemon(tb, tempfile.mkdtemp(prefix="fp-rmmod-"), ["--no-tracer", "--metrics", METRICS, "-v"],
@@ -215,7 +215,7 @@ def test_rmmod_under_the_daemon_psp_counted_quiet_and_healed(tb):
         text = _scrape(tb)
         assert _metric(text, "flowpacer_backend_rebuild_failures_total") >= 6
         assert _metric(text, 'flowpacer_backend_state{state="lost"}') == 1
-        out = tb.run(tb.server_ns, [PY, "-m", "flowpacer.cli", "status", "--socket", d.sock],
+        out = tb.run(tb.server_ns, [PY, "-m", "flowpacer", "status", "--socket", d.sock],
                      timeout=120).stdout
         assert "state:     lost (cannot rebuild" in out, out
 

@@ -20,7 +20,7 @@ import subprocess
 import pytest
 
 from harness import psplib
-from flowpacer.backend.ingress import ifb_name
+from flowpacer.kernel.backend.ingress import ifb_name
 from harness import traffic
 from harness.daemon import Daemon
 from harness.servers import iperf3_server

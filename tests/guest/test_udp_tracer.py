@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from flowpacer import model
-from flowpacer.tracer import Tracer
+from flowpacer.sources.tracer import Tracer
 from harness.udpflows import ProbeRun
 
 # guest time limits: TCG runs the probe and the sweeps several times slower than the host

@@ -1,0 +1,485 @@
+"""The composition root: builds the stages and wires them. Nothing here decides policy.
+
+    tracer stage ──events──┐
+    main stage: sock_diag ─┴─> Reconciler (FlowTable -> engine -> backend) ─> kernel
+                 signals, reconcile pass, watchdog      ^
+    control stage ─── status / reload ──────────────────┤ BackendSupervisor (health, rebuild,
+    metrics stage ─── scrape ───────────────────────────┘  fall-back, switch)
+
+Each long-running loop is a supervised ``Stage`` (``stages.py``): a failure is logged with its
+traceback once, counted and restarted with back-off; a tracer that keeps failing degrades to
+sock_diag polling (said in the log, in status and in metrics), a main loop or control socket
+that keeps failing stops the daemon with exit status 1 so that systemd restarts it (and the
+new process adopts the live flows). systemd's watchdog is fed only while no stage is hung.
+
+Everything with a side effect is injected (backend factory, flow sources, clock, notify), so
+the daemon's supervision is tested in-process with fakes (``harness/fakes.py``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import signal
+import socket
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+from flowpacer.policy import engine, rules as rules_loader
+from flowpacer.surfaces import view as views
+from flowpacer.surfaces.control import DEFAULT_SOCKET, ControlServer, command_handler
+from flowpacer.errors import FlowpacerError, TracerUnavailable
+from flowpacer.daemon.memory import release_compiler_memory, trim_heap
+from flowpacer.surfaces.metrics import (DEFAULT_LISTEN, DEFAULT_MAX_FLOW_SERIES,
+                                        FlowpacerCollector, MetricsServer)
+from flowpacer.model import (BackendKind, DaemonView, FlowSourceMode, FlowSourceStatus,
+                             ReloadResult, RuleSet, TracerStats)
+from flowpacer.daemon.reconciler import Reconciler
+from flowpacer.daemon.stages import GiveUp, Stage, StageContext, watchdog_ok
+from flowpacer.daemon.supervisor import BackendSupervisor, TcBackendFactory
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Options:
+    rules_path: str
+    interface: Optional[str] = None        # overrides the rules file
+    backend: Optional[BackendKind] = None  # overrides the rules file
+    socket_path: str = DEFAULT_SOCKET
+    take_over: bool = False
+    rescan_s: float = 1.0
+    tracer: bool = True
+    metrics_listen: Optional[str] = DEFAULT_LISTEN   # None: no metrics endpoint
+    max_flow_series: int = DEFAULT_MAX_FLOW_SERIES
+    metrics_addresses: str = "full"        # full | prefix | none (metrics.AddressLabels)
+    web_config_file: Optional[str] = None  # TLS / basic auth of the metrics endpoint
+    first_byte: bool = True                # issue 16 (off: benchmarks' "before" figures)
+
+
+def sd_notify(state: str) -> None:
+    """Tell systemd (Type=notify) about our state; a no-op outside systemd."""
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+            s.connect(addr)
+            s.sendall(state.encode())
+    except OSError as e:
+        log.debug("sd_notify: %s", e)
+
+
+def watchdog_interval_s() -> Optional[float]:
+    """Half of systemd's WatchdogSec= (WATCHDOG_USEC, for this process), or None."""
+    usec = os.environ.get("WATCHDOG_USEC")
+    pid = os.environ.get("WATCHDOG_PID")
+    if not usec or (pid and pid.isdigit() and int(pid) != os.getpid()):
+        return None
+    try:
+        return max(0.05, int(usec) / 2e6)
+    except ValueError:
+        return None
+
+
+TRIM_S = 10.0          # how often freed heap is handed back (a few ms each time)
+MAIN_TICK_S = 0.5      # the main loop wakes at least this often (beats, watchdog)
+
+
+def _real_tracer():
+    from flowpacer.sources.tracer import Tracer
+    return Tracer(ring_pages=256)
+
+
+def _read_stats(stage_obj, method: str, typed: Callable = lambda x: x):
+    """``typed(stage_obj.method())`` for a view (None when the stage is off or the read failed:
+    a view never fails because of one stage's counters)."""
+    if stage_obj is None:
+        return None
+    try:
+        return typed(getattr(stage_obj, method)())
+    except Exception as e:
+        log.debug("%s %s: %s", type(stage_obj).__name__, method, e)
+        return None
+
+
+def _real_firstbyte():
+    from flowpacer.sources.firstbyte import FirstByte
+    return FirstByte()
+
+
+class Daemon:
+    def __init__(self, opts: Options, *, backend_factory=None, sockdiag=None,
+                 tracer_factory: Optional[Callable[[], object]] = None,
+                 load: Optional[Callable[[str], RuleSet]] = None,
+                 notify: Callable[[str], None] = sd_notify,
+                 clock: Callable[[], float] = time.monotonic,
+                 stage_backoff_s=(0.2, 10.0),
+                 firstbyte_factory: Optional[Callable[[], object]] = None):
+        self.opts = opts
+        self._load = load or rules_loader.load_checked
+        self.notify = notify
+        self.clock = clock
+        self._backoff = stage_backoff_s
+        self.supervisor = BackendSupervisor(backend_factory or TcBackendFactory(opts.take_over),
+                                            interface=opts.interface, kind=opts.backend,
+                                            clock=clock)
+        if sockdiag is None:
+            from flowpacer.sources.sockdiag import SockDiagSource
+            sockdiag = SockDiagSource()
+        self.sockdiag = sockdiag
+        self._tracer_factory = tracer_factory or _real_tracer
+        # first-byte shaping (issue 16) with the real tracer only: fakes have no kernel
+        self._firstbyte_factory = firstbyte_factory or (None if tracer_factory else _real_firstbyte)
+        self.firstbyte = None
+        self.reconciler: Optional[Reconciler] = None
+        self.tracer = None
+        self.flow_source = FlowSourceStatus()
+        self.exit_code = 0
+        self._stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._signals: deque = deque()
+        self._control: Optional[ControlServer] = None
+        self._handle = command_handler({"status": lambda req: self.status(),
+                                        "reload": lambda req: views.reload_json(self.reload()),
+                                        "ping": lambda req: {"ok": True}})
+        self._metrics: Optional[MetricsServer] = None
+        self._metrics_channels = None
+        self.stages: List[Stage] = []
+        self.main_stage: Optional[Stage] = None
+        self._next_scan = 0.0
+        self._next_trim = 0.0
+        self._next_watchdog = 0.0
+        self._watchdog_s = watchdog_interval_s()
+        self._watchdog_withheld = False
+
+    @property
+    def lock(self):
+        return self.reconciler.lock
+
+    # ---------------------------------------------------------------- set-up
+    def start(self) -> None:
+        """Load rules, set up the backend, the flow sources and the stages. Raises
+        FlowpacerError."""
+        rs = self._load(self.opts.rules_path)
+        self.supervisor.start(rs)
+        self.reconciler = Reconciler(self.supervisor, rs)
+        self.reconciler.adopt()
+        # adopt/clean up at once: classes of flows that ended while no daemon ran go now, live
+        # flows keep (or get) their class before the tracer's slow compile
+        self._rescan()
+        self.main_stage = self._stage("main", self._main, GiveUp.EXIT, stall_s=30.0)
+        self.stages = [self.main_stage, self._tracer_stage(), self._firstbyte_stage()]
+        self._control = ControlServer(self.opts.socket_path, self._handle)
+        self.stages.append(self._stage("control", self._serve_control, GiveUp.EXIT))
+        if self.opts.metrics_listen:
+            try:
+                from flowpacer.surfaces.webconfig import load as load_web_config
+                web = load_web_config(self.opts.web_config_file) \
+                    if self.opts.web_config_file else None
+                self._metrics = MetricsServer(self.opts.metrics_listen, FlowpacerCollector(
+                    self.view, self._class_stats, self.opts.max_flow_series,
+                    self.opts.metrics_addresses), web_config=web)
+            except (OSError, ValueError) as e:
+                raise FlowpacerError(f"metrics endpoint {self.opts.metrics_listen}: {e}") from None
+            self.stages.append(self._stage("metrics", self._serve_metrics, GiveUp.DEGRADE))
+        else:
+            self.stages.append(Stage.disabled("metrics", "--no-metrics"))
+        self._rescan()
+        for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        for s in self.stages:
+            if s is not self.main_stage:
+                s.start()
+        import gc
+        gc.collect()
+        gc.freeze()     # start-up objects (bcc, rules) stay out of later collections' work
+        self.notify("READY=1\nSTATUS=shaping flows on " + self.supervisor.backend.interface)
+        log.info("ready: %d flows shaped, flow source: %s",
+                 len(self.supervisor.backend.installed()), self.flow_source.text)
+
+    def _stage(self, name, run, give_up: GiveUp, stall_s: float = 30.0,
+               on_degrade: Optional[Callable[[Stage, str], None]] = None) -> Stage:
+        """``on_degrade``: what the daemon does without this stage once it is given up (a
+        ``GiveUp.DEGRADE`` stage; None: nothing more than saying so)."""
+        return Stage(name, run, on_give_up=give_up, on_degrade=on_degrade,
+                     on_fatal=self._fatal, backoff_s=self._backoff, stall_s=stall_s,
+                     clock=self.clock, stop_event=self._stop)
+
+    def _tracer_stage(self) -> Stage:
+        if not self.opts.tracer:
+            self.flow_source = FlowSourceStatus(FlowSourceMode.NO_TRACER)
+            return Stage.disabled("tracer", "--no-tracer")
+        try:
+            t = self._tracer_factory()
+            t.set_watch(*engine.watch_filter(self.reconciler.rules))  # before anything reports
+            t.start()
+            self._set_udp_idle(t, self.reconciler.rules)
+        except ImportError as e:
+            self.flow_source = FlowSourceStatus(FlowSourceMode.TRACER_CANNOT_LOAD, str(e))
+        except (TracerUnavailable, OSError) as e:
+            self.flow_source = FlowSourceStatus(FlowSourceMode.TRACER_UNAVAILABLE, str(e))
+        else:
+            self.tracer = t
+            self.reconciler.udp_adopter = getattr(t, "adopt_udp_connected", None)
+            release_compiler_memory()
+            self.flow_source = FlowSourceStatus(FlowSourceMode.TRACER, getattr(t, "hooks", ""))
+            return self._stage("tracer", self._trace, GiveUp.DEGRADE, stall_s=10.0,
+                               on_degrade=self._tracer_degraded)
+        log.warning("%s", self.flow_source.text)
+        return Stage.disabled("tracer", self.flow_source.text)
+
+    def _firstbyte_stage(self) -> Stage:
+        """Issue 16: classes claimed in the kernel at the handshake (firstbyte.py)."""
+        if not self.opts.tracer or self._firstbyte_factory is None:
+            return Stage.disabled("firstbyte", "no tracer")
+        if not self.opts.first_byte:     # benchmarks' "before" figures
+            return Stage.disabled("firstbyte", "FLOWPACER_NO_FIRST_BYTE")
+        try:
+            fb = self._firstbyte_factory()
+            fb.start()
+        except (ImportError, TracerUnavailable, OSError) as e:
+            log.warning("first-byte shaping unavailable (%s): flows get their class after "
+                        "the handshake", e)
+            return Stage.disabled("firstbyte", f"unavailable: {e}")
+        self.firstbyte = fb
+        self._first_byte_round(fb, [])
+        return self._stage("firstbyte", self._first_byte, GiveUp.DEGRADE, stall_s=10.0,
+                           on_degrade=self._firstbyte_degraded)
+
+    def _first_byte(self, ctx: StageContext) -> None:
+        fb = self.firstbyte
+        while not ctx.stopping():
+            claims = fb.poll(100)
+            ctx.beat()
+            self._first_byte_round(fb, claims)
+
+    def _first_byte_round(self, fb, claims) -> None:
+        """The claims to the reconciler as events, the pools' ids back to the source. Only
+        ``on_claims`` holds the reconciler's lock; the source's drains, sweeps and map writes
+        run outside it. A new bookkeeping (start, rebuild) or new rules take a second round
+        at once: the pools are made anew."""
+        for _ in range(3):
+            grant = self.reconciler.on_claims(fb.report(claims))
+            claims = []
+            if not fb.granted(grant):
+                return
+
+    # --------------------------------------------------------------- stages
+    def _trace(self, ctx: StageContext) -> None:
+        rec = self.reconciler
+        while not ctx.stopping():
+            events = self.tracer.poll(100)
+            ctx.beat()
+            if events:
+                # applied right here: a hand-over to the main thread cost ~0.4 ms per event
+                rec.on_events(events)
+
+    def _serve_control(self, ctx: StageContext) -> None:
+        self._control.run(ctx)
+
+    def _serve_metrics(self, ctx: StageContext) -> None:
+        self._metrics.run(ctx)
+
+    def _main(self, ctx: StageContext) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self._wake_r, selectors.EVENT_READ)
+        try:
+            while not ctx.stopping():
+                now = self.clock()
+                timeout = min(MAIN_TICK_S, max(0.0, self._next_scan - now))
+                if sel.select(timeout):
+                    try:
+                        os.read(self._wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                ctx.beat()
+                self._drain_signals()
+                if self.clock() >= self._next_scan:
+                    self._rescan()
+                self._feed_watchdog()
+        finally:
+            sel.close()
+
+    def _firstbyte_degraded(self, stage: Stage, why: str) -> None:
+        if self.firstbyte is not None:
+            log.error("first-byte shaping stopped (%s): flows get their class after the "
+                      "handshake", why)
+            fb, self.firstbyte = self.firstbyte, None
+            self._close_first_byte(fb)
+
+    def _tracer_degraded(self, stage: Stage, why: str) -> None:
+        self.flow_source = FlowSourceStatus(FlowSourceMode.TRACER_FAILED, why)
+        log.error("flow source degraded: %s; flows are found by sock_diag every %.1f s",
+                  self.flow_source.text, self.opts.rescan_s)
+        self.reconciler.udp_adopter = None
+        t, self.tracer = self.tracer, None
+        if t is not None:
+            try:
+                t.close()
+            except Exception as e:
+                log.debug("tracer close: %s", e)
+
+    def _close_first_byte(self, fb) -> None:
+        """Detach (the drain's wait outside the reconciler's lock), then the ready classes
+        taken back are deleted by the reconciler's one writer."""
+        try:
+            last = fb.close()
+            if last is not None:
+                self.reconciler.on_claims(last)
+        except Exception as e:
+            log.warning("first byte close: %s", e)
+
+    def _fatal(self, stage: Stage, why: str) -> None:
+        self.exit_code = 1
+        self._stop.set()
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    def _feed_watchdog(self) -> None:
+        if self._watchdog_s is None:
+            return
+        now = self.clock()
+        if now < self._next_watchdog:
+            return
+        self._next_watchdog = now + self._watchdog_s
+        if watchdog_ok(self.stages):
+            if self._watchdog_withheld:
+                log.warning("every stage is alive again: feeding the watchdog")
+            self._watchdog_withheld = False
+            self.notify("WATCHDOG=1")
+        elif not self._watchdog_withheld:
+            self._watchdog_withheld = True
+            bad = [f"{s.name} {s.view().state.value}" for s in self.stages
+                   if not watchdog_ok([s])]
+            log.error("not feeding the watchdog: %s", ", ".join(bad))
+
+    def _on_signal(self, signum, frame) -> None:
+        self._signals.append(signum)
+
+    def run(self) -> None:
+        """The main loop, in the calling (main) thread, until a signal or a fatal stage."""
+        self.main_stage.run_here()
+
+    def _drain_signals(self) -> None:
+        while self._signals:
+            sig = self._signals.popleft()
+            if sig == signal.SIGHUP:
+                self.reload()
+            else:
+                log.info("signal %d: stopping", sig)
+                self._stop.set()
+
+    def _rescan(self) -> None:
+        started = time.monotonic_ns()
+        try:
+            snap = self.sockdiag.snapshot()          # outside the lock: events keep flowing
+        except Exception as e:  # never let a scan failure stop the daemon
+            log.warning("sock_diag scan failed: %s", e)
+            snap = None
+        rec = self.reconciler
+        rec.reconcile(snap, started)
+        now = self.clock()
+        if rec.resync_requested:
+            rec.resync_requested = False
+            self._next_scan = now
+        else:
+            self._next_scan = now + self.opts.rescan_s
+        if now >= self._next_trim:
+            self._next_trim = now + TRIM_S
+            trim_heap()
+
+    # --------------------------------------------------------------- reload
+    def reload(self) -> ReloadResult:
+        self.notify("RELOADING=1")
+        try:
+            out = self.reconciler.reload(lambda: self._load(self.opts.rules_path),
+                                         self._rules_changed)
+        finally:
+            self.notify("READY=1")
+        if out.ok:
+            log.info("reloaded %s: rules changed %s, switched backend %s, added %d, changed %d, "
+                     "removed %d", self.opts.rules_path, out.rules_changed, out.switched_backend,
+                     out.added, out.changed, out.removed)
+        return out
+
+    def _rules_changed(self, rs: RuleSet) -> None:
+        if self.tracer is not None:
+            self.tracer.set_watch(*engine.watch_filter(rs))
+            self._set_udp_idle(self.tracer, rs)
+
+    @staticmethod
+    def _set_udp_idle(tracer, rs: RuleSet) -> None:
+        """The rules' UDP idle timeouts to the tracer (issue 17; test stand-ins may lack it)."""
+        set_idle = getattr(tracer, "set_udp_idle", None)
+        if set_idle is not None:
+            set_idle(*engine.udp_idle_timeouts(rs))
+
+    # ---------------------------------------------------------------- views
+    def view(self) -> DaemonView:
+        """A consistent copy of the daemon's state (taken under the reconciler's lock)."""
+        tracer_stats = _read_stats(self.tracer, "stats", TracerStats.from_stats)
+        fb = self.firstbyte
+        first_byte = _read_stats(fb, "view")
+        source = self.flow_source
+        if fb is not None:    # status names the rules shaped from byte one (reloads change them)
+            source = FlowSourceStatus(source.mode, source.detail, fb.summary)
+        with self.lock:
+            return views.build(self.reconciler, self.supervisor, self.stages,
+                               rules_path=os.path.abspath(self.opts.rules_path),
+                               flow_source=source, tracer_stats=tracer_stats,
+                               first_byte=first_byte)
+
+    def status(self) -> dict:
+        """The control socket's status answer. The view is copied under the lock; the kernel's
+        class counters are read after it is released, so that a status poll (``top`` asks every
+        second) never holds up the tracer's events."""
+        v = self.view()
+        channels = self.supervisor.open_stats_channel()
+        try:
+            stats = self.supervisor.class_stats(channels)
+        except (OSError, FlowpacerError) as e:
+            log.debug("status: class statistics: %s", e)
+            stats = {}
+        finally:
+            channels.close()
+        return views.to_json(v, stats)
+
+    def _class_stats(self) -> dict:
+        """Read by the metrics stage over its own channels, without the loop's lock."""
+        if self._metrics_channels is None:
+            self._metrics_channels = self.supervisor.open_stats_channel()
+        return self.supervisor.class_stats(self._metrics_channels)
+
+    # -------------------------------------------------------------- shutdown
+    def shutdown(self) -> None:
+        self.notify("STOPPING=1")
+        self._stop.set()
+        for s in self.stages:
+            if s is not self.main_stage:
+                s.stop(timeout=2)
+        if self.tracer is not None:
+            try:
+                self.tracer.close()
+            except Exception as e:
+                log.debug("tracer close: %s", e)
+        if self.firstbyte is not None:
+            self._close_first_byte(self.firstbyte)
+        self.supervisor.shutdown()
+        if self._control is not None:
+            self._control.close()
+        if self._metrics is not None:
+            self._metrics.close()
+        if self._metrics_channels is not None:
+            self._metrics_channels.close()
+        signal.set_wakeup_fd(-1)
+        os.close(self._wake_r)
+        os.close(self._wake_w)

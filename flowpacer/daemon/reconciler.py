@@ -1,0 +1,266 @@
+"""The reconciler: flow table + engine + apply + retry, under one lock.
+
+    tracer events ─┐
+    sock_diag ─────┼─> FlowTable ─dirty keys─> engine.plan ─┬─> backend.apply
+    first-byte ────┘    (claims) ──> engine.plan_pools ─────┘        │
+    claims                 ^                                          │
+                           └──────── failed keys (retried) ───────────┘
+
+Every flow source calls in here (the tracer and the first-byte stage from their threads, the
+reconcile pass from the main loop); every change to the table or the backend happens under
+``lock``, and nothing else does: no sleep, no sock_diag dump, no BPF map write is done while
+it is held (the first-byte source does those before and after ``on_claims``). A dirty key is only
+forgotten once its plan was applied: an exception part-way through puts the batch back, an op
+the kernel refused is retried at the next pass, and a backend that is not usable (interface
+gone, qdisc lost or foreign) keeps them dirty until it is.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional
+
+from flowpacer.policy import engine
+from flowpacer.errors import FlowpacerError
+from flowpacer.daemon.flows import FlowTable
+from flowpacer.surfaces.metrics import LatencyHistogram
+from flowpacer.model import (FlowKey, FlowSource, OpKind, PoolGrant, PoolReport, ReloadResult,
+                             RuleSet)
+from flowpacer.daemon.supervisor import BackendSupervisor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Counters:
+    applies: int = 0
+    op_errors: int = 0
+    reloads_ok: int = 0
+    reloads_failed: int = 0
+    apply_latency_ns: deque = field(default_factory=lambda: deque(maxlen=4096))
+    apply_hist: LatencyHistogram = field(default_factory=LatencyHistogram)
+    shape_latency_ns: deque = field(default_factory=lambda: deque(maxlen=4096))
+
+
+class Reconciler:
+    def __init__(self, supervisor: BackendSupervisor, rules: RuleSet, *,
+                 clock_ns: Callable[[], int] = time.monotonic_ns):
+        self.supervisor = supervisor
+        self.rules = rules
+        self.clock_ns = clock_ns
+        self.table = FlowTable()
+        self.counters = Counters()
+        self.lock = threading.RLock()
+        self._retry: set = set()         # keys whose last operation failed
+        self.resync_requested = False    # the transport failed: the next pass re-reads the kernel
+        # the tracer's ``adopt_udp_connected`` (issue 17), None without a tracer that has it
+        self.udp_adopter: Optional[Callable[[dict], None]] = None
+
+    # -------------------------------------------------------------- inputs
+    def adopt(self) -> None:
+        """After start: what the backend found in the kernel is planned again (kept only where
+        the flow is still live)."""
+        with self.lock:
+            for b in self.supervisor.backends():
+                self.table.dirty.update(b.installed())
+
+    def on_events(self, events) -> None:
+        """Tracer events, applied at once (called in the tracer's thread)."""
+        with self.lock:
+            for ev in events:
+                self.table.on_event(ev)
+            self.expire_idle()
+            self.apply_dirty()
+
+    def on_claims(self, report: PoolReport) -> PoolGrant:
+        """A first-byte round (issue 16): its claims bound, the flows they are for planned, the
+        pools topped up, all in one apply on the send backend. The answer carries the class ids
+        made for each rule's pool (the source writes them into its rings, after this returns)."""
+        with self.lock:
+            sup = self.supervisor
+            b = sup.backend
+            if b is None or not sup.usable or not b.capabilities.pools:
+                return PoolGrant(False, report.epoch, self.rules)
+            pool = b.pool
+            flows = self.table.flows
+            classed = {c.key for c in report.claims if b.shape_of(c.key) is not None}
+            pp = engine.plan_pools(report, pool.holding(), flows, classed, self.rules,
+                                   self.clock_ns())
+            self.table.dirty.update(pp.dirty)
+            res = self.apply_dirty(before=pp.first, after=pp.fills, rebind=pp.rebind)
+            made = {r: tuple(ids) for r, ids in res.pool_made.items()} if res else {}
+            return PoolGrant(True, pool.epoch, self.rules, made, stale=pp.stale, bound=pp.bound,
+                             bound_by_rule=dict(pp.bound_by_rule), released=pp.released,
+                             rebound=len(pp.rebind), closed=pp.closed,
+                             freed_by_sweep=res.pool_freed_by_sweep if res else 0,
+                             ready_classes=len(pool.classes), ids_held=pool.ids_held(),
+                             ids_awaiting=pool.ids_waiting(),
+                             oldest_wait_s=pool.oldest_wait_s())
+
+    def expire_idle(self) -> None:
+        """UDP flows idle for their rule's idle_timeout end (the caller holds the lock)."""
+        if self.table.idle_since:
+            self.table.expire(engine.idle_expired(self.table.flows, self.table.idle_since,
+                                                  self.rules, self.clock_ns()))
+
+    def reconcile(self, snap, started_ns: int) -> None:
+        """One reconcile pass: the backend's health, the sock_diag snapshot (None when the scan
+        failed), the keys to retry, then one apply."""
+        with self.lock:
+            r = self.supervisor.check()
+            if r.gone:
+                self.counters.op_errors += len(r.gone)
+                self.table.dirty.update(r.gone)
+            if r.mark_all:
+                self.table.mark_all(r.installed)
+            if snap is not None:
+                self.table.on_snapshot(snap, started_ns)
+            self.expire_idle()
+            self.table.dirty.update(self._retry)
+            self._retry.clear()
+            self.apply_dirty()
+        self._adopt_udp(snap)       # outside the lock: it writes the tracer's kernel maps
+
+    def _adopt_udp(self, snap) -> None:
+        """The connected UDP sockets of the snapshot that a rule shapes, by cookie, to the
+        tracer: one opened before it (a restart) ends by idleness too (issue 17)."""
+        adopt = self.udp_adopter
+        cookies = getattr(snap, "udp_cookies", None)
+        if adopt is None or cookies is None:
+            return
+        shaped = engine.desired({k: snap[k] for k in cookies}, self.rules)
+        adopt({cookies[k]: snap[k] for k in shaped})
+
+    # --------------------------------------------------------------- apply
+    def apply_dirty(self, before=(), after=(), rebind=()):
+        """Plan and apply every dirty key (the caller holds the lock); ``before``/``after``:
+        first-byte pool ops for the send side's batch, ``rebind``: keys whose class is replaced
+        by the one their socket claimed (``engine.plan_pools``)."""
+        keys = self.table.take_dirty()
+        if not keys and not before and not after:
+            return None
+        try:
+            return self._apply(keys, before, after, rebind)
+        except BaseException:
+            self.table.dirty.update(keys)      # nothing is lost: planned again next time
+            raise
+
+    def _apply(self, keys, before=(), after=(), rebind=()):
+        """The send side's plan, then the receive side's (issue 17), each on its backend."""
+        sup = self.supervisor
+        b = sup.backend
+        if b is None or not sup.usable:
+            self.table.dirty.update(keys)
+            return None
+        flows = self.table.flows
+        live = {k: flows[k] for k in keys if k in flows}
+        res = self._apply_side(b, engine.desired(live, self.rules), keys, flows,
+                               before=before, after=after, rebind=rebind)
+        rx = sup.rx
+        if rx is not None and sup.rx_usable:
+            rres = self._apply_side(rx, engine.desired_receive(live, self.rules), keys, flows,
+                                    latency=False)
+            if rres is not None:
+                if res is None:
+                    res = rres
+                else:
+                    res.added += rres.added
+                    res.changed += rres.changed
+                    res.removed += rres.removed
+                    res.errors.extend(rres.errors)
+        return res
+
+    def _apply_side(self, b, want, keys, flows, latency: bool = True, before=(), after=(),
+                    rebind=()):
+        """``latency``: count the time from a flow's event to its class (the send side's);
+        ``before``/``after``: pool ops around the flows' ones, in the same batch."""
+        have = {}
+        for k in keys:
+            s = b.shape_of(k)
+            if s is not None:
+                have[k] = s
+        ops = list(before) + engine.plan(want, have, rebind) + list(after)
+        if not ops:
+            return None
+        t0 = self.clock_ns()
+        try:
+            res = b.apply(ops)
+        except (OSError, FlowpacerError) as e:
+            # the transport failed (e.g. ENOBUFS): what went in is uncertain, so rebuild the
+            # bookkeeping from the kernel and re-plan every flow at the next pass
+            self.counters.op_errors += 1
+            log.error("apply failed on %s: %s; resynchronising with the kernel", b.interface, e)
+            try:
+                b.resync()
+            except (OSError, FlowpacerError) as e2:
+                log.error("resync failed: %s", e2)
+            self.table.mark_all(b.installed().keys())
+            self.resync_requested = True
+            return None
+        t1 = self.clock_ns()
+        self.counters.applies += 1
+        self.counters.apply_latency_ns.append(t1 - t0)
+        self.counters.apply_hist.observe((t1 - t0) / 1e9)
+        for op in ops if latency else ():
+            f = flows.get(op.key)
+            if op.kind is OpKind.ADD and f is not None and f.source is FlowSource.TRACER:
+                self.counters.shape_latency_ns.append(t1 - f.seen_ns)
+        for err in res.errors:
+            self.counters.op_errors += 1
+            self._retry.add(err.op.key)     # planned again at the next reconcile pass
+            log.warning("%s", err.reason)
+        if res.added or res.removed or res.changed:
+            log.debug("applied on %s: +%d ~%d -%d", b.interface, res.added, res.changed,
+                      res.removed)
+        return res
+
+    # -------------------------------------------------------------- reload
+    def reload(self, load: Callable[[], RuleSet],
+               on_rules: Callable[[RuleSet], None]) -> ReloadResult:
+        """Load new rules with ``load`` (raises RulesError/FlowpacerError: nothing changes),
+        switch the backend if the new rules ask for another one, re-plan every flow."""
+        from flowpacer.errors import RulesError
+        with self.lock:
+            try:
+                new = load()
+            except RulesError as e:
+                self.counters.reloads_failed += 1
+                for p in e.problems:
+                    log.error("reload refused: %s", p)
+                return ReloadResult(False, tuple(str(p) for p in e.problems))
+            except FlowpacerError as e:
+                self.counters.reloads_failed += 1
+                log.error("reload refused: %s", e)
+                return ReloadResult(False, (str(e),))
+            old = self.rules
+            sup = self.supervisor
+            switch = sup.needs_switch(new)
+            if switch:
+                try:
+                    sup.switch(new)
+                except FlowpacerError as e:
+                    self.counters.reloads_failed += 1
+                    log.error("reload refused: %s", e)
+                    self.table.mark_all()
+                    self.apply_dirty()
+                    return ReloadResult(False, (str(e),))
+            else:
+                sup.adopt_rules(new)
+            self.rules = new
+            on_rules(new)
+            for b in sup.backends():
+                self.table.mark_all(b.installed().keys())
+            res = self.apply_dirty()
+            self.counters.reloads_ok += 1
+            return ReloadResult(True, tuple(e.reason for e in res.errors) if res else (),
+                                rules_changed=new != old, switched_backend=bool(switch),
+                                added=res.added if res else 0,
+                                changed=res.changed if res else 0,
+                                removed=res.removed if res else 0)
+
+    def mark_all(self, keys: Iterable[FlowKey] = ()) -> None:
+        with self.lock:
+            self.table.mark_all(keys)

@@ -1,0 +1,51 @@
+"""The tc backends' handles and per-flow bookkeeping, shared by the modules of ``TcBackend``.
+
+Kernel objects (all under handle major ``MAJOR``):
+  root qdisc ``f1f0:``      htb or psp (the codec decides)
+  class ``f1f0:1``           the link (htb only), rate = link rate
+  class ``f1f0:2``           default class: unmatched traffic, unshaped up to the link rate
+  class ``f1f0:10``..        one per shaped flow, or a group class (issue 15)
+  class ``f1f0:c000``..      first-byte pool classes (pool.py)
+Class ids never leave the tc backends: the daemon sees flows by ``FlowKey`` and groups by
+``GroupKey`` (contract.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from flowpacer.model import FlowKey, Shape, Side
+from flowpacer.kernel.tc.nl import tc_handle
+
+MAJOR = 0xF1F0
+QDISC_HANDLE = tc_handle(MAJOR, 0)
+LINK_MINOR = 1
+DEFAULT_MINOR = 2
+FIRST_FLOW_MINOR = 0x10
+LAST_FLOW_MINOR = 0xBFFF         # 0xC000..0xFFFF: first-byte pool classes (pool.py)
+
+
+@dataclass
+class Installed:
+    classid: int
+    filter_handle: int
+    shape: Shape
+    parent: Optional[int] = None     # the minor of its group class (issue 15); None: the link
+    kernel: Optional[tuple] = None   # (rate, ceil) in the kernel when it differs from the shape's
+
+
+
+def wire_key(key: FlowKey, side: Side) -> FlowKey:
+    """The tuple a flow's packets carry on ``side``: the key itself when sending (source =
+    local), reversed when receiving (source = remote). Its own inverse, so adoption maps a
+    filter's tuple back with it."""
+    if side is Side.SEND:
+        return key
+    return FlowKey(key.remote_addr, key.remote_port, key.local_addr, key.local_port,
+                   key.protocol)
+
+
+
+def handle_text(classid: int) -> str:
+    """A class id as tc prints it (``f1f0:1a``): the display string status shows."""
+    return f"{classid >> 16:x}:{classid & 0xFFFF:x}"

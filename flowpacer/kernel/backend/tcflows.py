@@ -1,0 +1,218 @@
+"""Flow classes of ``TcBackend``: a plan's adds, changes and removes, queued into one netlink
+batch (a flow's filter is deleted before its class, a half-made flow is undone), and the audit of
+classes someone else removed. Flows under group classes go through ``tcgroups``.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+from typing import Callable, Dict, List, Optional, Sequence
+
+from flowpacer.errors import NetlinkError
+from flowpacer.model import ApplyResult, FlowKey, Op, OpError, OpKind, PoolOp, Shape, Side
+from flowpacer.kernel.tc import nl, u32
+from flowpacer.kernel.tc.nl import (NLM_F_CREATE, NLM_F_EXCL, RTM_DELTCLASS, RTM_DELTFILTER,
+                                    RTM_NEWTFILTER, Request, tc_handle)
+from flowpacer.kernel.backend.filters import LayoutFull, Placement
+from flowpacer.kernel.backend.handles import MAJOR, Installed, wire_key
+from flowpacer.kernel.backend.pool import queue_pool_op
+
+log = logging.getLogger(__name__)
+
+
+class FlowClasses:
+    """The flow-class half of ``TcBackend`` (its state is made in ``TcBackend.__init__``)."""
+
+    def installed(self) -> Dict[FlowKey, Shape]:
+        return {k: v.shape for k, v in self._flows.items()}
+
+    def shape_of(self, key: FlowKey) -> Optional[Shape]:
+        inst = self._flows.get(key)
+        return inst.shape if inst else None
+
+    def classid_of(self, key: FlowKey) -> Optional[int]:
+        inst = self._flows.get(key)
+        return inst.classid if inst else None
+
+    def apply(self, plan: Sequence[Op]) -> ApplyResult:
+        """Carry out a plan. Idempotent: an ADD of a known flow changes it, a REMOVE of an
+        unknown one does nothing. Failures are reported per operation; the rest goes on.
+        First-byte pool ops (``PoolOp``) are applied in the same batch (pool.py); a flow
+        REMOVEd earlier in the plan is a new flow for a later ADD (a rebound claim)."""
+        res = ApplyResult()
+        reqs: List[Request] = []
+        # what to do with each request's outcome
+        after: List[Callable[[Optional[NetlinkError]], None]] = []
+        c = self.codec
+
+        def add(req, cb):
+            reqs.append(req)
+            after.append(cb)
+
+        grouped: List[Op] = []
+        removing = set()
+        for op in plan:
+            if isinstance(op, PoolOp):
+                queue_pool_op(self, op, add, res)
+                continue
+            inst = None if op.key in removing else self._flows.get(op.key)
+            if self._is_grouped(op, inst):
+                grouped.append(op)
+                continue
+            if op.kind is OpKind.REMOVE:
+                if inst is None:
+                    continue
+                removing.add(op.key)
+                self._queue_remove(op, inst, add, res)
+            elif inst is not None:      # ADD of a known flow or CHANGE
+                if inst.shape.rate_bps == op.shape.rate_bps and inst.shape.ceil_bps == op.shape.ceil_bps:
+                    inst.shape = op.shape
+                    continue
+                self._queue_change(op, inst, add, res)
+            elif op.kind in (OpKind.CHANGE, OpKind.RELABEL):
+                res.errors.append(OpError(op, f"{op.kind.value} of unknown flow {op.key}"))
+            else:
+                self._queue_add(op, add, res)
+        if grouped:
+            self._queue_groups(grouped, add, res)
+        if reqs:
+            for cb, err in zip(after, self._rtnl.transact(reqs)):
+                cb(err)
+        return res
+
+    def _queue_remove(self, op: Op, inst: Installed, add, res: ApplyResult) -> None:
+        fam = op.key.family
+        state = {"filter_ok": True}
+
+        def filter_done(err):
+            if err is not None and err.errno != errno.ENOENT:
+                state["filter_ok"] = False
+                res.errors.append(OpError(op, str(err)))
+
+        def class_done(err):
+            if err is not None and err.errno != errno.ENOENT:
+                if state["filter_ok"]:
+                    res.errors.append(OpError(op, str(err)))
+                return
+            self._layout.release(inst.filter_handle)
+            self._free_minor(inst.classid & 0xFFFF)
+            self._flows.pop(op.key, None)
+            res.removed += 1
+
+        add(self._filter_msg(RTM_DELTFILTER, 0, fam, inst.filter_handle, u32.kind_only(),
+                             lambda: f"delete filter for {op.key}"), filter_done)
+        add(self._req(RTM_DELTCLASS, 0, nl.tcmsg(self.ifindex, inst.classid, self._parent_handle()),
+                      lambda: f"delete class {nl.fmt_handle(inst.classid)} of {op.key}"), class_done)
+
+    def _queue_change(self, op: Op, inst: Installed, add, res: ApplyResult,
+                      kernel: Optional[tuple] = None) -> None:
+        """``kernel``: the (rate, ceil) to give the class instead of the shape's (a flow under a
+        group gets its share, see groups.py)."""
+        try:
+            options = self.codec.flow_class_options(self._kernel_shape(op.shape, kernel),
+                                                    self.link_rate_bps)
+        except ValueError as e:
+            res.errors.append(OpError(op, f"{op.key}: {e}"))
+            return
+
+        def done(err):
+            if err is not None:
+                res.errors.append(OpError(op, str(err)))
+                return
+            inst.shape = op.shape
+            inst.kernel = kernel
+            res.changed += 1
+        add(self._class_msg(inst.classid & 0xFFFF, inst.parent or self._flow_parent, options, False,
+                            lambda: f"change class {nl.fmt_handle(inst.classid)} of {op.key}"), done)
+
+    def _queue_add(self, op: Op, add, res: ApplyResult, parent: Optional[int] = None,
+                   kernel: Optional[tuple] = None) -> None:
+        """``parent``: the minor of the flow's group class (None: the link); ``kernel`` as for
+        ``_queue_change``."""
+        key = op.key
+        try:
+            options = self.codec.flow_class_options(self._kernel_shape(op.shape, kernel),
+                                                    self.link_rate_bps)
+        except ValueError as e:
+            res.errors.append(OpError(op, f"{key}: {e}"))
+            return
+        # issue 16: a socket that claimed a pool class already sends into it: that is its class
+        claimed = self.pool.take_claim(key) if parent is None and self.side is Side.SEND \
+            else None
+        try:
+            minor = claimed or self._alloc_minor()
+        except LayoutFull as e:
+            res.errors.append(OpError(op, str(e)))
+            return
+        wk = wire_key(key, self.side)      # the tuple the filter matches (reversed on receive)
+        try:
+            pl: Placement = self._layout.place(wk)
+        except LayoutFull as e:
+            self._free_minor(minor)
+            res.errors.append(OpError(op, str(e)))
+            return
+        classid = tc_handle(MAJOR, minor)
+        state = {"ok": True}
+
+        def fail(err):
+            if state["ok"]:
+                res.errors.append(OpError(op, str(err)))
+            state["ok"] = False
+
+        def class_done(err):
+            state["class_err"] = err.errno if err is not None else 0
+            if err is not None:
+                fail(err)
+
+        def filter_done(err):
+            if err is None and state["ok"]:
+                self._flows[key] = Installed(classid, pl.handle, op.shape, parent, kernel)
+                res.added += 1
+                return
+            if err is not None:
+                fail(err)
+            self._layout.release(pl.handle)
+            # undo the half that went in; never a class that was there before us
+            undo = []
+            if err is None:
+                undo.append(self._filter_msg(RTM_DELTFILTER, 0, key.family, pl.handle,
+                                             u32.kind_only(), "undo filter"))
+            if state.get("class_err") == 0:
+                undo.append(self._req(RTM_DELTCLASS, 0,
+                                      nl.tcmsg(self.ifindex, classid, self._parent_handle()),
+                                      "undo class"))
+            if undo:
+                self._rtnl.transact(undo)
+            if state.get("class_err") == errno.EEXIST:
+                log.warning("%s: class %s exists but is not ours; not using that id",
+                            self.interface, nl.fmt_handle(classid))
+            else:
+                self._free_minor(minor)
+
+        add(self._class_msg(minor, parent or self._flow_parent, options, not claimed,
+                            lambda: f"add class {nl.fmt_handle(classid)} for {key}"), class_done)
+        add(self._filter_msg(RTM_NEWTFILTER, NLM_F_CREATE | NLM_F_EXCL, key.family, pl.handle,
+                             u32.leaf_options(classid, u32.flow_keys(wk.local_addr, wk.local_port,
+                                                                     wk.remote_addr, wk.remote_port,
+                                                                     wk.protocol.number),
+                                              pl.in_table),
+                             lambda: f"add filter for {key}"), filter_done)
+
+
+    def audit(self) -> List[FlowKey]:
+        """Flows whose class someone removed behind our back: forgotten (their filter deleted if
+        it is still there) and returned, so that the caller can plan them again."""
+        present = set(self.stats_by_class())
+        gone = [k for k, v in self._flows.items() if v.classid not in present]
+        undo = []
+        for k in gone:
+            inst = self._flows.pop(k)
+            self._layout.release(inst.filter_handle)
+            self._free_minor(inst.classid & 0xFFFF)
+            undo.append(self._filter_msg(RTM_DELTFILTER, 0, k.family, inst.filter_handle,
+                                         u32.kind_only(), "delete orphaned filter"))
+        if undo:
+            self._rtnl.transact(undo)
+        self._audit_groups(present)
+        return gone
+

@@ -1,0 +1,287 @@
+"""The engine: pure functions from (live flows, rules) to a plan of backend operations.
+
+No I/O, no clock, no kernel: everything here is decided from its arguments, so it is tested with
+plain values.
+"""
+from __future__ import annotations
+
+import fnmatch
+import ipaddress
+from dataclasses import dataclass, field
+from typing import (Collection, Dict, FrozenSet, Iterable, List, Mapping, Optional, Set, Tuple)
+
+from flowpacer.model import (DEFAULT_IDLE_TIMEOUT_NS, Direction, Flow, FlowKey, Group, GroupKind,
+                             IPAddress, Op, OpKind, PoolHolding, PoolOp, PoolReport, Protocol,
+                             Rule, RuleSet, Shape)
+
+COMM_LEN = 15      # TASK_COMM_LEN - 1: what the kernel reports of a process name
+
+_GLOB_CHARS = set("*?[")
+
+
+def is_glob(pattern: str) -> bool:
+    """Whether ``pattern`` may match more than itself (fnmatch's special characters)."""
+    return bool(_GLOB_CHARS & set(pattern))
+
+
+def rule_matches(rule: Rule, flow: Flow) -> bool:
+    m = rule.match
+    if m.protocol is not Protocol.ANY and m.protocol is not flow.key.protocol:
+        return False
+    if m.direction is not Direction.ANY and m.direction is not flow.direction:
+        return False
+    if m.process and not any(fnmatch.fnmatchcase(flow.proc.comm, p) for p in m.process):
+        return False
+    if m.exe and not (flow.proc.exe and any(fnmatch.fnmatchcase(flow.proc.exe, p) for p in m.exe)):
+        return False
+    if m.user and flow.proc.uid not in m.user:
+        return False
+    k = flow.key
+    if k.local_port not in m.local_port or k.remote_port not in m.remote_port:
+        return False
+    if m.remote and not any(k.remote_addr.version == n.version and k.remote_addr in n
+                            for n in m.remote):
+        return False
+    return True
+
+
+def first_match(rules: Iterable[Rule], flow: Flow) -> Optional[Rule]:
+    for r in rules:
+        if rule_matches(r, flow):
+            return r
+    return None
+
+
+def client_of(rule: Rule, remote: IPAddress) -> str:
+    """The client a remote address is for ``rule``'s client_rate: the address masked to the
+    rule's prefix for its family (``FlowKey.wire`` already made IPv4-mapped addresses IPv4)."""
+    bits = rule.client_prefix[0] if remote.version == 4 else rule.client_prefix[1]
+    return str(ipaddress.ip_network((remote, bits), strict=False))
+
+
+def groups_of(rule: Rule, key: Optional[FlowKey]) -> Tuple[Group, ...]:
+    """A flow's groups, outermost first: its rule's total, then its client's share of the rule.
+    A group is a cap: its ceil is its rate."""
+    out = []
+    if rule.total_rate_bps is not None:
+        out.append(Group(GroupKind.RULE, rule.name, rule.total_rate_bps, rule.total_rate_bps))
+    if rule.client_rate_bps is not None and key is not None:
+        out.append(Group(GroupKind.CLIENT, f"{rule.name}/{client_of(rule, key.remote_addr)}",
+                         rule.client_rate_bps, rule.client_rate_bps))
+    return tuple(out)
+
+
+def shape_of(rule: Rule, key: Optional[FlowKey] = None) -> Shape:
+    """The send shape of a flow of ``rule``; with aggregates, ``key`` says which client it is.
+    Only for a rule that ``sends`` (a receive-only rule has no send shape)."""
+    if rule.rate_bps is None:
+        raise ValueError(f"rule {rule.name!r} is receive-only: it has no send shape")
+    return Shape(rule.name, rule.rate_bps, max(rule.ceil_bps or rule.rate_bps, rule.rate_bps),
+                 groups_of(rule, key) if rule.has_groups else ())
+
+
+def desired(flows: Mapping[FlowKey, Flow], ruleset: RuleSet) -> Dict[FlowKey, Shape]:
+    """Each live flow that a rule matches, with its rule's shape (first match wins). A flow whose
+    first matching rule is receive-only gets none: its send side is not shaped, no class at all
+    (it does not fall through to a later rule)."""
+    out = {}
+    for key, flow in flows.items():
+        r = first_match(ruleset.rules, flow)
+        if r is not None and r.sends:
+            out[key] = shape_of(r, key)
+    return out
+
+
+def receive_shape_of(rule: Rule) -> Optional[Shape]:
+    """What a flow of ``rule`` should get on the receive side (issue 17), None when the rule
+    does not shape receiving. Aggregates cover the send side only."""
+    if rule.receive_rate_bps is None:
+        return None
+    rate = rule.receive_rate_bps
+    return Shape(rule.name, rate, max(rule.receive_ceil_bps or rate, rate))
+
+
+def desired_receive(flows: Mapping[FlowKey, Flow], ruleset: RuleSet) -> Dict[FlowKey, Shape]:
+    """Each live flow whose first matching rule has a receive_rate, with its receive shape
+    (keyed by the flow's own key: the receive backend reverses it for its filters)."""
+    out = {}
+    for key, flow in flows.items():
+        r = first_match(ruleset.rules, flow)
+        if r is not None and r.receive_rate_bps is not None:
+            out[key] = receive_shape_of(r)
+    return out
+
+
+def plan(want: Mapping[FlowKey, Shape], have: Mapping[FlowKey, Shape],
+         rebind: Collection[FlowKey] = ()) -> List[Op]:
+    """Operations that turn ``have`` into ``want``: removals first (they free room), then rate
+    changes (in place, the class and its queue stay), then additions; each group in key order
+    (``FlowKey``'s total order: IPv4 and IPv6 keys mix). A flow whose rates are right but whose
+    rule is not (adopted after a restart, or a rule renamed) is relabelled: nothing for the
+    kernel, but status and metrics name the rule that shapes it. The same goes for a flow whose
+    groups have the kernel's rates but other names (``Shape.rates`` is what the kernel sees).
+    Flows of rules with aggregates change when their groups' rates or levels change: the backend
+    moves them under their new parents.
+
+    ``rebind``: flows whose socket claimed a first-byte class after they got a class of their
+    own (issue 16): their class goes (REMOVE) and their ADD takes the claimed one."""
+    rebind = {k for k in rebind if k in have and k in want}
+    removes = [Op(OpKind.REMOVE, k) for k in sorted((have.keys() - want.keys()) | rebind)]
+    changes, relabels, adds = [], [], []
+    for k in sorted(want):
+        s = want[k]
+        cur = None if k in rebind else have.get(k)
+        if cur is None:
+            adds.append(Op(OpKind.ADD, k, s))
+        elif cur.rates != s.rates:
+            changes.append(Op(OpKind.CHANGE, k, s))
+        elif cur != s:
+            relabels.append(Op(OpKind.RELABEL, k, s))
+    return removes + changes + relabels + adds
+
+
+def idle_expired(flows: Mapping[FlowKey, Flow], idle_since: Mapping[FlowKey, int],
+                 ruleset: RuleSet, now_ns: int) -> List[FlowKey]:
+    """The UDP flows that sent nothing for their rule's ``idle_timeout``: ``idle_since`` is the
+    last datagram's time of the flows the tracer reported idle. A flow no rule matches goes after
+    the default timeout (it has no class; this only keeps the table small)."""
+    out = []
+    for key, last_ns in idle_since.items():
+        flow = flows.get(key)
+        if flow is None or key.protocol is not Protocol.UDP:
+            continue
+        r = first_match(ruleset.rules, flow)
+        timeout = r.idle_timeout_ns if r is not None else DEFAULT_IDLE_TIMEOUT_NS
+        if now_ns - last_ns >= timeout:
+            out.append(key)
+    return sorted(out)
+
+
+def udp_idle_timeouts(ruleset: RuleSet) -> Tuple[int, int]:
+    """(shortest, longest) idle timeout a UDP flow can have under ``ruleset``: the tracer reports
+    a flow idle after the shortest, and forgets it after the longest (``idle_expired`` decides
+    in between, per rule)."""
+    ts = [r.idle_timeout_ns for r in ruleset.rules
+          if r.match.protocol in (Protocol.UDP, Protocol.ANY)]
+    ts.append(DEFAULT_IDLE_TIMEOUT_NS)     # flows no rule matches
+    return min(ts), max(ts)
+
+
+def watch_filter(ruleset: RuleSet) -> Tuple[Optional[FrozenSet[str]], Optional[FrozenSet[int]]]:
+    """What the tracer can filter on in the kernel: (comms, uids), or (None, None) for "all".
+
+    A flow of a process passes the kernel filter if its comm is in ``comms`` or its uid in
+    ``uids``; this must let through every flow some rule could match. A rule naming literal
+    process names is covered by them, one naming users by the uids; any other rule (exe only,
+    globs, ports only) needs every process watched.
+    """
+    comms, uids = set(), set()
+    for r in ruleset.rules:
+        m = r.match
+        literal = m.process and not any(is_glob(p) for p in m.process)
+        if literal:
+            comms.update(p[:COMM_LEN] for p in m.process)
+        elif m.user:
+            uids.update(m.user)
+        else:
+            return None, None
+    return frozenset(comms), frozenset(uids)
+
+
+# ------------------------------------------------------------ first-byte pools (issue 16)
+
+CLAIM_WAIT_NS = 5_000_000_000   # a claim whose flow has not shown up by then is given back
+
+
+@dataclass
+class PoolPlan:
+    """``engine.plan_pools``'s answer: pool ops to apply before the flows' ops (``first``:
+    sweep, claims, releases, closes, deletes) and after them (``fills``), the flows to plan
+    now (``dirty``: their ADD takes their claim; ``rebind``: they had a class already), and
+    what became of the claims."""
+    first: List[PoolOp] = field(default_factory=list)
+    fills: List[PoolOp] = field(default_factory=list)
+    dirty: Set[FlowKey] = field(default_factory=set)
+    rebind: Set[FlowKey] = field(default_factory=set)
+    stale: int = 0
+    bound: int = 0
+    bound_by_rule: Dict[str, int] = field(default_factory=dict)
+    released: int = 0
+    closed: int = 0
+
+
+def _sends_by(flow: Flow, ruleset: RuleSet) -> bool:
+    r = first_match(ruleset.rules, flow)
+    return r is not None and r.sends
+
+
+def plan_pools(report: PoolReport, holding: PoolHolding, flows: Mapping[FlowKey, Flow],
+               classed: Collection[FlowKey], ruleset: RuleSet, now_ns: int,
+               claim_wait_ns: int = CLAIM_WAIT_NS) -> PoolPlan:
+    """The pool ops of one first-byte round, from the source's ``report`` (claims, closed
+    sockets, a sweep, each kernel rule's ready count, classes taken back), the backend's pool
+    (``holding``), the live flows, the claim keys that have a class of their own (``classed``)
+    and the rules. Pure.
+
+    A claim counts only when its class is one of the pool's ready ones (else it is stale: the
+    pool was remade since). A claimed flow the rules shape is planned now and its ADD takes
+    the class; a claim is given back when its flow is planned and not shaped by it (no rule
+    wants it, or its ADD failed), when its socket closed, or after ``claim_wait_ns`` without
+    its flow. Each pool is topped up to ``report.target``: classes taken back at a reload are
+    reused first (their rates changed), the rest made; unused ones deleted."""
+    pp = PoolPlan()
+    if report.epoch != holding.epoch:
+        pp.stale = len(report.claims)     # ids of another bookkeeping: nothing to do with them
+        return pp
+    if report.priorities is not None:
+        pp.first.append(PoolOp(OpKind.POOL_SWEEP, priorities=frozenset(report.priorities)))
+    ready = set(holding.ready)
+    pending = dict(holding.claims)
+    new: Dict[FlowKey, int] = {}
+    for c in report.claims:
+        if c.classid not in ready:
+            pp.stale += 1
+            continue
+        ready.discard(c.classid)
+        pp.bound += 1
+        pp.bound_by_rule[c.rule] = pp.bound_by_rule.get(c.rule, 0) + 1
+        pp.first.append(PoolOp(OpKind.POOL_CLAIM, classids=(c.classid,), key=c.key,
+                               at_ns=now_ns))
+        pending[c.key] = (c.classid, now_ns)
+        new[c.key] = c.classid
+    closed = set(report.closed)
+    for key in sorted(pending):
+        cid, since = pending[key]
+        f = flows.get(key)
+        # a flow sock_diag found before its accept() has no owner yet: the rules cannot be
+        # judged on it, the tracer's OPEN will tell
+        planned = f is not None and f.proc.pid != 0
+        if key in new and f is not None:
+            if _sends_by(f, ruleset):
+                pp.dirty.add(key)
+                if key in classed:
+                    pp.rebind.add(key)
+                continue
+        if planned or cid in closed or now_ns - since > claim_wait_ns:
+            pp.first.append(PoolOp(OpKind.POOL_RELEASE, key=key))
+            pp.released += 1
+    if closed:
+        pp.first.append(PoolOp(OpKind.POOL_CLOSED, classids=tuple(sorted(closed))))
+        pp.closed = len(closed)
+    # a detached program takes nothing any more: every ready class goes (also ones a grant
+    # that never reached the rings made)
+    spare = sorted(ready) if report.closing else [c for c in report.returned if c in ready]
+    for rule, n_ready in report.pools:
+        need = report.target - n_ready
+        if need <= 0:
+            continue
+        shape = shape_of(rule)
+        reuse, spare = spare[:need], spare[need:]
+        if reuse:
+            pp.fills.append(PoolOp(OpKind.POOL_CHANGE, rule.name, shape,
+                                   classids=tuple(reuse)))
+        if need > len(reuse):
+            pp.fills.append(PoolOp(OpKind.POOL_FILL, rule.name, shape, count=need - len(reuse)))
+    if spare:
+        pp.first.append(PoolOp(OpKind.POOL_DELETE, classids=tuple(spare)))
+    return pp

@@ -1,0 +1,188 @@
+"""Flow source over netlink sock_diag: the established TCP sockets of this network namespace,
+and its connected UDP sockets (issue 17; sock_diag lists a connected UDP socket as ESTABLISHED,
+an unconnected one as CLOSE: those give only their local ports, ``Snapshot.udp_ports``, so that
+the flows the tracer found for their peers stay while their socket is open).
+
+Used at start-up (flows that existed before the daemon) and periodically as the reconcile pass
+that heals anything the tracer missed. Each socket is attributed to the process holding it by
+its inode (``/proc/PID/fd`` -> ``socket:[INODE]``); the /proc walk runs only when a socket
+appears whose inode is not known yet, so a quiet scan costs one netlink dump.
+
+The dump is read with the project's own small netlink reader (``tc/nl.py``) and a struct
+parser: pyroute2's DiagSocket decodes each socket into a dict of dicts (~40 us and several KB
+of garbage per socket), which at 10 000 flows and one scan a second would keep a core 40 %
+busy. Flows whose socket did not change are reused from the previous scan.
+"""
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+import time
+import struct
+from typing import Dict, Iterable, Optional, Set, Tuple
+
+from flowpacer.kernel.tc.nl import RtnlSocket
+
+from flowpacer.model import Direction, Flow, FlowKey, FlowSource, ProcessInfo, Protocol
+
+log = logging.getLogger(__name__)
+
+TCP_ESTABLISHED = 1
+# states in which the socket may still send data (after close() too: FIN_WAIT1 until the peer
+# has acked what was queued): a flow leaves the snapshot only when it has nothing left to send,
+# as the tracer's CLOSE (at FIN_WAIT2) -- otherwise a reconcile pass deletes the class of a flow
+# whose application closed while its reply was still being paced out, and its tail goes unshaped
+# (CLOSE_WAIT, the peer's half closed and ours not, stays out as before: such a flow is over
+# for the reconcile pass until the application closes or writes)
+SENDING_STATES = (1, 4, 9, 11)   # ESTABLISHED, FIN_WAIT1, LAST_ACK, CLOSING
+TCP_LISTEN = 10
+TCP_CLOSE = 7          # an unconnected UDP socket
+NETLINK_SOCK_DIAG = 4
+SOCK_DIAG_BY_FAMILY = 20
+# struct inet_diag_req_v2: family, protocol, ext, pad, states, struct inet_diag_sockid (48 bytes)
+REQ = struct.Struct("=BBBxI48x")
+# struct inet_diag_msg: family, state, timer, retrans, sockid{be16 sport, be16 dport,
+# be32 src[4], be32 dst[4], if, cookie[2]}, expires, rqueue, wqueue, uid, inode
+MSG = struct.Struct("=BBBB")
+PORTS = struct.Struct(">HH")
+TAIL = struct.Struct("=IIIII")
+SRC_OFF, DST_OFF, COOKIE_OFF, TAIL_OFF = 8, 24, 44, 52
+COOKIE = struct.Struct("=Q")      # cookie[2]: low then high 32 bits (sock_gen_cookie, as BPF's)
+
+
+def read_process(pid: int) -> Optional[ProcessInfo]:
+    """comm, exe and uid of a process from /proc; None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/comm", "rb") as f:
+            comm = f.read().rstrip(b"\n").decode(errors="replace")
+        uid = os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+    try:
+        exe = os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        exe = ""
+    return ProcessInfo(pid=pid, comm=comm, exe=exe, uid=uid)
+
+
+def socket_owners(wanted: Set[int]) -> Dict[int, int]:
+    """inode -> pid for the wanted socket inodes (the first process found holding each)."""
+    found: Dict[int, int] = {}
+    if not wanted:
+        return found
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        fddir = f"/proc/{pid}/fd"
+        try:
+            fds = os.listdir(fddir)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"{fddir}/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                ino = int(target[8:-1])
+                if ino in wanted and ino not in found:
+                    found[ino] = pid
+                    if len(found) == len(wanted):
+                        return found
+    return found
+
+
+class Snapshot(dict):
+    """FlowKey -> Flow, the local ports of this namespace's unconnected UDP sockets, and the
+    socket cookie of each connected UDP socket's flow (the tracer follows its sends by it)."""
+    udp_ports: frozenset = frozenset()
+    udp_cookies: Dict[FlowKey, int] = {}
+
+
+class SockDiagSource:
+    def __init__(self) -> None:
+        self._owners: Dict[int, ProcessInfo] = {}     # socket inode -> owner
+        self._prev: Dict[bytes, Flow] = {}               # raw socket identity -> flow
+        self.scans = 0
+        self.proc_walks = 0
+
+    def _dump(self, state_mask: int, proto: int = socket.IPPROTO_TCP) -> Iterable[bytes]:
+        with RtnlSocket(NETLINK_SOCK_DIAG) as nls:
+            for fam in (socket.AF_INET, socket.AF_INET6):
+                req = REQ.pack(fam, proto, 0, state_mask)
+                for _mtype, body in nls.dump(SOCK_DIAG_BY_FAMILY, req):
+                    yield body
+
+    def snapshot(self) -> Snapshot:
+        """Every established TCP flow and connected UDP socket of this namespace, attributed
+        where the owner is found."""
+        self.scans += 1
+        now = time.monotonic_ns()
+        listeners: Set[Tuple[object, int]] = set()
+        wildcard_ports: Set[int] = set()
+        established = []
+        mask = (1 << TCP_LISTEN)
+        for st in SENDING_STATES:
+            mask |= 1 << st
+        for body in self._dump(mask):
+            family, state = body[0], body[1]
+            if state == TCP_LISTEN:
+                port = PORTS.unpack_from(body, 4)[0]
+                addr = FlowKey.wire_address(_addr(family, body, SRC_OFF))
+                if addr.is_unspecified:
+                    wildcard_ports.add(port)
+                listeners.add((addr, port))
+            elif state in SENDING_STATES:
+                established.append((False, body))
+        udp_ports = set()
+        for body in self._dump((1 << TCP_ESTABLISHED) | (1 << TCP_CLOSE), socket.IPPROTO_UDP):
+            if body[1] == TCP_ESTABLISHED:
+                established.append((True, body))     # a connected UDP socket
+            else:
+                udp_ports.add(PORTS.unpack_from(body, 4)[0])
+        inodes = {TAIL.unpack_from(b, TAIL_OFF)[4] for _u, b in established}
+        inodes.discard(0)
+        unknown = inodes - self._owners.keys()
+        if unknown:
+            self.proc_walks += 1
+            for ino, pid in socket_owners(unknown).items():
+                info = read_process(pid)
+                if info is not None:
+                    self._owners[ino] = info
+        for ino in [i for i in self._owners if i not in inodes]:
+            del self._owners[ino]
+        flows = Snapshot()
+        flows.udp_ports = frozenset(udp_ports)
+        flows.udp_cookies = {}
+        prev = self._prev
+        cur: Dict[bytes, Flow] = {}
+        for udp, b in established:
+            ident = b[4:TAIL_OFF] + b[TAIL_OFF + 12:TAIL_OFF + 20] + (b"U" if udp else b"")
+            f = prev.get(ident)
+            ino = TAIL.unpack_from(b, TAIL_OFF)[4]
+            owner = self._owners.get(ino)
+            if f is None or (owner is not None and f.proc is not owner):
+                family = b[0]
+                sport, dport = PORTS.unpack_from(b, 4)
+                key = FlowKey.wire(_addr(family, b, SRC_OFF), sport, _addr(family, b, DST_OFF),
+                                   dport, Protocol.UDP if udp else Protocol.TCP)
+                la = key.local_addr
+                inbound = not udp and ((la, sport) in listeners or sport in wildcard_ports)
+                proc = owner or ProcessInfo(pid=0, uid=TAIL.unpack_from(b, TAIL_OFF)[3])
+                f = Flow(key, Direction.INBOUND if inbound else Direction.OUTBOUND, proc,
+                         FlowSource.RECONCILE, 0, now)
+            cur[ident] = f
+            flows[f.key] = f
+            if udp:
+                flows.udp_cookies[f.key] = COOKIE.unpack_from(b, COOKIE_OFF)[0]
+        self._prev = cur
+        return flows
+
+
+def _addr(family: int, body: bytes, off: int):
+    if family == socket.AF_INET:
+        return ipaddress.IPv4Address(body[off:off + 4])
+    return ipaddress.IPv6Address(body[off:off + 16])

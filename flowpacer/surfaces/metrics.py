@@ -1,0 +1,787 @@
+"""Prometheus endpoint: collected at scrape time from the kernel's class statistics.
+
+Nothing is pushed from the hot path: a scrape takes a short-lived copy of the daemon's view
+(flows, classes, counters) under its lock, then dumps the classes' counters over its own netlink
+socket and renders them. The number of per-flow series is bounded; flows past the bound are
+counted in ``flowpacer_flow_series_overflow``, never silently cut. Per-rule totals keep the
+bytes of flows that have ended, so they are real counters.
+
+Every label value has its control characters replaced (``text.printable``); the per-flow address
+labels are ``full``, ``prefix`` or ``none`` (``AddressLabels``). The HTTP server
+(``MetricsServer``) answers ``GET /metrics`` (and HEAD) and nothing else, from one event-loop
+thread with a connection cap and timeouts, optionally with TLS and basic auth (``webconfig``)
+or on a Unix socket.
+"""
+from __future__ import annotations
+
+import enum
+import ipaddress
+import logging
+import os
+import selectors
+import socket
+import ssl
+import threading
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+from flowpacer.daemon.memory import trim_heap
+from flowpacer.model import BackendHealth, FlowKey, StageState
+from flowpacer.text import printable
+
+# prometheus_client is imported where it is used: the daemon's start (and so its recovery after
+# a crash) does not pay for it before the flows are shaped, nor at all with --no-metrics
+
+log = logging.getLogger(__name__)
+
+
+DEFAULT_LISTEN = "127.0.0.1:9717"
+DEFAULT_MAX_FLOW_SERIES = 10_000
+FLOW_LABELS = ["rule", "process", "direction", "local_address", "local_port", "remote_address",
+               "remote_port", "protocol", "side"]
+
+# apply latency buckets, seconds
+APPLY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class LatencyHistogram:
+    """Cumulative histogram filled by the daemon's loop (one add per apply), read by scrapes."""
+
+    def __init__(self, buckets=APPLY_BUCKETS):
+        self.buckets = tuple(buckets)
+        self.counts = [0] * (len(self.buckets) + 1)
+        self.total = 0.0
+
+    def observe(self, seconds: float) -> None:
+        for i, b in enumerate(self.buckets):
+            if seconds <= b:
+                self.counts[i] += 1
+                break
+        else:
+            self.counts[-1] += 1
+        self.total += seconds
+
+    def cumulative(self):
+        out, acc = [], 0
+        for b, c in zip(self.buckets, self.counts):
+            acc += c
+            out.append((repr(b), acc))
+        acc += self.counts[-1]
+        out.append(("+Inf", acc))
+        return out, self.total
+
+
+# ------------------------------------------------------- groups (issue 15)
+
+MAX_CLIENT_SERIES = 100     # per-client series: the busiest clients only (bounded cardinality)
+
+
+def group_families(v, stats, addresses, limit: int = MAX_CLIENT_SERIES):
+    """The aggregate-rate series: each rule group's cap and current rate, and for the ``limit``
+    busiest client groups (most bytes sent through their class) their bytes and current share.
+    Client labels follow ``--metrics-addresses`` (``prefix``: the client's /24 or /48; ``none``:
+    no per-client series); clients beyond the limit are counted in
+    ``flowpacer_client_series_overflow``."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    rule_cap = GaugeMetricFamily("flowpacer_rule_total_rate_bytes_per_second",
+                                 "The rule's total_rate (the cap of all its flows together).",
+                                 labels=["rule"])
+    rule_now = GaugeMetricFamily("flowpacer_rule_group_rate_bytes_per_second",
+                                 "The rate the rule's group class has now (what its flows want, "
+                                 "at most total_rate).", labels=["rule"])
+    c_bytes = CounterMetricFamily("flowpacer_client_sent_bytes",
+                                  "Bytes sent to one client by a rule with client_rate (busiest "
+                                  "clients only).", labels=["rule", "client"])
+    c_rate = GaugeMetricFamily("flowpacer_client_rate_bytes_per_second",
+                               "The client group's rate now: client_rate, or its share of the "
+                               "rule's total_rate (busiest clients only).", labels=["rule", "client"])
+    clients: Dict[tuple, list] = {}
+    for g in v.groups:
+        if g.kind is None or not g.id:
+            continue
+        if g.kind.value == "rule":
+            rule_cap.add_metric([g.id], g.ceil_bps)
+            rule_now.add_metric([g.id], g.rate_bps)
+            continue
+        if addresses is AddressLabels.NONE:
+            continue
+        rule, _, net = g.id.partition("/")
+        label = net if addresses is AddressLabels.FULL else \
+            address_label(net.split("/")[0], addresses)
+        st = stats.get(g.stats_key(v.interface or ""))
+        c = clients.setdefault((rule, label), [0, 0])
+        c[0] += st.bytes if st else 0
+        c[1] += g.rate_bps
+    busiest = sorted(clients.items(), key=lambda kv: (-kv[1][0], kv[0]))
+    for (rule, label), (b, rate) in busiest[:limit]:
+        c_bytes.add_metric([rule, label], b)
+        c_rate.add_metric([rule, label], rate)
+    over = GaugeMetricFamily("flowpacer_client_series_overflow",
+                             "Client groups not exported as series in this scrape (over the "
+                             f"limit of {limit} busiest).")
+    over.add_metric([], max(0, len(busiest) - limit))
+    yield from (rule_cap, rule_now, c_bytes, c_rate, over)
+
+
+# ------------------------------------------------------------------------ labels
+
+class AddressLabels(str, enum.Enum):
+    """What the per-flow series say of a flow's addresses (``--metrics-addresses``)."""
+    FULL = "full"        # addresses and ports as they are
+    PREFIX = "prefix"    # addresses as their /24 (IPv4) or /48 (IPv6) network, ports kept
+    NONE = "none"        # addresses and ports empty: flows of one rule/process/direction merge
+
+
+PREFIX_V4 = 24
+PREFIX_V6 = 48
+
+
+def clean_labels(fam):
+    """``fam`` with every sample's label values made printable (``text.printable``: the
+    exposition format itself escapes only backslash, double quote and newline), in place."""
+    for i, smp in enumerate(fam.samples):
+        if not all(v.isprintable() for v in smp.labels.values()):
+            fam.samples[i] = smp._replace(labels={k: printable(v) for k, v in smp.labels.items()})
+    return fam
+
+
+def address_label(addr, mode: AddressLabels) -> str:
+    if mode is AddressLabels.FULL:
+        return str(addr)
+    if mode is AddressLabels.NONE:
+        return ""
+    a = FlowKey.wire_address(addr)
+    bits = PREFIX_V4 if a.version == 4 else PREFIX_V6
+    return str(ipaddress.ip_network(f"{a}/{bits}", strict=False))
+
+
+def flow_labels(rule: str, process: str, direction: str, key, mode: AddressLabels,
+                side: str = "send") -> tuple:
+    """The per-flow series' label values, in ``FLOW_LABELS`` order (``side``: send, or receive
+    for a class on the receive side, issue 17)."""
+    if mode is AddressLabels.NONE:
+        ports = ("", "")
+    else:
+        ports = (str(key.local_port), str(key.remote_port))
+    return (rule, process, direction, address_label(key.local_addr, mode), ports[0],
+            address_label(key.remote_addr, mode), ports[1], key.protocol.value, side)
+
+
+class FlowSeries:
+    """The per-flow series after the address mapping, which may put several flows into one
+    label set (``prefix``, ``none``). A label set's counters are the sum over every flow that
+    was in it since the set last had no exported flow, so a counter never goes backwards when
+    one of its flows ends; the target rate is the sum of its flows' rates. With ``full``
+    addresses every flow has its own label set and this is the plain per-flow value."""
+
+    def __init__(self):
+        self._flows: Dict[object, tuple] = {}      # flow key -> (labels, bytes, pkts, drops)
+        self._ended: Dict[tuple, list] = {}        # labels -> [bytes, pkts, drops] of ended flows
+
+    def _end(self, last) -> None:
+        e = self._ended.setdefault(last[0], [0, 0, 0])
+        for i in range(3):
+            e[i] += last[1 + i]
+
+    def update(self, rows, live_keys) -> Dict[tuple, list]:
+        """``rows``: (key, labels, bytes, packets, drops, rate_bps) of the exported flows;
+        ``live_keys``: every flow that still exists (exported or not)."""
+        out: Dict[tuple, list] = {}
+        for key, labels, b, p, d, rate in rows:
+            last = self._flows.get(key)
+            if last is not None and last[0] != labels:   # re-rated into another rule
+                self._end(last)
+            self._flows[key] = (labels, b, p, d)
+            o = out.setdefault(labels, [0, 0, 0, 0])
+            o[0] += b
+            o[1] += p
+            o[2] += d
+            o[3] += rate
+        for key in [k for k in self._flows if k not in live_keys]:
+            self._end(self._flows.pop(key))
+        for labels in list(self._ended):
+            o = out.get(labels)
+            if o is None:
+                del self._ended[labels]        # the series is gone; it starts over if it returns
+            else:
+                for i in range(3):
+                    o[i] += self._ended[labels][i]
+        return out
+
+
+class FlowpacerCollector:
+    """``view()`` returns the daemon's ``DaemonView``; ``class_stats()`` returns
+    {StatsKey: ClassStats} read from the kernel at this moment."""
+
+    def __init__(self, view: Callable[[], dict], class_stats: Callable[[], dict],
+                 max_flow_series: int = DEFAULT_MAX_FLOW_SERIES,
+                 addresses: "AddressLabels" = None):
+        self.view = view
+        self.class_stats = class_stats
+        self.max_flow_series = max_flow_series
+        self.addresses = AddressLabels(addresses or AddressLabels.FULL)
+        self._series = FlowSeries()
+        self._lock = threading.Lock()
+        # key -> (rule, bytes, packets, drops, and those counters when the rule began counting)
+        self._last: Dict[object, tuple] = {}
+        self._retired: Dict[str, list] = {}                         # rule -> [bytes, pkts, drops]
+        self.scrapes = 0
+
+    def collect(self):
+        with self._lock:          # scrapes are serialized: the retired totals stay consistent
+            for fam in self._collect():
+                yield clean_labels(fam)
+
+    def _collect(self):
+        from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                            HistogramMetricFamily)
+        v = self.view()
+        try:
+            stats = self.class_stats()
+        except Exception as e:
+            log.warning("metrics: cannot read class statistics: %s", e)
+            stats = {}
+        self.scrapes += 1
+        fam = {n: CounterMetricFamily(f"flowpacer_flow_{n}", d, labels=FLOW_LABELS) for n, d in (
+            ("sent_bytes", "Bytes sent by the flow through its class."),
+            ("sent_packets", "Packets sent by the flow through its class."),
+            ("dropped_packets", "Packets of the flow dropped by its class."))}
+        target = GaugeMetricFamily("flowpacer_flow_target_rate_bytes_per_second",
+                                   "The flow's rule rate.", labels=FLOW_LABELS)
+        rules_now: Dict[str, list] = {}
+        seen = set()
+        rows = []
+        for f in v.flows:
+            key = f.stats_key(v.interface or "")      # one flow, two classes (two sides)
+            st = stats.get(key)
+            b, p, d = (st.bytes, st.packets, st.drops) if st else (0, 0, 0)
+            seen.add(key)
+            last = self._last.get(key)
+            base = (0, 0, 0)
+            if last is not None:
+                base = last[4:]
+                if last[0] != f.rule:          # re-rated into another rule: the old rule keeps
+                    self._retire(last)        # what was sent so far, the new one counts from here
+                    base = last[1:4]
+            self._last[key] = (f.rule, b, p, d) + tuple(base)
+            r = rules_now.setdefault(f.rule, [0, 0, 0, 0])
+            r[0] += 1
+            r[1] += b - base[0]
+            r[2] += p - base[1]
+            r[3] += d - base[2]
+            rows.append((key, flow_labels(f.rule, f.process,
+                                          f.direction.value if f.direction else "", f.key,
+                                          self.addresses, f.side.value), b, p, d, f.rate_bps))
+        # the busiest flows (most bytes sent) get series; the rest are counted as overflow
+        rows.sort(key=lambda r: -r[2])
+        overflow = max(0, len(rows) - self.max_flow_series)
+        for labels, (b, p, d, rate) in self._series.update(rows[:self.max_flow_series],
+                                                            seen).items():
+            fam["sent_bytes"].add_metric(labels, b)
+            fam["sent_packets"].add_metric(labels, p)
+            fam["dropped_packets"].add_metric(labels, d)
+            target.add_metric(labels, rate)
+        for key in [k for k in self._last if k not in seen]:
+            self._retire(self._last.pop(key))
+        yield from fam.values()
+        yield target
+        ov = GaugeMetricFamily("flowpacer_flow_series_overflow",
+                               "Shaped flows not exported as series in this scrape (over the limit).")
+        ov.add_metric([], overflow)
+        yield ov
+
+        r_flows = GaugeMetricFamily("flowpacer_rule_flows", "Flows shaped by the rule now.",
+                                    labels=["rule"])
+        r_bytes = CounterMetricFamily("flowpacer_rule_sent_bytes", "Bytes sent by the rule's flows.",
+                                      labels=["rule"])
+        r_pkts = CounterMetricFamily("flowpacer_rule_sent_packets",
+                                     "Packets sent by the rule's flows.", labels=["rule"])
+        r_drops = CounterMetricFamily("flowpacer_rule_dropped_packets",
+                                      "Packets of the rule's flows dropped.", labels=["rule"])
+        for rule in sorted(set(rules_now) | set(self._retired) | set(v.rule_names)):
+            now = rules_now.get(rule, [0, 0, 0, 0])
+            old = self._retired.get(rule, [0, 0, 0])
+            r_flows.add_metric([rule], now[0])
+            r_bytes.add_metric([rule], now[1] + old[0])
+            r_pkts.add_metric([rule], now[2] + old[1])
+            r_drops.add_metric([rule], now[3] + old[2])
+        yield from (r_flows, r_bytes, r_pkts, r_drops)
+
+        info = GaugeMetricFamily("flowpacer_info", "The daemon's backend and flow source.",
+                                 labels=["backend", "interface", "flow_source"])
+        info.add_metric([v.backend or "", v.interface or "", v.flow_source.text], 1)
+        yield info
+        ev = CounterMetricFamily("flowpacer_events", "Flow events by source and kind.",
+                                 labels=["source", "kind"])
+        for src, kind, n in sorted(v.events.items()):
+            ev.add_metric([src, kind], n)
+        yield ev
+        lost = CounterMetricFamily("flowpacer_tracer_lost_events",
+                                   "Events the tracer's ring buffer could not take.")
+        lost.add_metric([], v.tracer.lost if v.tracer else 0)
+        yield lost
+        una = CounterMetricFamily("flowpacer_tracer_unattributed_events",
+                                  "Tracer events that could not be attributed to a process.")
+        una.add_metric([], v.tracer.unattributed if v.tracer else 0)
+        yield una
+        udp = CounterMetricFamily("flowpacer_tracer_udp_events",
+                                  "UDP flow events of the tracer: idle (a flow reported silent "
+                                  "for the shortest idle_timeout), woken (a connected socket "
+                                  "sending again after that), released (a socket with flows "
+                                  "closed), forgotten (a silent peer dropped from the kernel "
+                                  "map).", labels=["kind"])
+        if v.tracer is not None:
+            u = v.tracer.udp
+            for kind, n in (("forgotten", u.forgotten), ("idle", u.idle),
+                            ("released", u.released), ("woken", u.woken)):
+                udp.add_metric([kind], n)
+        yield udp
+        yield from _first_byte_metrics(v.first_byte, CounterMetricFamily, GaugeMetricFamily)
+        nle = CounterMetricFamily("flowpacer_netlink_errors", "Requests the kernel refused.")
+        nle.add_metric([], v.counters.op_errors)
+        yield nle
+        rbf = CounterMetricFamily("flowpacer_backend_rebuild_failures",
+                                  "Failed attempts to rebuild a lost root qdisc (e.g. the psp "
+                                  "module was unloaded).")
+        rbf.add_metric([], v.counters.backend_rebuild_failures)
+        yield rbf
+        bst = GaugeMetricFamily("flowpacer_backend_state",
+                                "1 for the backend's current state, 0 for the others: ok, gone (no "
+                                "interface), lost (our root qdisc missing, not rebuilt yet), "
+                                "foreign (someone else's root qdisc), speed (link speed changed).",
+                                labels=["state"])
+        for st in BackendHealth:
+            bst.add_metric([st.value], 1 if st is v.backend_health else 0)
+        yield bst
+        sst = GaugeMetricFamily("flowpacer_stage_state",
+                                "1 for each supervised stage's current state (running, restarting, "
+                                "stalled, degraded, failed, disabled, ...), 0 for the others.",
+                                labels=["stage", "state"])
+        sfail = CounterMetricFamily("flowpacer_stage_failures",
+                                    "Unexpected failures of each supervised stage (each one logged "
+                                    "and the stage restarted).", labels=["stage"])
+        for stage in v.stages:
+            for st in StageState:
+                sst.add_metric([stage.name, st.value], 1 if st is stage.state else 0)
+            sfail.add_metric([stage.name], stage.failures)
+        yield sst
+        yield sfail
+        deg = GaugeMetricFamily("flowpacer_flow_source_degraded",
+                                "1 when the eBPF tracer is not running and flows are found by "
+                                "sock_diag polling only.")
+        deg.add_metric([], 0 if any(s.name == "tracer" and s.state is StageState.RUNNING
+                                    for s in v.stages) else 1)
+        yield deg
+        rel = CounterMetricFamily("flowpacer_reloads", "Rules reloads by outcome.",
+                                  labels=["outcome"])
+        rel.add_metric(["ok"], v.counters.reloads_ok)
+        rel.add_metric(["failed"], v.counters.reloads_failed)
+        yield rel
+        live = GaugeMetricFamily("flowpacer_flows", "Flows known to the daemon.", labels=["state"])
+        live.add_metric(["live"], v.live_flows)
+        live.add_metric(["shaped"], len(v.flows))
+        yield live
+        hist = v.counters.apply_hist
+        h = HistogramMetricFamily("flowpacer_apply_duration_seconds",
+                                  "Time to apply one plan to the kernel.")
+        h.add_metric([], list(hist.buckets), hist.total_s)
+        yield h
+        sc = CounterMetricFamily("flowpacer_scrapes", "Scrapes answered.")
+        sc.add_metric([], self.scrapes)
+        yield sc
+        yield from group_families(v, stats, self.addresses)
+
+    def _retire(self, last) -> None:
+        rule, b, p, d, b0, p0, d0 = last
+        r = self._retired.setdefault(rule, [0, 0, 0])
+        r[0] += b - b0
+        r[1] += p - p0
+        r[2] += d - d0
+
+
+# ------------------------------------------------------------------------ the server
+
+MAX_CONNECTIONS = 64          # open connections at once (see MetricsServer)
+HEAD_TIMEOUT_S = 10.0         # from accept (TLS handshake included) to the request head's end
+SEND_TIMEOUT_S = 10.0         # from the answer being ready to its last byte taken
+MAX_HEAD = 8192               # bytes of request line and headers
+REUSE_S = 0.25                # scrapes this close together share one rendering
+MAX_BODIES = 2                # renderings being sent at once (memory bound under slow readers)
+TICK_S = 0.25
+
+REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
+           405: "Method Not Allowed", 408: "Request Timeout", 431: "Request Header Fields Too Large",
+           500: "Internal Server Error"}
+_QUIET = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
+
+
+class Listen:
+    """Where the endpoint listens: ``HOST:PORT`` / ``[V6]:PORT`` (TCP) or ``unix:/PATH``."""
+
+    def __init__(self, text: str):
+        self.text = text
+        self.path: Optional[str] = None
+        self.host = ""
+        self.port = 0
+        if text.startswith("unix:"):
+            path = text[5:]
+            if not path.startswith("/"):
+                raise ValueError(f"metrics address {text!r}: expected unix:/ABSOLUTE/PATH")
+            self.path = path
+        else:
+            self.host, self.port = parse_listen(text)
+
+
+def parse_listen(text: str) -> Tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:   # 0: any free port
+        raise ValueError(f"metrics address {text!r}: expected HOST:PORT or unix:/PATH")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+class _Conn:
+    __slots__ = ("sock", "head", "out", "body", "pos", "deadline", "handshake", "peer", "since")
+
+    def __init__(self, sock, since: float, deadline: float, handshake: bool, peer: str):
+        self.sock = sock
+        self.since = since
+        self.head = b""
+        self.out: Optional[List[memoryview]] = None   # what is left to send: head, body
+        self.body: Optional[bytes] = None              # the (shared) rendering being sent
+        self.pos = 0
+        self.deadline = deadline
+        self.handshake = handshake      # TLS handshake still to finish
+        self.peer = peer
+
+
+class MetricsServer:
+    """The Prometheus endpoint: ``GET``/``HEAD /metrics`` and nothing else, served by one
+    event-loop thread (``run``, a supervised stage) with non-blocking sockets. Bounded whatever
+    the clients do: at most ``max_connections`` open. One more takes the place of the oldest
+    connection still without a whole request head, after what that one has sent so far is read
+    (a scraper sends its request at once, so it is answered, never pushed out; idle connections
+    cannot lock scrapes out); when every connection is being answered, the new one is closed at
+    once. Each must deliver its request head (TLS handshake included) within ``head_timeout_s``
+    and take its answer within ``send_timeout_s``; a connection is closed after its answer (no
+    keep-alive). Clients that leave early are logged at debug level only.
+
+    ``web_config`` (``webconfig.WebConfig``) adds TLS and/or basic authentication. A
+    ``unix:/PATH`` listener makes its socket with mode 0660, group of its directory: access is
+    given by the directory's group and mode."""
+
+    def __init__(self, listen: str, collector: FlowpacerCollector, *, web_config=None,
+                 max_connections: int = MAX_CONNECTIONS, head_timeout_s: float = HEAD_TIMEOUT_S,
+                 send_timeout_s: float = SEND_TIMEOUT_S, clock: Callable[[], float] = time.monotonic):
+        self.listen = Listen(listen)
+        from prometheus_client import CollectorRegistry
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(collector)
+        self.web = web_config
+        self.max_connections = max_connections
+        self.head_timeout_s = head_timeout_s
+        self.send_timeout_s = send_timeout_s
+        self.clock = clock
+        self.refused = {"full": 0, "evicted": 0, "timeout": 0}
+        self._body: Optional[Tuple[float, bytes]] = None     # (rendered at, exposition)
+        if self.listen.path:
+            self.sock = self._unix_socket(self.listen.path)
+            self.address = f"unix:{self.listen.path}"
+        else:
+            host, port = self.listen.host, self.listen.port
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            self.sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            try:
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                self.sock.bind((host, port))
+            except OSError:
+                self.sock.close()
+                raise
+            shown = f"[{host}]" if family == socket.AF_INET6 else host
+            self.address = f"{shown}:{self.sock.getsockname()[1]}"
+        self.sock.listen(1024)          # a burst of connections is taken, not dropped (SYN retries)
+        self.sock.setblocking(False)
+        scheme = "https" if self.web is not None and self.web.tls is not None else "http"
+        log.info("metrics on %s://%s/metrics%s", scheme, self.address,
+                 " (basic auth)" if self.web is not None and self.web.auth else "")
+
+    @staticmethod
+    def _unix_socket(path: str) -> socket.socket:
+        import stat
+        d = os.path.dirname(path)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            pass
+        else:
+            if not stat.S_ISSOCK(st.st_mode):
+                raise ValueError(f"{path} exists and is not a socket")
+            os.unlink(path)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        old = os.umask(0o177)                  # 0600 until it has its directory's group
+        try:
+            s.bind(path)
+            os.chown(path, -1, os.stat(d).st_gid)
+            os.chmod(path, 0o660)
+        except OSError:
+            s.close()
+            raise
+        finally:
+            os.umask(old)
+        return s
+
+    # ------------------------------------------------------------------ the stage
+    def run(self, ctx) -> None:
+        sel = selectors.DefaultSelector()
+        conns: Dict[int, _Conn] = {}
+        sel.register(self.sock, selectors.EVENT_READ, None)
+        listening = True
+        resume_at = 0.0
+        try:
+            while not ctx.stopping():
+                now = self.clock()
+                timeout = TICK_S
+                if conns:
+                    timeout = max(0.0, min(timeout, min(c.deadline for c in conns.values()) - now))
+                for key, _ev in sel.select(timeout):
+                    if key.data is None:
+                        if not self._accept(sel, conns):      # out of fds: pause accepting
+                            sel.unregister(self.sock)
+                            listening, resume_at = False, self.clock() + 0.5
+                    else:
+                        self._service(sel, conns, key.data)
+                now = self.clock()
+                for c in [c for c in conns.values() if now >= c.deadline]:
+                    self.refused["timeout"] += 1
+                    log.debug("metrics: %s: %s timed out", c.peer,
+                              "answer" if c.out is not None else "request")
+                    self._close(sel, conns, c)
+                if not listening and now >= resume_at:
+                    sel.register(self.sock, selectors.EVENT_READ, None)
+                    listening = True
+                ctx.beat()
+        finally:
+            for c in list(conns.values()):
+                self._close(sel, conns, c)
+            sel.close()
+
+    def _accept(self, sel, conns: Dict[int, _Conn]) -> bool:
+        for _ in range(256):
+            try:
+                conn, addr = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return True
+            except OSError as e:
+                log.warning("metrics: accept: %s", e)
+                return False
+            now = self.clock()
+            if len(conns) >= self.max_connections and not self._make_room(sel, conns):
+                self.refused["full"] += 1
+                n = self.refused["full"]
+                if n in (1, 10, 100, 1000) or n % 10000 == 0:
+                    log.info("metrics: %d connections being answered: %d closed at once so far",
+                             len(conns), n)
+                conn.close()
+                continue
+            conn.setblocking(False)
+            peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else "unix"
+            tls = self.web is not None and self.web.tls is not None
+            if tls:
+                try:
+                    conn = self.web.tls.wrap_socket(conn, server_side=True,
+                                                    do_handshake_on_connect=False)
+                except (OSError, ValueError) as e:
+                    log.debug("metrics: %s: TLS: %s", peer, e)
+                    conn.close()
+                    continue
+            c = _Conn(conn, now, now + self.head_timeout_s, tls, peer)
+            conns[conn.fileno()] = c
+            sel.register(conn, selectors.EVENT_READ, c)
+        return True
+
+    def _make_room(self, sel, conns) -> bool:
+        """Free one place: the oldest connection still waiting for its request head is read
+        first (a request it has sent is answered: it keeps its place), else closed."""
+        for c in sorted((c for c in conns.values() if c.out is None), key=lambda c: c.since):
+            self._service(sel, conns, c)
+            if len(conns) < self.max_connections:
+                return True                    # it had left
+            if c.out is None:
+                self.refused["evicted"] += 1
+                self._close(sel, conns, c)
+                return True
+        return False
+
+    def _want(self, sel, c: _Conn, events: int) -> None:
+        if sel.get_key(c.sock).events != events:
+            sel.modify(c.sock, events, c)
+
+    def _service(self, sel, conns, c: _Conn) -> None:
+        try:
+            if c.handshake:
+                c.sock.do_handshake()
+                c.handshake = False
+                self._want(sel, c, selectors.EVENT_READ)
+            if c.out is None:
+                self._read(sel, conns, c)
+            if c.out is not None:
+                self._write(sel, conns, c)
+        except ssl.SSLWantReadError:
+            self._want(sel, c, selectors.EVENT_READ)
+        except ssl.SSLWantWriteError:
+            self._want(sel, c, selectors.EVENT_WRITE)
+        except (BlockingIOError, InterruptedError):
+            pass
+        except (ssl.SSLError, OSError) as e:       # the client left or spoke nonsense
+            log.debug("metrics: %s: %s", c.peer, e)
+            self._close(sel, conns, c)
+
+    def _read(self, sel, conns, c: _Conn) -> None:
+        while True:
+            chunk = c.sock.recv(MAX_HEAD + 1 - len(c.head))
+            if not chunk:
+                raise ConnectionResetError("closed before the request's end")
+            c.head += chunk
+            end = c.head.find(b"\r\n\r\n")
+            if end < 0:
+                end = c.head.find(b"\n\n")
+            if end >= 0:
+                self._respond(sel, conns, c, c.head[:end])
+                return
+            if len(c.head) > MAX_HEAD:
+                self._respond(sel, conns, c, None)
+                return
+
+    def _respond(self, sel, conns, c: _Conn, head: Optional[bytes]) -> None:
+        code, body, extra = self._route(head, conns)
+        lines = [f"HTTP/1.1 {code} {REASONS[code]}", f"Content-Length: {len(body)}",
+                 "Connection: close", "Server: flowpacer"] + extra
+        if code == 200:
+            from prometheus_client.exposition import CONTENT_TYPE_LATEST
+            lines.append(f"Content-Type: {CONTENT_TYPE_LATEST}")
+        else:
+            lines.append("Content-Type: text/plain; charset=utf-8")
+        method = head.split(b" ", 1)[0] if head else b""
+        c.out = [memoryview(("\r\n".join(lines) + "\r\n\r\n").encode())]
+        if method != b"HEAD":
+            c.body = body          # shared, not copied: one rendering serves many answers
+            c.out.append(memoryview(body))
+        c.head = b""
+        c.deadline = self.clock() + self.send_timeout_s
+        self._want(sel, c, selectors.EVENT_WRITE)
+
+    def _route(self, head: Optional[bytes], conns):
+        if head is None:
+            return 431, b"request head too large\n", []
+        try:
+            text = head.decode("latin-1")
+            request, *header_lines = text.replace("\r\n", "\n").split("\n")
+            method, target, version = request.split(" ")
+            if not version.startswith("HTTP/1."):
+                raise ValueError(version)
+        except ValueError:
+            return 400, b"bad request\n", []
+        if self.web is not None and self.web.auth:
+            auth = None
+            for h in header_lines:
+                name, _, value = h.partition(":")
+                if name.strip().lower() == "authorization":
+                    auth = value.strip()
+            if not self.web.check(auth):
+                return 401, b"unauthorized\n", ['WWW-Authenticate: Basic realm="flowpacer"']
+        if method not in ("GET", "HEAD"):
+            return 405, b"only GET and HEAD\n", ["Allow: GET, HEAD"]
+        if target.split("?", 1)[0] != "/metrics":
+            return 404, b"only /metrics is served here\n", []
+        try:
+            return 200, self._render(conns), []
+        except Exception as e:            # never take the daemon down from a scrape
+            log.warning("metrics: scrape failed: %s", e)
+            return 500, b"scrape failed\n", []
+
+    def _render(self, conns) -> bytes:
+        """The exposition: rendered now, or the last one when it is under ``REUSE_S`` old or
+        when ``MAX_BODIES`` renderings are still being sent to slow readers (memory stays
+        bounded by a few renderings whatever the clients do)."""
+        now = self.clock()
+        if self._body is not None:
+            sending = {id(c.body) for c in conns.values() if c.body is not None}
+            if now - self._body[0] < REUSE_S or len(sending) >= MAX_BODIES:
+                return self._body[1]
+        from prometheus_client.exposition import generate_latest
+        out = generate_latest(self.registry)
+        self._body = (now, out)
+        trim_heap()        # a 10 000-flow exposition is ~8 MB of short-lived strings
+        return out
+
+    def _write(self, sel, conns, c: _Conn) -> None:
+        step = 16384 if isinstance(c.sock, ssl.SSLSocket) else 1 << 18
+        while c.out:
+            part = c.out[0]
+            n = c.sock.send(part[c.pos:c.pos + step])
+            if n <= 0:
+                return
+            c.pos += n
+            if c.pos >= len(part):
+                c.out.pop(0)
+                c.pos = 0
+        c.body = None
+        self._close(sel, conns, c, answered=True)
+
+    def _close(self, sel, conns, c: _Conn, answered: bool = False) -> None:
+        try:
+            sel.unregister(c.sock)
+        except (KeyError, ValueError, OSError):
+            pass
+        for k in [k for k, v in conns.items() if v is c]:
+            del conns[k]
+        if answered and not isinstance(c.sock, ssl.SSLSocket):
+            try:
+                c.sock.recv(MAX_HEAD)               # unread bytes would turn FIN into RST
+            except OSError:
+                pass
+            try:
+                c.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+        c.out = c.body = None
+        c.sock.close()
+
+    def close(self) -> None:
+        self.sock.close()
+        if self.listen.path:
+            try:
+                os.unlink(self.listen.path)
+            except OSError:
+                pass
+
+
+def _first_byte_metrics(fb, counter, gauge):
+    """Issue 16's pools: ready classes and claims per kernel-decided rule (at most 64 rules),
+    the fixed set of first-byte counters (``firstbyte.VIEW_COUNTERS``) and the pool ids held
+    back. Nothing when the first-byte stage is off."""
+    if fb is None:
+        return
+    ready = gauge("flowpacer_first_byte_pool_ready_classes",
+                  "Ready classes in the rule's first-byte pool.", labels=["rule"])
+    claims = counter("flowpacer_first_byte_rule_claims",
+                     "Flows of the rule that got a pool class at their handshake.",
+                     labels=["rule"])
+    for p in fb.pools:
+        ready.add_metric([p.rule], p.ready)
+        claims.add_metric([p.rule], p.claims)
+    yield ready
+    yield claims
+    ev = counter("flowpacer_first_byte_events",
+                 "First-byte shaping counters: claimed, refilled, returned (ready classes taken "
+                 "back unclaimed), released (claims no flow took), exhausted (pool empty), and "
+                 "why flows were left to user space.", labels=["kind"])
+    for k, n in sorted(fb.counters.items()):
+        ev.add_metric([k], n)
+    yield ev
+    ids = gauge("flowpacer_first_byte_pool_ids",
+                "Pool class ids held back: 'held' carried by open sockets, 'awaiting' claimed "
+                "ids whose class went and whose socket is still open.", labels=["state"])
+    ids.add_metric(["held"], fb.ids_held)
+    ids.add_metric(["awaiting"], fb.ids_awaiting)
+    yield ids
+
