@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import ipaddress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import ClassVar, Dict, FrozenSet, Mapping, NamedTuple, Optional, Tuple, Union
 
 IPAddress = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
@@ -608,11 +608,44 @@ class FirstBytePool:
 
 
 @dataclass(frozen=True, slots=True)
+class FirstByteCounters:
+    """First-byte shaping's counters (issue 16), totals since start, a fixed set: claims (by the
+    program), refilled (classes made to top pools up), returned (ready classes taken back
+    unclaimed at a reload or stop), released (claims no flow took), exhausted (a rule matched and
+    its pool was empty), and why a flow was left to user space or lost. Metrics label each by its
+    field name (``flowpacer_first_byte_events{kind}``); status shows them under the same names."""
+    claimed: int = 0
+    bound: int = 0
+    refilled: int = 0
+    returned: int = 0
+    released: int = 0
+    exhausted: int = 0
+    undecided: int = 0
+    unattributed: int = 0
+    no_match: int = 0
+    setsockopt_failed: int = 0
+    lost: int = 0
+    stale: int = 0
+    rebound: int = 0
+    closed: int = 0
+    sweeps: int = 0
+    freed_by_sweep: int = 0
+    bad_records: int = 0
+
+    NAMES: ClassVar[Tuple[str, ...]] = ()     # the field names, in order (set below)
+
+    def items(self) -> Tuple[Tuple[str, int], ...]:
+        return tuple((n, getattr(self, n)) for n in self.NAMES)
+
+
+FirstByteCounters.NAMES = tuple(f.name for f in fields(FirstByteCounters))
+
+
+@dataclass(frozen=True, slots=True)
 class FirstByteView:
-    """First-byte shaping's pools and counters (issue 16): ``counters`` has the fixed names of
-    ``firstbyte.VIEW_COUNTERS`` (claims, refills, exhausted, ...), all totals since start."""
+    """First-byte shaping's pools and counters (issue 16)."""
     pools: Tuple[FirstBytePool, ...]
-    counters: dict                       # name -> count
+    counters: FirstByteCounters
     ids_held: int                        # pool ids open sockets carry, not handed out
     ids_awaiting: int                    # claimed ids whose class went, waiting for the socket
 

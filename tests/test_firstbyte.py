@@ -112,7 +112,7 @@ def test_first_byte_metrics_bounded_by_rules():
     from flowpacer import model
     from flowpacer.surfaces.metrics import _first_byte_metrics
     fb = model.FirstByteView((model.FirstBytePool("a", 48, 3), model.FirstBytePool("b", 40, 9)),
-                             {k: 1 for k in firstbyte.VIEW_COUNTERS}, 2, 1)
+                             model.FirstByteCounters(**{k: 1 for k in firstbyte.VIEW_COUNTERS}), 2, 1)
     fams = {f.name: f for f in _first_byte_metrics(fb, CounterMetricFamily, GaugeMetricFamily)}
     ready = fams["flowpacer_first_byte_pool_ready_classes"].samples
     assert {(s.labels["rule"], s.value) for s in ready} == {("a", 48), ("b", 40)}

@@ -225,13 +225,13 @@ def test_claims_reach_the_flows_through_the_reconciler_with_no_io_under_its_lock
         opened(3)
         wait_for(lambda: d.reconciler.table.flows.get(key(3)) is not None, 5, what="flow 3 seen")
         cid3 = fb.claim(0, key(3))
-        wait_for(lambda: fb.view().counters["released"] == 1 and not b.pool.claims, 5,
+        wait_for(lambda: fb.view().counters.released == 1 and not b.pool.claims, 5,
                  what="the unused claim released")
         assert key(3) not in b.flows and cid3 & 0xFFFF in b.pool.awaiting
         fb.close_socket(cid3, key(3))
         wait_for(lambda: cid3 & 0xFFFF not in b.pool.awaiting, 5, what="its id free again")
         c = fb.view().counters
-        assert (c["bound"], c["rebound"], c["closed"]) == (3, 1, 1), c
+        assert (c.bound, c.rebound, c.closed) == (3, 1, 1), c
         # a reload: the rings are drained and the ready classes reused with the new rates
         before = set(fb.ring(0)) | set(fb.ring(1))
         rules["rs"] = RuleSet("fake0", BackendKind.HTB, 125_000_000,

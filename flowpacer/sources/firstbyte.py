@@ -60,13 +60,8 @@ COUNTERS = ("claimed", "pool_empty", "undecided", "unattributed", "setsockopt_fa
 EVENT = struct.Struct("<QIIIIHHHBB16s16s16s")
 assert EVENT.size == 80
 
-# the counters status and metrics show (model.FirstByteView.counters), a fixed set: claims (by
-# the program), refilled (classes made to top pools up), returned (ready classes taken back
-# unclaimed at a reload or stop), released (claims no flow took), exhausted (a rule matched and
-# its pool was empty), and why a flow was left to user space or lost
-VIEW_COUNTERS = ("claimed", "bound", "refilled", "returned", "released", "exhausted",
-                 "undecided", "unattributed", "no_match", "setsockopt_failed", "lost", "stale",
-                 "rebound", "closed", "sweeps", "freed_by_sweep", "bad_records")
+# the counters status and metrics show: the fields of model.FirstByteCounters
+VIEW_COUNTERS = model.FirstByteCounters.NAMES
 
 POOL_TARGET = 48           # ready classes per rule (< POOL_SLOTS): 24 ms of claims at 2 000 flows/s
 GRACE_S = 0.005            # a sock_ops run that saw the old rules has finished by then
@@ -591,8 +586,8 @@ class FirstByte:
                                                  self._rule_claims.get(p.rule.name, 0)))
             held, waiting = self._ids if self._grant_epoch == self._epoch else (0, 0)
         st["exhausted"] = st.get("pool_empty", 0)
-        return model.FirstByteView(tuple(pools), {k: int(st.get(k, 0)) for k in VIEW_COUNTERS},
-                                   held, waiting)
+        counters = model.FirstByteCounters(**{k: int(st.get(k, 0)) for k in VIEW_COUNTERS})
+        return model.FirstByteView(tuple(pools), counters, held, waiting)
 
     # ------------------------------------------------------------------ close
     def close(self) -> Optional[model.PoolReport]:

@@ -155,7 +155,7 @@ def _first_byte_json(fb: Optional[FirstByteView]) -> Optional[dict]:
     if fb is None:
         return None
     return {"pools": [{"rule": p.rule, "ready": p.ready, "claims": p.claims} for p in fb.pools],
-            "counters": dict(fb.counters), "ids_held": fb.ids_held,
+            "counters": dict(fb.counters.items()), "ids_held": fb.ids_held,
             "ids_awaiting": fb.ids_awaiting}
 
 
