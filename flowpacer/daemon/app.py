@@ -1,10 +1,11 @@
 """The composition root: builds the stages and wires them. Nothing here decides policy.
 
     tracer stage ──events──┐
+    first-byte stage ──────┤ (claims)
     main stage: sock_diag ─┴─> Reconciler (FlowTable -> engine -> backend) ─> kernel
-                 signals, reconcile pass, watchdog      ^
-    control stage ─── status / reload ──────────────────┤ BackendSupervisor (health, rebuild,
-    metrics stage ─── scrape ───────────────────────────┘  fall-back, switch)
+     (mainloop.py: signals, reconcile pass, watchdog)      ^
+    control stage ─── status / reload ─────────────────────┤ BackendSupervisor (health, rebuild,
+    metrics stage ─── scrape ──────────────────────────────┘  fall-back, switch)
 
 Each long-running loop is a supervised ``Stage`` (``stages.py``): a failure is logged with its
 traceback once, counted and restarted with back-off; a tracer that keeps failing degrades to
@@ -19,12 +20,8 @@ from __future__ import annotations
 
 import logging
 import os
-import selectors
-import signal
-import socket
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
@@ -32,13 +29,14 @@ from flowpacer.policy import engine, rules as rules_loader
 from flowpacer.surfaces import view as views
 from flowpacer.surfaces.control import DEFAULT_SOCKET, ControlServer, command_handler
 from flowpacer.errors import FlowpacerError, TracerUnavailable
-from flowpacer.daemon.memory import release_compiler_memory, trim_heap
+from flowpacer.daemon.mainloop import MainLoop, sd_notify
+from flowpacer.daemon.memory import release_compiler_memory
 from flowpacer.surfaces.metrics import (DEFAULT_LISTEN, DEFAULT_MAX_FLOW_SERIES,
                                         FlowpacerCollector, MetricsServer)
 from flowpacer.model import (BackendKind, DaemonView, FlowSourceMode, FlowSourceStatus,
                              ReloadResult, RuleSet, TracerStats)
 from flowpacer.daemon.reconciler import Reconciler
-from flowpacer.daemon.stages import GiveUp, Stage, StageContext, watchdog_ok
+from flowpacer.daemon.stages import GiveUp, Stage, StageContext
 from flowpacer.daemon.supervisor import BackendSupervisor, TcBackendFactory
 
 log = logging.getLogger(__name__)
@@ -58,37 +56,6 @@ class Options:
     metrics_addresses: str = "full"        # full | prefix | none (metrics.AddressLabels)
     web_config_file: Optional[str] = None  # TLS / basic auth of the metrics endpoint
     first_byte: bool = True                # issue 16 (off: benchmarks' "before" figures)
-
-
-def sd_notify(state: str) -> None:
-    """Tell systemd (Type=notify) about our state; a no-op outside systemd."""
-    addr = os.environ.get("NOTIFY_SOCKET")
-    if not addr:
-        return
-    if addr.startswith("@"):
-        addr = "\0" + addr[1:]
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
-            s.connect(addr)
-            s.sendall(state.encode())
-    except OSError as e:
-        log.debug("sd_notify: %s", e)
-
-
-def watchdog_interval_s() -> Optional[float]:
-    """Half of systemd's WatchdogSec= (WATCHDOG_USEC, for this process), or None."""
-    usec = os.environ.get("WATCHDOG_USEC")
-    pid = os.environ.get("WATCHDOG_PID")
-    if not usec or (pid and pid.isdigit() and int(pid) != os.getpid()):
-        return None
-    try:
-        return max(0.05, int(usec) / 2e6)
-    except ValueError:
-        return None
-
-
-TRIM_S = 10.0          # how often freed heap is handed back (a few ms each time)
-MAIN_TICK_S = 0.5      # the main loop wakes at least this often (beats, watchdog)
 
 
 def _real_tracer():
@@ -142,8 +109,7 @@ class Daemon:
         self.flow_source = FlowSourceStatus()
         self.exit_code = 0
         self._stop = threading.Event()
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._signals: deque = deque()
+        self.loop: Optional[MainLoop] = None
         self._control: Optional[ControlServer] = None
         self._handle = command_handler({"status": lambda req: self.status(),
                                         "reload": lambda req: views.reload_json(self.reload()),
@@ -152,11 +118,6 @@ class Daemon:
         self._metrics_channels = None
         self.stages: List[Stage] = []
         self.main_stage: Optional[Stage] = None
-        self._next_scan = 0.0
-        self._next_trim = 0.0
-        self._next_watchdog = 0.0
-        self._watchdog_s = watchdog_interval_s()
-        self._watchdog_withheld = False
 
     @property
     def lock(self):
@@ -170,10 +131,13 @@ class Daemon:
         self.supervisor.start(rs)
         self.reconciler = Reconciler(self.supervisor, rs)
         self.reconciler.adopt()
+        self.loop = MainLoop(self.reconciler, self.sockdiag, rescan_s=self.opts.rescan_s,
+                             reload=self.reload, stages=lambda: self.stages, stop=self._stop,
+                             notify=self.notify, clock=self.clock)
         # adopt/clean up at once: classes of flows that ended while no daemon ran go now, live
         # flows keep (or get) their class before the tracer's slow compile
-        self._rescan()
-        self.main_stage = self._stage("main", self._main, GiveUp.EXIT, stall_s=30.0)
+        self.loop.rescan()
+        self.main_stage = self._stage("main", self.loop.run, GiveUp.EXIT, stall_s=30.0)
         self.stages = [self.main_stage, self._tracer_stage(), self._firstbyte_stage()]
         self._control = ControlServer(self.opts.socket_path, self._handle)
         self.stages.append(self._stage("control", self._serve_control, GiveUp.EXIT))
@@ -190,10 +154,8 @@ class Daemon:
             self.stages.append(self._stage("metrics", self._serve_metrics, GiveUp.DEGRADE))
         else:
             self.stages.append(Stage.disabled("metrics", "--no-metrics"))
-        self._rescan()
-        for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._on_signal)
-        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        self.loop.rescan()
+        self.loop.catch_signals()
         for s in self.stages:
             if s is not self.main_stage:
                 s.start()
@@ -287,26 +249,6 @@ class Daemon:
     def _serve_metrics(self, ctx: StageContext) -> None:
         self._metrics.run(ctx)
 
-    def _main(self, ctx: StageContext) -> None:
-        sel = selectors.DefaultSelector()
-        sel.register(self._wake_r, selectors.EVENT_READ)
-        try:
-            while not ctx.stopping():
-                now = self.clock()
-                timeout = min(MAIN_TICK_S, max(0.0, self._next_scan - now))
-                if sel.select(timeout):
-                    try:
-                        os.read(self._wake_r, 4096)
-                    except BlockingIOError:
-                        pass
-                ctx.beat()
-                self._drain_signals()
-                if self.clock() >= self._next_scan:
-                    self._rescan()
-                self._feed_watchdog()
-        finally:
-            sel.close()
-
     def _firstbyte_degraded(self, stage: Stage, why: str) -> None:
         if self.firstbyte is not None:
             log.error("first-byte shaping stopped (%s): flows get their class after the "
@@ -339,65 +281,12 @@ class Daemon:
     def _fatal(self, stage: Stage, why: str) -> None:
         self.exit_code = 1
         self._stop.set()
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass
-
-    def _feed_watchdog(self) -> None:
-        if self._watchdog_s is None:
-            return
-        now = self.clock()
-        if now < self._next_watchdog:
-            return
-        self._next_watchdog = now + self._watchdog_s
-        if watchdog_ok(self.stages):
-            if self._watchdog_withheld:
-                log.warning("every stage is alive again: feeding the watchdog")
-            self._watchdog_withheld = False
-            self.notify("WATCHDOG=1")
-        elif not self._watchdog_withheld:
-            self._watchdog_withheld = True
-            bad = [f"{s.name} {s.view().state.value}" for s in self.stages
-                   if not watchdog_ok([s])]
-            log.error("not feeding the watchdog: %s", ", ".join(bad))
-
-    def _on_signal(self, signum, frame) -> None:
-        self._signals.append(signum)
+        self.loop.wake()
 
     def run(self) -> None:
         """The main loop, in the calling (main) thread, until a signal or a fatal stage."""
         self.main_stage.run_here()
 
-    def _drain_signals(self) -> None:
-        while self._signals:
-            sig = self._signals.popleft()
-            if sig == signal.SIGHUP:
-                self.reload()
-            else:
-                log.info("signal %d: stopping", sig)
-                self._stop.set()
-
-    def _rescan(self) -> None:
-        started = time.monotonic_ns()
-        try:
-            snap = self.sockdiag.snapshot()          # outside the lock: events keep flowing
-        except Exception as e:  # never let a scan failure stop the daemon
-            log.warning("sock_diag scan failed: %s", e)
-            snap = None
-        rec = self.reconciler
-        rec.reconcile(snap, started)
-        now = self.clock()
-        if rec.resync_requested:
-            rec.resync_requested = False
-            self._next_scan = now
-        else:
-            self._next_scan = now + self.opts.rescan_s
-        if now >= self._next_trim:
-            self._next_trim = now + TRIM_S
-            trim_heap()
-
-    # --------------------------------------------------------------- reload
     def reload(self) -> ReloadResult:
         self.notify("RELOADING=1")
         try:
@@ -480,6 +369,5 @@ class Daemon:
             self._metrics.close()
         if self._metrics_channels is not None:
             self._metrics_channels.close()
-        signal.set_wakeup_fd(-1)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        if self.loop is not None:
+            self.loop.close()
