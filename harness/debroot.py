@@ -80,8 +80,9 @@ def cache_lock(wait_s: float = 900):
 
 
 def base_tar(release: str, include=(), extra_sources=()) -> Path:
-    """A minbase root of `release` with the packages `include` as a tar, made with mmdebstrap
-    (cached for a week; call it under cache_lock())."""
+    """A minbase root of `release` with the packages `include` (and their dependencies, not their
+    recommendations) as a tar, made with mmdebstrap (cached for a week; call it under
+    cache_lock())."""
     srcs = sources(release) + list(extra_sources)
     include = sorted(include)
     want = "\n".join(srcs) + "\n" + "".join(f"include {p}\n" for p in include)
@@ -100,7 +101,7 @@ def base_tar(release: str, include=(), extra_sources=()) -> Path:
             f"--setup-hook=mkdir -p \"$1\"/var/cache/apt/archives && cp -a {arch}/. \"$1\"/var/cache/apt/archives/",
             f"--customize-hook=cp -a \"$1\"/var/cache/apt/archives/. {arch}/"]
     if include:
-        argv.append("--include=" + ",".join(include))
+        argv += ["--aptopt=APT::Install-Recommends \"false\"", "--include=" + ",".join(include)]
     run(argv + [release, str(tmp), *srcs], 900, f"mmdebstrap {name}")
     os.replace(tmp, tar)
     sig.write_text(want)
@@ -125,13 +126,15 @@ exec chroot "$R" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root L
     DEBIAN_FRONTEND=noninteractive "$@"
 """
 
-# Runs "$@" chrooted in $1 facing the host kernel, in a new mount namespace: the host's /sys (its
-# tracing, bpf and cgroup file systems included; bpf and tracefs are mounted where the host has
-# not) and /dev, /proc of the host's pid namespace, a /run of its own (`ip netns` keeps its
-# namespaces' handles there: they go with this mount namespace), /tmp. $2: environment
-# assignments passed through (NAME=value ...).
+# Runs "$@" chrooted in $1 facing the host kernel, in a new mount namespace: the root is a mount
+# point of its own (`ip netns` makes / a slave mount), the host's /sys (its tracing, bpf and
+# cgroup file systems included; bpf and tracefs are mounted where the host has not) and /dev,
+# /proc of the host's pid namespace, a /run of its own (`ip netns` keeps its namespaces' handles
+# there: they go with this mount namespace), /tmp, and the cache $3 as /var/cache/flowpacer-test
+# (pip's downloads). $2: environment assignments passed through (NAME=value ...).
 ON_HOST = r"""
-R=$1; E=$2; shift 2
+R=$1; E=$2; C=$3; shift 3
+mount --bind "$R" "$R"
 mount -t proc proc "$R/proc"
 mount --rbind /sys "$R/sys"
 mountpoint -q "$R/sys/fs/bpf" || mount -t bpf bpf "$R/sys/fs/bpf"
@@ -139,6 +142,8 @@ mountpoint -q "$R/sys/kernel/tracing" || mount -t tracefs tracefs "$R/sys/kernel
 mount --rbind /dev "$R/dev"
 mount -t tmpfs -o mode=0755 tmpfs "$R/run"
 mount -t tmpfs -o mode=1777 tmpfs "$R/tmp"
+mkdir -p "$R/var/cache/flowpacer-test"
+mount --bind "$C" "$R/var/cache/flowpacer-test"
 exec chroot "$R" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LC_ALL=C.UTF-8 \
     $E "$@"
 """
@@ -168,7 +173,7 @@ class Root:
     def host_sh(self, script, timeout=300, what=None, check=True, env=None):
         env_args = " ".join(f"{k}={v}" for k, v in (env or {}).items())
         argv = ["unshare", "--mount", "--propagation", "private", "--",
-                "sh", "-ec", ON_HOST, "sh", str(self.path), env_args, "sh", "-ec", script]
+                "sh", "-ec", ON_HOST, "sh", str(self.path), env_args, str(CACHE), "sh", "-ec", script]
         try:
             return run(argv, timeout, what or script.strip().splitlines()[0], check=check)
         finally:

@@ -1,17 +1,21 @@
-"""The Debian packages (issue 18): `make deb`, then a real install in a clean Debian 12 root.
+"""The Debian packages (issues 18, 27): `make deb`, then a real install in clean Debian 13 and
+Debian 12 roots.
 
 - `make deb` builds flowpacer_*.deb and sch-psp-dkms_*.deb with debhelper, pybuild and dh-dkms;
   lintian reports no error and no warning, and the packages hold what they should.
-- A Debian 12 (bookworm) minbase root is made with mmdebstrap, with what an admin's server has
-  beside the packages: systemd, man-db, the headers of Debian's 6.1 kernel (linux-headers-amd64)
-  and of 6.12 from bookworm-backports (its image, which the headers package requires, is stood
-  for by a stub package: only the headers build modules).
+- For each release, trixie (13) and bookworm (12), a minbase root is made with mmdebstrap
+  (harness/debroot.py), with what an admin's server has beside the packages: systemd, man-db,
+  the headers of the release's kernel (linux-headers-amd64: trixie 6.12, bookworm 6.1) and of a
+  kernel from its backports (trixie-backports' 7.3.4, linux-headers-7.3.4+deb13-amd64, which
+  builds with trixie's gcc-14; bookworm-backports' 6.12). A kernel image that a headers package
+  requires (trixie's 6.12, bookworm-backports' 6.12) is stood for by a stub package: only the
+  headers build modules.
 - apt resolves the two files' dependencies from the archive (`apt-get install -s ./...deb`): they
   include Debian's python3-pyroute2, -yaml, -click, -prometheus-client, -bpfcc and dkms, and
   they are installed from the archive. The root's file list is taken, then
   `apt-get install ./flowpacer_*.deb ./sch-psp-dkms_*.deb` installs just the two.
-- DKMS built sch_psp in the postinst for both kernels (their versions differ from `uname -r`, so
-  dkms is asked about each one explicitly), without a compiler warning; the unit is installed,
+- DKMS built sch_psp in the postinst for both kernels of the root (their versions differ from
+  `uname -r`, so dkms is asked about each one explicitly), without a compiler warning; the unit is installed,
   not enabled, and `systemd-analyze verify` accepts it (its ExecStart, ExecReload and the man
   pages of Documentation= exist); `flowpacer rules check /etc/flowpacer/rules.yaml` passes.
 - An admin edits the rules (`flowpacer rules edit` leaves rules.yaml.bak and .lock), then
@@ -20,12 +24,12 @@
 
 Every command in the root runs in its own mount and pid namespaces (`unshare`): /proc, /sys, a
 minimal /dev, /run, /tmp and the package cache are mounted there only, so nothing stays mounted
-and no process stays behind when a command ends, also on failure or timeout; the root (in
-pytest's tmp dir) is deleted after the module.
+and no process stays behind when a command ends, also on failure or timeout; each release's root
+(in pytest's tmp dir) is deleted when its tests are done.
 
-The base root (a tar) and the downloaded packages are cached in /var/cache/flowpacer-test
-(FLOWPACER_TEST_CACHE): the base is made again when it is older than a week. From nothing the
-module takes about 2 minutes here (~300 MB from the Debian archive), with the cache about 1.
+The base roots (tars) and the downloaded packages are cached in /var/cache/flowpacer-test
+(FLOWPACER_TEST_CACHE): a base is made again when it is older than a week. Timings:
+docs/packaging.md.
 """
 import os
 import re
@@ -189,7 +193,7 @@ def test_make_deb_builds_both_packages_lintian_clean(debs):
     assert "dkms" in field(psp, "Depends")
 
 
-# ------------------------------------------------------------------ installed in Debian 12
+# ------------------------------------------------------------------ installed in Debian 13 and 12
 
 def test_apt_resolves_every_dependency_from_the_archive(installed):
     sim, out, _ = installed
