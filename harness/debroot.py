@@ -23,6 +23,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -171,7 +172,11 @@ class Root:
         return run(argv, timeout, what or script.strip().splitlines()[0], check=check)
 
     def host_sh(self, script, timeout=300, what=None, check=True, env=None):
-        env_args = " ".join(f"{k}={v}" for k, v in (env or {}).items())
+        env = env or {}
+        bad = [k for k, v in env.items()
+               if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k) or re.search(r"\s", v)]
+        assert not bad, f"environment entries that the root's shell would split: {bad}"
+        env_args = " ".join(f"{k}={v}" for k, v in env.items())
         argv = ["unshare", "--mount", "--propagation", "private", "--",
                 "sh", "-ec", ON_HOST, "sh", str(self.path), env_args, str(CACHE), "sh", "-ec", script]
         try:
