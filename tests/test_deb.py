@@ -1,17 +1,21 @@
-"""The Debian packages (issue 18): `make deb`, then a real install in a clean Debian 12 root.
+"""The Debian packages (issues 18, 27): `make deb`, then a real install in clean Debian 13 and
+Debian 12 roots.
 
 - `make deb` builds flowpacer_*.deb and sch-psp-dkms_*.deb with debhelper, pybuild and dh-dkms;
   lintian reports no error and no warning, and the packages hold what they should.
-- A Debian 12 (bookworm) minbase root is made with mmdebstrap, with what an admin's server has
-  beside the packages: systemd, man-db, the headers of Debian's 6.1 kernel (linux-headers-amd64)
-  and of 6.12 from bookworm-backports (its image, which the headers package requires, is stood
-  for by a stub package: only the headers build modules).
+- For each release, trixie (13) and bookworm (12), a minbase root is made with mmdebstrap
+  (harness/debroot.py), with what an admin's server has beside the packages: systemd, man-db,
+  the headers of the release's kernel (linux-headers-amd64: trixie 6.12, bookworm 6.1) and of a
+  kernel from its backports (trixie-backports' 7.3.4, linux-headers-7.3.4+deb13-amd64, which
+  builds with trixie's gcc-14; bookworm-backports' 6.12). A kernel image that a headers package
+  requires (trixie's 6.12, bookworm-backports' 6.12) is stood for by a stub package: only the
+  headers build modules.
 - apt resolves the two files' dependencies from the archive (`apt-get install -s ./...deb`): they
   include Debian's python3-pyroute2, -yaml, -click, -prometheus-client, -bpfcc and dkms, and
   they are installed from the archive. The root's file list is taken, then
   `apt-get install ./flowpacer_*.deb ./sch-psp-dkms_*.deb` installs just the two.
-- DKMS built sch_psp in the postinst for both kernels (their versions differ from `uname -r`, so
-  dkms is asked about each one explicitly), without a compiler warning; the unit is installed,
+- DKMS built sch_psp in the postinst for both kernels of the root (their versions differ from
+  `uname -r`, so dkms is asked about each one explicitly), without a compiler warning; the unit is installed,
   not enabled, and `systemd-analyze verify` accepts it (its ExecStart, ExecReload and the man
   pages of Documentation= exist); `flowpacer rules check /etc/flowpacer/rules.yaml` passes.
 - An admin edits the rules (`flowpacer rules edit` leaves rules.yaml.bak and .lock), then
@@ -20,35 +24,27 @@
 
 Every command in the root runs in its own mount and pid namespaces (`unshare`): /proc, /sys, a
 minimal /dev, /run, /tmp and the package cache are mounted there only, so nothing stays mounted
-and no process stays behind when a command ends, also on failure or timeout; the root (in
-pytest's tmp dir) is deleted after the module.
+and no process stays behind when a command ends, also on failure or timeout; each release's root
+(in pytest's tmp dir) is deleted when its tests are done.
 
-The base root (a tar) and the downloaded packages are cached in /var/cache/flowpacer-test
-(FLOWPACER_TEST_CACHE): the base is made again when it is older than a week. From nothing the
-module takes about 2 minutes here (~300 MB from the Debian archive), with the cache about 1.
+The base roots (tars) and the downloaded packages are cached in /var/cache/flowpacer-test
+(FLOWPACER_TEST_CACHE): a base is made again when it is older than a week. Timings:
+docs/packaging.md.
 """
-import fcntl
 import os
 import re
 import shutil
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from harness import package
+from harness.debroot import (CACHE, Root, backports, base_tar, cache_lock as _cache_lock,
+                             mounts_under, run, stub_deb)
 
 pytestmark = pytest.mark.deb
 
 ROOT = Path(__file__).resolve().parent.parent
-CACHE = Path(os.environ.get("FLOWPACER_TEST_CACHE", "/var/cache/flowpacer-test"))
-MIRROR = os.environ.get("FLOWPACER_TEST_MIRROR", "http://deb.debian.org/debian")
-SECURITY = os.environ.get("FLOWPACER_TEST_SECURITY_MIRROR", "http://deb.debian.org/debian-security")
-SOURCES = [f"deb {MIRROR} bookworm main", f"deb {MIRROR} bookworm-updates main",
-           f"deb {SECURITY} bookworm-security main"]
-BACKPORTS = f"deb {MIRROR} bookworm-backports main"
-BASE_MAX_AGE_S = 7 * 24 * 3600
 # What the purge may leave changed: dpkg's and apt's records, logs, caches, the loader's cache,
 # depmod's indexes of the module directories (a real system has them from its kernel image), and
 # dkms's module signing key, made at its first build: it belongs to dkms (which stays installed)
@@ -56,120 +52,22 @@ BASE_MAX_AGE_S = 7 * 24 * 3600
 NOISE = re.compile(r"^(var/lib/dpkg/|var/lib/apt/|var/log/|var/cache/|etc/ld\.so\.cache$"
                    r"|(usr/)?lib/modules/[^/]+/modules\.|var/lib/dkms/mok\.(key|pub)$)")
 
-# Runs "$@" chrooted in $1 with its own mounts, in new mount and pid namespaces (the chrooted
-# command is their pid 1: when it ends, every process it left is killed and every mount is gone).
-IN_ROOT = r"""
-R=$1; C=$2; shift 2
-mount -t proc proc "$R/proc"
-mount -t sysfs -o ro sysfs "$R/sys"
-mount -t tmpfs -o mode=0755,size=16m tmpfs "$R/dev"
-for d in null zero full random urandom tty; do : > "$R/dev/$d"; mount --bind "/dev/$d" "$R/dev/$d"; done
-ln -s /proc/self/fd "$R/dev/fd"
-mkdir "$R/dev/pts" "$R/dev/shm"
-mount -t devpts -o newinstance,ptmxmode=0666,mode=0620 devpts "$R/dev/pts"
-ln -s pts/ptmx "$R/dev/ptmx"
-mount -t tmpfs -o mode=0755 tmpfs "$R/run"
-mount -t tmpfs -o mode=1777 tmpfs "$R/tmp"
-mount --bind "$C" "$R/var/cache/apt/archives"
-exec chroot "$R" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LC_ALL=C.UTF-8 \
-    DEBIAN_FRONTEND=noninteractive "$@"
-"""
-
-
-def run(argv, timeout, what, check=True, **kw):
-    try:
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kw)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{what}: timed out after {timeout} s\n{e.stdout or ''}\n{e.stderr or ''}"[-6000:])
-    if check and p.returncode != 0:
-        pytest.fail(f"{what}: exit status {p.returncode}\n{p.stdout}\n{p.stderr}"[-6000:])
-    return p
-
-
-class Root:
-    """A Debian root in `path`; `sh(script)` runs a shell script in it."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def sh(self, script, timeout=300, what=None, check=True):
-        argv = ["unshare", "--mount", "--pid", "--fork", "--propagation", "private", "--",
-                "sh", "-ec", IN_ROOT, "sh", str(self.path), str(CACHE / "archives"),
-                "sh", "-ec", script]
-        return run(argv, timeout, what or script.strip().splitlines()[0], check=check)
-
-    def files(self):
-        """Every path in the root (not /proc, /sys, /dev, /run, /tmp, the package cache)."""
-        out = set()
-        for dirpath, dirs, names in os.walk(self.path):
-            rel = os.path.relpath(dirpath, self.path)
-            if rel == ".":
-                rel = ""
-                dirs[:] = [d for d in dirs if d not in ("proc", "sys", "dev", "run", "tmp")]
-            elif rel == "var/cache/apt":
-                dirs[:] = [d for d in dirs if d != "archives"]
-            out.update(os.path.join(rel, n) for n in dirs + names)
-        return out
-
-
-def mounts_under(path: Path):
-    prefix = str(path) + "/"
-    with open("/proc/self/mountinfo") as f:
-        return [line.split()[4] for line in f if line.split()[4].startswith(prefix)]
+# Per release: the headers an admin's server has (the release's default kernel, and the kernel
+# of its backports: the headers package to install from there, None for the newest
+# linux-headers-amd64 of backports) and the kernel series they must be for.
+RELEASES = {
+    "trixie": {"backports_headers": "linux-headers-7.3.4+deb13-amd64", "series": ("6.12.", "7.3.4+")},
+    "bookworm": {"backports_headers": None, "series": ("6.1.", "6.12.")},
+}
+# Inst lines of kernel image packages in an apt simulation: the headers depend on them
+IMAGE_INST = re.compile(r"^Inst (linux-(?:image|binary|modules)-\S+) (?:\[\S+\] )?\((\S+)", re.M)
 
 
 @pytest.fixture(scope="module")
 def cache_lock(root):
     """One user of the cache at a time (apt's archive lock is in it)."""
-    (CACHE / "archives" / "partial").mkdir(parents=True, exist_ok=True)
-    with open(CACHE / "lock", "w") as f:
-        deadline = time.monotonic() + 900
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"{CACHE}/lock is held by another test run for 15 minutes")
-                time.sleep(1)
+    with _cache_lock():
         yield
-
-
-def base_tar():
-    """A bookworm minbase root as a tar, made with mmdebstrap (cached for a week)."""
-    tar = CACHE / "bookworm-minbase.tar"
-    sig = CACHE / "bookworm-minbase.sources"
-    want = "\n".join(SOURCES) + "\n"
-    if (tar.exists() and sig.exists() and sig.read_text() == want
-            and time.time() - tar.stat().st_mtime < BASE_MAX_AGE_S):
-        return tar
-    if shutil.which("mmdebstrap") is None:
-        pytest.fail("mmdebstrap is not installed (tools/setup.sh installs it)")
-    arch = CACHE / "archives"
-    tmp = CACHE / "bookworm-minbase.tar.new"
-    run(["mmdebstrap", "--mode=root", "--variant=minbase", "--format=tar", "--skip=essential/unlink",
-         f"--setup-hook=mkdir -p \"$1\"/var/cache/apt/archives && cp -a {arch}/. \"$1\"/var/cache/apt/archives/",
-         f"--customize-hook=cp -a \"$1\"/var/cache/apt/archives/. {arch}/",
-         "bookworm", str(tmp), *SOURCES], 600, "mmdebstrap bookworm minbase")
-    os.replace(tmp, tar)
-    sig.write_text(want)
-    return tar
-
-
-def stub_deb(dest: Path, image: str, version: str):
-    """A package that Provides the kernel image the 6.12 headers package depends on."""
-    d = dest / "stub"
-    (d / "DEBIAN").mkdir(parents=True)
-    (d / "DEBIAN" / "control").write_text(
-        "Package: flowpacer-test-image-stub\nVersion: 1\nArchitecture: all\n"
-        "Maintainer: flowpacer tests <root@localhost>\n"
-        f"Provides: {image} (= {version})\n"
-        "Description: stands for a kernel image in flowpacer's package test\n"
-        " Only the headers are needed to build modules.\n")
-    out = dest / "image-stub.deb"
-    run(["dpkg-deb", "--root-owner-group", "--build", str(d), str(out)], 60, "dpkg-deb --build stub")
-    shutil.rmtree(d)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -185,37 +83,47 @@ def debs(tmp_path_factory):
     return found["flowpacer"], found["sch-psp-dkms"], p.stdout + p.stderr
 
 
-@pytest.fixture(scope="module")
-def chroot(root, cache_lock, tmp_path_factory):
-    """The prepared root: base, systemd, man-db, headers of 6.1 and 6.12 (with their kernels'
-    versions as `.kernels`). Deleted afterwards."""
-    path = tmp_path_factory.mktemp("debroot")
+@pytest.fixture(scope="module", params=list(RELEASES))
+def chroot(request, root, cache_lock, tmp_path_factory):
+    """The prepared root of a release: base, systemd, man-db, the headers of the release's kernel
+    and of its backports' kernel (their kernels' versions as `.kernels`, `.release`). Deleted
+    afterwards."""
+    release = request.param
+    conf = RELEASES[release]
+    path = tmp_path_factory.mktemp(f"debroot-{release}")
     r = Root(path)
+    r.release = release
     try:
-        run(["tar", "-C", str(path), "-xf", str(base_tar())], 300, "unpack the base root")
-        shutil.copyfile("/etc/resolv.conf", path / "etc/resolv.conf")
-        (path / "etc/apt/sources.list").write_text("\n".join(SOURCES) + "\n")
-        # no fsync per file: the root is thrown away (halves the unpacking time here)
-        (path / "etc/dpkg/dpkg.cfg.d/test-unsafe-io").write_text("force-unsafe-io\n")
-        (path / "etc/apt/sources.list.d/backports.list").write_text(BACKPORTS + "\n")
+        r.unpack(base_tar(release), release, [backports(release)])
         # the test's own packages (the stub, the debs) are given to apt from here
         (path / "srv/fptest").mkdir(parents=True)
-        r.sh("apt-get update -qq", what="apt-get update in the root")
-        r.sh("apt-get install -y -q --no-install-recommends systemd man-db linux-headers-amd64",
-             timeout=600, what="install systemd, man-db and the 6.1 headers")
-        # the 6.12 headers of bookworm-backports: their package and the image it depends on
-        show = r.sh("apt-cache show linux-headers-amd64").stdout
-        bpo = [s for s in show.split("\n\n") if re.search(r"^Version: .*~bpo12", s, re.M)]
-        assert bpo, f"no linux-headers-amd64 from bookworm-backports:\n{show}"
-        headers = re.search(r"^Depends: (linux-headers-(6\.12\.\S+)-amd64) \(= (\S+)\)", bpo[0], re.M)
-        assert headers, bpo[0]
-        hdr_pkg, version = headers.group(1), headers.group(3)
-        stub = stub_deb(path / "srv/fptest", hdr_pkg.replace("headers", "image", 1), version)
-        r.sh(f"apt-get install -y -q --no-install-recommends /srv/fptest/{stub.name} {hdr_pkg}",
+        r.sh("apt-get update -qq", what=f"apt-get update in the {release} root")
+        r.sh("apt-get install -y -q --no-install-recommends systemd man-db",
+             timeout=600, what="install systemd and man-db")
+        # the headers of the release's kernel and of the backports' kernel; the images they
+        # depend on (trixie's 6.12, bookworm-backports' 6.12) are stood for by a stub
+        hdr_pkg = conf["backports_headers"]
+        if hdr_pkg is None:    # the newest linux-headers-amd64 of backports names its headers
+            show = r.sh("apt-cache show linux-headers-amd64").stdout
+            bpo = [s for s in show.split("\n\n") if re.search(r"^Version: .*~bpo", s, re.M)]
+            assert bpo, f"no linux-headers-amd64 from {release}-backports:\n{show}"
+            headers = re.search(r"^Depends: (linux-headers-\S+-amd64) \(= \S+\)", bpo[0], re.M)
+            assert headers, bpo[0]
+            hdr_pkg = headers.group(1)
+        hdr_pkg = f"linux-headers-amd64 {hdr_pkg}"
+        sim = r.sh(f"apt-get install -s --no-install-recommends {hdr_pkg}",
+                   what=f"apt-get install -s {hdr_pkg}").stdout
+        images = IMAGE_INST.findall(sim)
+        extra = ""
+        if images:
+            stub = stub_deb(path / "srv/fptest", images)
+            extra = f"/srv/fptest/{stub.name}"
+        r.sh(f"apt-get install -y -q --no-install-recommends {extra} {hdr_pkg}",
              timeout=600, what=f"install {hdr_pkg}")
-        r.kernels = sorted(os.listdir(path / "lib/modules"))
-        assert len(r.kernels) == 2 and r.kernels[0].startswith("6.1.") \
-            and r.kernels[1].startswith("6.12."), r.kernels
+        r.kernels = sorted(os.listdir(path / "lib/modules"),
+                           key=lambda k: [int(x) for x in re.findall(r"\d+", k.split("-")[0])])
+        assert len(r.kernels) == 2 and all(k.startswith(s) for k, s in zip(r.kernels, conf["series"])), \
+            (r.kernels, conf["series"])
         yield r
     finally:
         left = mounts_under(path)
@@ -288,7 +196,7 @@ def test_make_deb_builds_both_packages_lintian_clean(debs):
     assert "dkms" in field(psp, "Depends")
 
 
-# ------------------------------------------------------------------ installed in Debian 12
+# ------------------------------------------------------------------ installed in Debian 13 and 12
 
 def test_apt_resolves_every_dependency_from_the_archive(installed):
     sim, out, _ = installed
@@ -296,18 +204,26 @@ def test_apt_resolves_every_dependency_from_the_archive(installed):
     for pkg in ("flowpacer", "sch-psp-dkms", "python3-pyroute2", "python3-yaml", "python3-click",
                 "python3-prometheus-client", "python3-bpfcc", "dkms", "procps"):
         assert pkg in inst, f"{pkg} not in apt's resolution:\n{sim}"
+    # from the release itself: none from its backports (in the root's sources for the headers)
+    bpo = [line for line in sim.splitlines() if line.startswith("Inst ") and "backports" in line.lower()]
+    assert not bpo, bpo
     # with the dependencies in place, installing the two files adds just them
     assert re.search(r"^0 upgraded, 2 newly installed, 0 to remove", out, re.M), out[-3000:]
 
 
-@pytest.mark.parametrize("which", ["6.1", "6.12"])
+@pytest.mark.parametrize("which", ["default", "backports"])
 def test_dkms_built_sch_psp_without_warnings(installed, chroot, which):
-    kver = next(k for k in chroot.kernels if k.startswith(which + "."))
+    """For the release's kernel (bookworm 6.1, trixie 6.12) and its backports' (bookworm 6.12,
+    trixie 7.3.4, whose headers ask for gcc-14)."""
+    kver = chroot.kernels[0 if which == "default" else 1]
     conf = (ROOT / "flowpacer/kernel/kmod/dkms.conf").read_text()
     version = re.search(r'^PACKAGE_VERSION="?([^"\n]+)"?', conf, re.M).group(1)
     st = chroot.sh(f"dkms status -m sch_psp -v {version} -k {kver}").stdout
     assert re.search(rf"^sch_psp/{re.escape(version)}, {re.escape(kver)}, x86_64: installed$", st, re.M), st
-    ko = f"/lib/modules/{kver}/updates/dkms/sch_psp.ko"
+    # dkms may compress the module as the kernel's own are (.ko.xz)
+    kos = list((chroot.path / f"lib/modules/{kver}/updates/dkms").glob("sch_psp.ko*"))
+    assert len(kos) == 1, kos
+    ko = f"/lib/modules/{kver}/updates/dkms/{kos[0].name}"
     vermagic = chroot.sh(f"modinfo -F vermagic {ko}").stdout
     assert vermagic.split()[0] == kver, vermagic
     log = (chroot.path / f"var/lib/dkms/sch_psp/{version}/{kver}/x86_64/log/make.log").read_text()
