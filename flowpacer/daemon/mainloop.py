@@ -7,6 +7,7 @@ again.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import selectors
@@ -89,10 +90,8 @@ class MainLoop:
 
     def wake(self) -> None:
         """From any thread: the loop looks at once (a fatal stage, a stop)."""
-        try:
+        with contextlib.suppress(OSError):      # closed at shutdown, or full: it wakes anyway
             os.write(self._wake_w, b"x")
-        except OSError:
-            pass
 
     def _drain_signals(self) -> None:
         while self._signals:
@@ -112,10 +111,8 @@ class MainLoop:
                 now = self.clock()
                 timeout = min(MAIN_TICK_S, max(0.0, self._next_scan - now))
                 if sel.select(timeout):
-                    try:
+                    with contextlib.suppress(BlockingIOError):
                         os.read(self._wake_r, 4096)
-                    except BlockingIOError:
-                        pass
                 ctx.beat()
                 self._drain_signals()
                 if self.clock() >= self._next_scan:
