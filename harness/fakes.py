@@ -13,7 +13,7 @@ from typing import Callable, Dict, List, Optional
 
 from flowpacer.kernel.backend.contract import Capabilities
 from flowpacer.kernel.backend.filters import LayoutFull
-from flowpacer.kernel.backend.pool import Pool
+from flowpacer.kernel.backend.pool import Pool, book
 from flowpacer.errors import BackendError
 from flowpacer.sources.firstbyte import (EVENT, FB_DIR_INBOUND, FB_DIR_OUTBOUND, FB_F_CLOSED,
                                          POOL_SLOTS, FirstByte)
@@ -133,24 +133,7 @@ class FakeBackend:
     def _apply_pool(self, op: PoolOp, res: ApplyResult) -> None:
         """The pool ops as TcBackend applies them (backend/pool.py), without a kernel."""
         pool, k = self.pool, op.kind
-        if k is OpKind.POOL_SWEEP:
-            res.pool_freed_by_sweep += pool.sockets_hold(op.priorities)
-        elif k is OpKind.POOL_CLOSED:
-            for cid in op.classids:
-                pool.socket_closed(cid)
-        elif k is OpKind.POOL_CLAIM:
-            ok, old = pool.claim(op.key, op.classids[0], op.at_ns)
-            if ok and old is not None:
-                pool.free_minor(old & 0xFFFF)
-        elif k is OpKind.POOL_RELEASE:
-            cid = pool.drop_claim(op.key)
-            if cid is not None:
-                pool.free_minor(cid & 0xFFFF)
-        elif k is OpKind.POOL_DELETE:
-            for cid in op.classids:
-                if pool.classes.pop(cid, None) is not None:
-                    pool.free_minor(cid & 0xFFFF, claimed=False)
-        elif k is OpKind.POOL_CHANGE:
+        if k is OpKind.POOL_CHANGE:
             made = res.pool_made.setdefault(op.rule, [])
             for cid in op.classids:
                 if cid in pool.classes:
@@ -165,6 +148,9 @@ class FakeBackend:
                     break
                 pool.classes[cid] = op.rule
                 made.append(cid)
+        else:       # the kernel's deletes all succeed here
+            for cid, claimed, _what in book(pool, op, res):
+                pool.free_minor(cid & 0xFFFF, claimed=claimed)
 
     def flows_snapshot(self):
         return [(k, f"{c >> 16:x}:{c & 0xFFFF:x}", s) for k, (c, s) in self.flows.items()]

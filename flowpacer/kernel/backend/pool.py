@@ -190,11 +190,10 @@ class Pool:
 
 # ------------------------------------------------------------- the kernel side
 
-def queue_pool_op(b, op: PoolOp, add, res: ApplyResult) -> None:
-    """Queue the netlink requests of one pool op of a plan on TcBackend ``b`` (``add(req,
-    callback)`` as in ``TcBackend.apply``); bookkeeping-only ops take effect at once. A refused
-    request is logged (the engine plans the pool again at the next round), never an OpError."""
-    pool: Pool = b.pool
+def book(pool: "Pool", op: PoolOp, res: ApplyResult) -> List[Tuple[int, bool, str]]:
+    """The bookkeeping of a pool op that makes no class (sweep, closed, claim, release, delete),
+    done at once; the classes it leaves to delete, as (class id, claimed, why). Shared by
+    ``queue_pool_op`` (netlink) and the in-memory FakeBackend, so both keep the same books."""
     k = op.kind
     if k is OpKind.POOL_SWEEP:
         res.pool_freed_by_sweep += pool.sockets_hold(op.priorities)
@@ -204,19 +203,28 @@ def queue_pool_op(b, op: PoolOp, add, res: ApplyResult) -> None:
     elif k is OpKind.POOL_CLAIM:
         ok, old = pool.claim(op.key, op.classids[0], op.at_ns)
         if ok and old is not None:
-            _queue_delete(b, old, add, claimed=True, what="delete replaced claimed class")
+            return [(old, True, "delete replaced claimed class")]
     elif k is OpKind.POOL_RELEASE:
         cid = pool.drop_claim(op.key)
         if cid is not None:
-            _queue_delete(b, cid, add, claimed=True, what="delete unused claimed class")
+            return [(cid, True, "delete unused claimed class")]
     elif k is OpKind.POOL_DELETE:
-        for cid in op.classids:
-            if pool.classes.pop(cid, None) is not None:
-                _queue_delete(b, cid, add, claimed=False, what="delete pool class")
-    elif k is OpKind.POOL_CHANGE:
+        return [(cid, False, "delete pool class") for cid in op.classids
+                if pool.classes.pop(cid, None) is not None]
+    return []
+
+
+def queue_pool_op(b, op: PoolOp, add, res: ApplyResult) -> None:
+    """Queue the netlink requests of one pool op of a plan on TcBackend ``b`` (``add(req,
+    callback)`` as in ``TcBackend.apply``); bookkeeping-only ops take effect at once. A refused
+    request is logged (the engine plans the pool again at the next round), never an OpError."""
+    if op.kind is OpKind.POOL_CHANGE:
         _queue_change(b, op, add, res)
-    elif k is OpKind.POOL_FILL:
+    elif op.kind is OpKind.POOL_FILL:
         _queue_fill(b, op, add, res)
+    else:
+        for cid, claimed, what in book(b.pool, op, res):
+            _queue_delete(b, cid, add, claimed=claimed, what=what)
 
 
 def _queue_delete(b, cid: int, add, claimed: bool, what: str) -> None:
