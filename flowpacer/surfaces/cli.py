@@ -79,7 +79,8 @@ def run(rules_path, interface, backend, socket_path, take_over, rescan, no_trace
     """Run the daemon: shape each matched flow until stopped (SIGTERM removes everything)."""
     _setup_logging(verbose)
     if os.geteuid() != 0:
-        _fail("run needs root (CAP_NET_ADMIN for tc, CAP_BPF/CAP_SYS_ADMIN for the tracer)")
+        _fail("run needs root (CAP_NET_ADMIN for tc, CAP_BPF and CAP_PERFMON for the tracer, "
+              "CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH to find sockets' owners)")
     from flowpacer.daemon.app import Daemon, Options
     d = Daemon(Options(rules_path, interface, BackendKind(backend) if backend else None,
                        socket_path, take_over, rescan, not no_tracer,
