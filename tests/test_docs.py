@@ -7,24 +7,21 @@ every command and option is in flowpacer(8), every rules field in flowpacer-rule
 metric family and every environment variable the product reads is documented."""
 import ast
 import glob
-import ipaddress
 import os
 import re
 import shlex
-import subprocess
 
 import click
-import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
 from flowpacer.kernel.backend.handles import FIRST_FLOW_MINOR, LAST_FLOW_MINOR
 from flowpacer.model import (ClassStats, FirstByteCounters, FirstBytePool, FirstByteView,
-                             FlowKey, GroupKind, GroupView, Side)
+                             GroupKind, GroupView, Side)
 from flowpacer.policy import rules as rules_loader
 from flowpacer.surfaces import metrics
 from flowpacer.surfaces.cli import main as cli_main
-from tests.test_metrics import _flow, _view
+from harness.metricsview import daemon_view as _view, flow_view as _flow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MD = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))

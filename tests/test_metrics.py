@@ -17,37 +17,12 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from flowpacer.surfaces import metrics
-from flowpacer.surfaces.metrics import FlowpacerCollector, LatencyHistogram
-from flowpacer.model import (BackendHealth, ClassStats, DaemonCounters, DaemonView, Direction,
-                             EventCounts, FlowKey, FlowSource, FlowSourceMode, FlowSourceStatus,
-                             FlowView, Histogram, Side, StageState, StageView, TracerStats)
+from flowpacer.surfaces.metrics import FlowpacerCollector
+from flowpacer.model import ClassStats, Direction, FlowKey, FlowSource, FlowView, Side
 from harness.testbed import client_argv, in_netns, server_argv, wait_for
 
 from harness.daemon import Daemon
-
-
-def _flow(i, rule="r", rate=1000, process="srv\n\x1b[31m"):
-    k = FlowKey(ipaddress.ip_address("10.0.0.1"), 80, ipaddress.ip_address("10.0.0.2"), 1000 + i)
-    return FlowView(k, f"f1f0:{0x10 + i:x}", rule, rate, rate, 1, process, 0, Direction.INBOUND,
-                    FlowSource.TRACER)
-
-
-def _view(flows, **kw):
-    h = LatencyHistogram()
-    h.observe(0.0003)
-    buckets, total = h.cumulative()
-    counters = dict(applies=1, op_errors=0, reloads_ok=1, reloads_failed=0,
-                    backend_rebuild_failures=0, apply_hist=Histogram(tuple(buckets), total))
-    counters.update(kw.pop("counters", {}))
-    v = dict(backend="htb", backend_reason="", interface="eth0",
-             backend_health=BackendHealth.OK, backend_problem="", link_rate_bps=125_000_000,
-             rules_path="/r.yaml", rule_names=("r", "s"),
-             flow_source=FlowSourceStatus(FlowSourceMode.TRACER),
-             tracer=TracerStats(lost=0, unattributed=0), live_flows=len(flows), flows=tuple(flows),
-             stages=(StageView("main", StageState.RUNNING), StageView("tracer", StageState.RUNNING)),
-             counters=DaemonCounters(**counters), events=EventCounts(tracer_open=3))
-    v.update(kw)
-    return DaemonView(**v)
+from harness.metricsview import daemon_view as _view, flow_view as _flow
 
 
 def scrape(collector):

@@ -14,8 +14,8 @@ from prometheus_client.exposition import generate_latest
 
 from flowpacer.surfaces.metrics import FlowpacerCollector
 from harness.testbed import client_argv, in_netns, server_argv, wait_for
-from tests.test_metrics import _flow, _view
-from tests.test_systemd import promql_names
+from harness.metricsview import daemon_view as _view, flow_view as _flow
+from harness.promql import promql_names
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALERTS = os.path.join(ROOT, "docs", "flowpacer-alerts.yml")

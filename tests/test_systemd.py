@@ -28,6 +28,7 @@ import urllib.request
 import pytest
 
 from flowpacer.surfaces.control import call
+from harness.promql import promql_names
 from harness.daemon import RULES, Daemon
 from harness.testbed import PY, client_argv, in_netns, server_argv, wait_for
 
@@ -557,9 +558,6 @@ FLOW_LABELS = {"rule", "process", "direction", "local_address", "local_port", "r
 LABELS = FLOW_LABELS | {"instance", "job", "le", "source", "kind", "outcome", "state", "stage",
                         "side", "client", "version"}
 GRAFANA_VARS = {"$__rate_interval": "5s", "$__range": "1m", "$instance": ".*", "$rule": ".*"}
-PROMQL_WORDS = {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left",
-                "group_right", "bool", "offset", "inf", "nan"}
-
 
 def dashboard_targets():
     d = json.load(open(DASHBOARD))
@@ -572,27 +570,6 @@ def dashboard_targets():
                 out.append((p, t))
     walk(d["panels"])
     return d, out
-
-
-def promql_names(expr):
-    """(metric names, label names) an expression uses."""
-    labels = set()
-    e = expr
-    for m in re.finditer(r"\{([^}]*)\}", e):
-        labels |= set(re.findall(r"([a-zA-Z_]\w*)\s*(?:=~|!~|!=|=)", m.group(1)))
-    e = re.sub(r'"(?:[^"\\]|\\.)*"', '""', e)
-    e = re.sub(r"\{[^}]*\}", " ", e)
-    e = re.sub(r"\[[^\]]*\]", " ", e)
-    for m in re.finditer(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)", e):
-        labels |= {x.strip() for x in m.group(1).split(",") if x.strip()}
-    e = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", e)
-    metrics = set()
-    for m in re.finditer(r"([a-zA-Z_:][\w:]*)\s*(\()?", e):
-        word, call_ = m.group(1), m.group(2)
-        if call_ or word.lower() in PROMQL_WORDS or re.fullmatch(r"\d.*", word):
-            continue
-        metrics.add(word)
-    return metrics, labels
 
 
 def test_dashboard_uses_only_exported_metrics_and_labels():
