@@ -2,6 +2,7 @@
 rules`, each alert fires on the condition it names and not on a healthy daemon (`promtool test
 rules` with made-up series), only metrics the daemon exports, and `promtool check metrics` on a
 real scrape of a running daemon."""
+import ipaddress
 import os
 import shutil
 import subprocess
@@ -11,6 +12,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from flowpacer.surfaces.metrics import FlowpacerCollector
 from harness.testbed import client_argv, in_netns, server_argv, wait_for
@@ -133,10 +135,12 @@ def test_each_alert_fires_on_its_condition_only(tmp_path):
 @pytest.mark.kernel
 def test_promtool_check_metrics_on_a_real_scrape(testbed, tmp_path):
     """A running daemon shaping a flow (IPv4 and IPv6 clients): its scrape passes `promtool check
-    metrics` and names neither client's address (prefix labels by default)."""
+    metrics` and names neither client's address (prefix labels by default): the IPv4-mapped
+    flow and the IPv6 one each under their network."""
     from harness.daemon import RULES, Daemon
     tool = promtool()
-    testbed.popen(testbed.server_ns, server_argv([9101], "fp-test-srv"))
+    # one dual-stack listener: the IPv4 client arrives IPv4-mapped, the IPv6 one as it is
+    testbed.popen(testbed.server_ns, server_argv([9101], "fp-test-srv", v6=True))
     testbed.wait_listening(9101)
     d = Daemon(testbed, tmp_path, RULES).start()
     try:
@@ -155,5 +159,9 @@ def test_promtool_check_metrics_on_a_real_scrape(testbed, tmp_path):
         text = body.decode()
         assert "flowpacer_build_info{" in text and "flowpacer_rule_received_bytes_total{" in text
         assert str(testbed.client_v4) not in text and str(testbed.client_v6) not in text
+        remotes = {s.labels["remote_address"] for f in text_string_to_metric_families(text)
+                   for s in f.samples if s.name == "flowpacer_flow_sent_bytes_total"}
+        assert remotes == {str(ipaddress.ip_network(f"{testbed.client_v4}/24", strict=False)),
+                           str(ipaddress.ip_network(f"{testbed.client_v6}/48", strict=False))}
     finally:
         assert d.stop() == 0
