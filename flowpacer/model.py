@@ -828,6 +828,7 @@ class DaemonView:
     receive_health: BackendHealth = BackendHealth.OK
     receive_problem: str = ""
     first_byte: Optional[FirstByteView] = None   # issue 16; None when the stage is off
+    backend_fell_back: bool = False      # a lost psp replaced by htb (BackendSupervisor.fell_back)
 
     @property
     def healthy(self) -> bool:

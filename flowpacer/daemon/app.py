@@ -31,8 +31,9 @@ from flowpacer.surfaces.control import DEFAULT_SOCKET, ControlServer, command_ha
 from flowpacer.errors import FlowpacerError, TracerUnavailable
 from flowpacer.daemon.mainloop import MainLoop, sd_notify
 from flowpacer.daemon.memory import release_compiler_memory
-from flowpacer.surfaces.metrics import (DEFAULT_LISTEN, DEFAULT_MAX_FLOW_SERIES,
-                                        FlowpacerCollector, MetricsServer)
+from flowpacer.surfaces.metrics import (DEFAULT_ADDRESSES, DEFAULT_LISTEN,
+                                        DEFAULT_MAX_FLOW_SERIES, FlowpacerCollector,
+                                        MetricsServer)
 from flowpacer.model import (BackendKind, DaemonView, FlowSourceMode, FlowSourceStatus,
                              ReloadResult, RuleSet, TracerStats)
 from flowpacer.daemon.reconciler import Reconciler
@@ -53,7 +54,7 @@ class Options:
     tracer: bool = True
     metrics_listen: Optional[str] = DEFAULT_LISTEN   # None: no metrics endpoint
     max_flow_series: int = DEFAULT_MAX_FLOW_SERIES
-    metrics_addresses: str = "full"        # full | prefix | none (metrics.AddressLabels)
+    metrics_addresses: str = DEFAULT_ADDRESSES   # full | prefix | none (metrics.AddressLabels)
     web_config_file: Optional[str] = None  # TLS / basic auth of the metrics endpoint
     first_byte: bool = True                # issue 16 (off: benchmarks' "before" figures)
 

@@ -65,10 +65,11 @@ def main():
 @click.option("--metrics-max-flows", default=10_000, show_default=True, type=click.IntRange(0),
               help="at most this many per-flow series (the busiest flows); the rest are counted "
                    "as overflow")
-@click.option("--metrics-addresses", default="full", show_default=True,
+@click.option("--metrics-addresses", default="prefix", show_default=True,
               type=click.Choice(["full", "prefix", "none"]),
-              help="per-flow address labels: as they are, their /24 or /48 network, or none "
-                   "(ports dropped too)")
+              help="address labels of the per-flow and per-client series: as they are (with "
+                   "both ports), their /24 or /48 network (with the service's port only), or "
+                   "none (no ports, no client series)")
 @click.option("--web.config.file", "web_config_file", type=click.Path(dir_okay=False),
               help="TLS and basic auth of the metrics endpoint (Prometheus exporter web "
                    "configuration file)")
@@ -78,7 +79,8 @@ def run(rules_path, interface, backend, socket_path, take_over, rescan, no_trace
     """Run the daemon: shape each matched flow until stopped (SIGTERM removes everything)."""
     _setup_logging(verbose)
     if os.geteuid() != 0:
-        _fail("run needs root (CAP_NET_ADMIN for tc, CAP_BPF/CAP_SYS_ADMIN for the tracer)")
+        _fail("run needs root (CAP_NET_ADMIN for tc, CAP_BPF and CAP_PERFMON for the tracer, "
+              "CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH to find sockets' owners)")
     from flowpacer.daemon.app import Daemon, Options
     d = Daemon(Options(rules_path, interface, BackendKind(backend) if backend else None,
                        socket_path, take_over, rescan, not no_tracer,

@@ -41,6 +41,7 @@ def build(rec, sup, stages: Iterable, *, rules_path: str, flow_source: FlowSourc
     return DaemonView(
         backend=b.name if b else None,
         backend_reason=sup.reason,
+        backend_fell_back=sup.fell_back,
         interface=b.interface if b else None,
         backend_health=sup.health,
         backend_problem=sup.problem,
