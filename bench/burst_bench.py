@@ -1,0 +1,353 @@
+"""Classes at burst speed (issue 26, item 2): the burst curve and the churn ceiling.
+
+1. ``burst`` / ``burst_mixed``: N connections (100 ... 10 000) arrive at once at a held server
+   (one client process, non-blocking connects issued back to back); how long until the last of
+   them has its class (from the first connect() to the moment the kernel's class count on the
+   server's interface reached N, polled by a netlink dump every 20 ms), and the daemon's process
+   CPU time (user + system, not wall: meaningful on a shared machine) per flow for the burst's
+   classes, and again for their removal when the N connections close at once. ``burst`` is
+   IPv4 only (an AF_INET listener: the server's sockets are plain IPv4); ``burst_mixed`` is a
+   third each of IPv4, IPv6 and IPv4-mapped (IPv4 clients of a dual-stack listener).
+   First-byte shaping is off here (FLOWPACER_NO_FIRST_BYTE): every flow's class is one the
+   daemon makes after the tracer's event, which is the path this measures.
+2. ``churn`` / ``churn_mixed``: ``bench.daemon_bench``'s churn ceiling (open + read + close from
+   2 client processes, the daemon as it runs by default) over rates up to 8 000/s, with the
+   daemon's CPU per flow of each step.
+
+Results go under a label (``--label before`` for main's code, ``after`` for this branch's), so
+one file holds both. Writes bench/results/burst.json (labels and parts not run keep their
+previous figures unless ``--fresh``).
+Run: ``.venv/bin/python -m bench.burst_bench [--quick] [--label L] [part ...]``.
+The module is also its own client and server (``serve`` / ``connect``, see ``_helper_main``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+from typing import List
+
+from harness.daemon import Daemon
+from harness.testbed import PY, Testbed, in_netns, sh, wait_for
+
+from .common import RESULTS, write
+from .reportkit import ResultIndex, g, num, pyplot, savefig, table
+
+SIZES = (100, 500, 1000, 2000, 5000, 10_000)
+QUICK_SIZES = (100, 1000, 2000)
+CHURN_RATES = (2000, 4000, 6000, 8000)
+QUICK_CHURN_RATES = (2000, 4000)
+PORT_V4, PORT_DUAL = 7300, 7301
+SERVER_COMM = "fp-burst-hold"
+
+RULES = f"""
+    interface: IFACE
+    backend: htb
+    link_rate: 10gbit
+    rules:
+      - name: burst
+        match: {{process: {SERVER_COMM}, direction: inbound}}
+        rate: 1mbit
+"""
+
+
+# ============================================================ the client and server processes
+
+def _raise_nofile() -> None:
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _serve(v4_port: int, dual_port: int) -> None:
+    """Accept on an IPv4 listener and a dual-stack one and hold every connection (until
+    killed); the process is named SERVER_COMM, the rule's process."""
+    from harness.blaster import set_comm
+    _raise_nofile()
+    set_comm(SERVER_COMM)
+    s4 = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s6 = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    s6.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    for s, addr in ((s4, ("0.0.0.0", v4_port)), (s6, ("::", dual_port))):
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(addr)
+        s.listen(65535)
+        s.setblocking(False)
+    listeners = {s4.fileno(): s4, s6.fileno(): s6}
+    p = select.epoll()
+    for s in (s4, s6):
+        p.register(s.fileno(), select.EPOLLIN)
+    conns = {}
+    while True:
+        for fd, ev in p.poll():
+            s = listeners.get(fd)
+            if s is None:               # a held connection: its peer closed, close it too
+                c = conns.pop(fd)
+                p.unregister(fd)
+                c.close()
+                continue
+            while True:
+                try:
+                    c, _ = s.accept()
+                except BlockingIOError:
+                    break
+                conns[c.fileno()] = c
+                p.register(c.fileno(), select.EPOLLIN | select.EPOLLRDHUP)
+
+
+def _connect(targets: List[str], count: int) -> None:
+    """``count`` connections spread round-robin over ``targets`` (host:port), made at once on
+    a line "go" from stdin: prints {"t_first": ..} (CLOCK_MONOTONIC) before the first
+    connect() and {"connected": n, "t_all": ..} once every one completed; closes them all when
+    stdin closes."""
+    _raise_nofile()
+    addrs = []
+    for t in targets:
+        host, port = t.rsplit(":", 1)
+        fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+        addrs.append((fam, (host.strip("[]"), int(port))))
+    socks = []
+    for i in range(count):
+        fam, addr = addrs[i % len(addrs)]
+        s = socket.socket(fam, socket.SOCK_STREAM)
+        s.setblocking(False)
+        socks.append((s, addr))
+    print(json.dumps({"ready": count}), flush=True)
+    sys.stdin.readline()
+    t_first = time.monotonic()
+    pending = {}
+    p = select.epoll()
+    for s, addr in socks:
+        err = s.connect_ex(addr)
+        if err not in (0, 115):        # EINPROGRESS
+            raise OSError(err, os.strerror(err))
+        pending[s.fileno()] = s
+        p.register(s.fileno(), select.EPOLLOUT)
+    t_issued = time.monotonic()
+    errors = 0
+    deadline = time.monotonic() + 60
+    while pending and time.monotonic() < deadline:
+        for fd, _ in p.poll(1.0):
+            s = pending.pop(fd)
+            p.unregister(fd)
+            if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                errors += 1
+    t_all = time.monotonic()
+    print(json.dumps({"t_first": t_first, "t_issued": t_issued, "t_all": t_all,
+                      "connected": count - len(pending) - errors, "errors": errors,
+                      "pending": len(pending)}), flush=True)
+    sys.stdin.read()
+    for s, _ in socks:
+        s.close()
+
+
+def _helper_main(argv) -> int:
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("serve")
+    a.add_argument("--v4-port", type=int, default=PORT_V4)
+    a.add_argument("--dual-port", type=int, default=PORT_DUAL)
+    b = sub.add_parser("connect")
+    b.add_argument("--targets", required=True)
+    b.add_argument("--count", type=int, required=True)
+    args = ap.parse_args(argv)
+    if args.cmd == "serve":
+        _serve(args.v4_port, args.dual_port)
+    else:
+        _connect(args.targets.split(","), args.count)
+    return 0
+
+
+# ============================================================ measuring
+
+def _class_counter(tb):
+    """A function giving the number of classes on the server's interface (one netlink dump,
+    messages counted, not parsed)."""
+    from flowpacer.kernel.tc import nl
+    with in_netns(tb.server_ns):
+        rtnl = nl.RtnlSocket()
+        ifindex = socket.if_nametoindex(tb.server_if)
+
+    def count() -> int:
+        for attempt in range(50):    # a dump the daemon's changes interrupt is asked again
+            try:
+                return sum(1 for _ in rtnl.dump(nl.RTM_GETTCLASS, nl.tcmsg(ifindex)))
+            except nl.NetlinkError as e:
+                if attempt == 49 or "busy" not in str(e):
+                    raise
+        return 0
+    count.close = rtnl.close
+    return count
+
+
+def _cpu_split(d) -> tuple:
+    """The daemon's (user, system) CPU seconds so far (system: the kernel's work in its
+    syscalls, e.g. the classes made in its netlink sendmsg)."""
+    with open(f"/proc/{d.pid()}/stat") as f:
+        parts = f.read().rsplit(")", 1)[1].split()
+    tck = os.sysconf("SC_CLK_TCK")
+    return int(parts[11]) / tck, int(parts[12]) / tck
+
+
+def _idle_cpu_rate(d, seconds=1.0) -> float:
+    c0, t0 = d.cpu_s(), time.monotonic()
+    time.sleep(seconds)
+    return (d.cpu_s() - c0) / (time.monotonic() - t0)
+
+
+def _settle_cpu(d, idle_rate, quiet_s=0.3, timeout=30.0) -> float:
+    """Wait until the daemon's CPU time stops growing faster than when idle (no work left)."""
+    last, t_last = d.cpu_s(), time.monotonic()
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        time.sleep(quiet_s)
+        now, t = d.cpu_s(), time.monotonic()
+        if now - last <= idle_rate * (t - t_last) + 0.011:   # one clock tick of slack
+            return now
+        last, t_last = now, t
+    return d.cpu_s()
+
+
+def targets(tb, mixed: bool) -> List[str]:
+    v4 = f"{tb.server_v4}:{PORT_V4}"
+    if not mixed:
+        return [v4]
+    # IPv4 to the IPv4 listener, IPv6, and IPv4 to the dual-stack one (IPv4-mapped at the server)
+    return [v4, f"[{tb.server_v6}]:{PORT_DUAL}", f"{tb.server_v4}:{PORT_DUAL}"]
+
+
+def burst_curve(tb, sizes=SIZES, mixed=False) -> dict:
+    for k, v in (("net.core.somaxconn", "65535"), ("net.ipv4.tcp_max_syn_backlog", "65535")):
+        sh("ip", "netns", "exec", tb.server_ns, "sysctl", "-qw", f"{k}={v}")
+    tb.popen(tb.server_ns, [PY, "-m", "bench.burst_bench", "serve"])
+    tb.wait_listening(PORT_V4)
+    tb.wait_listening(PORT_DUAL)
+    d = Daemon(tb, None, RULES, "--no-metrics", verbose=False,
+               env={**os.environ, "FLOWPACER_NO_FIRST_BYTE": "1"}).start(timeout=60)
+    count = _class_counter(tb)
+    steps = []
+    try:
+        idle = _idle_cpu_rate(d)
+        for n in sizes:
+            base = count()
+            cl = tb.popen(tb.client_ns, [PY, "-m", "bench.burst_bench", "connect", "--targets",
+                                         ",".join(targets(tb, mixed)), "--count", str(n)],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            try:
+                assert json.loads(cl.stdout.readline())["ready"] == n
+                c0, s0 = d.cpu_s(), _cpu_split(d)[1]
+                t_go = time.monotonic()
+                cl.stdin.write("go\n")
+                cl.stdin.flush()
+                have, t_in, polls = base, None, 0
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline:
+                    have = count()
+                    polls += 1
+                    if have - base >= n:
+                        t_in = time.monotonic()
+                        break
+                    time.sleep(0.02)
+                res = json.loads(cl.stdout.readline())
+                c1 = _settle_cpu(d, idle)
+                add_cpu = c1 - c0 - idle * (time.monotonic() - t_go)
+                add_sys = _cpu_split(d)[1] - s0
+                st = d.status(timeout=60)
+                shaped = st["shaped_flows"]
+                # the removal: every connection closes at once
+                c2, s2, t_close = d.cpu_s(), _cpu_split(d)[1], time.monotonic()
+                cl.stdin.close()
+                cl.wait(timeout=60)
+                wait_for(lambda: count() <= base, 120, 0.02, "the burst's classes to go")
+                t_gone = time.monotonic()
+                c3 = _settle_cpu(d, idle)
+                del_cpu = c3 - c2 - idle * (time.monotonic() - t_close)
+                del_sys = _cpu_split(d)[1] - s2
+            finally:
+                if cl.poll() is None:
+                    cl.kill()
+                    cl.wait(timeout=10)
+            step = {"flows": n, "connected": res["connected"], "client_errors": res["errors"],
+                    "connect_spread_s": res["t_all"] - res["t_first"],
+                    "last_class_in_s": (t_in - res["t_first"]) if t_in else None,
+                    "classes_seen": have - base, "status_shaped_flows": shaped,
+                    "daemon_cpu_s": add_cpu, "cpu_us_per_flow": add_cpu * 1e6 / n,
+                    "sys_us_per_flow": add_sys * 1e6 / n,
+                    "remove_all_s": t_gone - t_close, "remove_cpu_us_per_flow": del_cpu * 1e6 / n,
+                    "remove_sys_us_per_flow": del_sys * 1e6 / n,
+                    "apply_us": st["counters"]["apply_latency_us"],
+                    "time_to_shape_us": st["counters"]["shape_latency_us"],
+                    "lost_events": st["tracer"]["lost"], "op_errors": st["counters"]["op_errors"],
+                    "polls": polls}
+            steps.append(step)
+            print(json.dumps({k: v for k, v in step.items() if k not in ("apply_us", "time_to_shape_us")}),
+                  flush=True)
+    finally:
+        count.close()
+        d.stop()
+    return {"steps": steps, "mix": "ipv4, ipv6, ipv4-mapped" if mixed else "ipv4",
+            "idle_cpu_share": idle}
+
+
+def churn_curve(tb, rates=CHURN_RATES, seconds=5, mixed=False) -> dict:
+    from . import daemon_bench
+    res = daemon_bench.churn_ceiling(tb, rates, seconds, mixed)
+    for s in res["steps"]:
+        flows = s["achieved_per_s"] * seconds
+        s["cpu_us_per_flow"] = s["daemon_cpu_share"] * (seconds + s["drain_after_s"]) * 1e6 / max(1, flows)
+    return res
+
+
+PARTS = {"burst": "bu1", "burst_mixed": "bu2", "churn": "bu3", "churn_mixed": "bu4"}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("serve", "connect"):
+        return _helper_main(argv)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("parts", nargs="*", help=f"of {', '.join(PARTS)} (default: all)")
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and rates (a smoke run)")
+    ap.add_argument("--fresh", action="store_true", help="do not keep figures of parts not run")
+    ap.add_argument("--label", default="after", help="where the figures go: before (main's "
+                    "code) or after (default)")
+    ap.add_argument("--sizes", default="", help="burst sizes, comma-separated")
+    args = ap.parse_args(argv)
+    names = args.parts or list(PARTS)
+    for n in names:
+        if n not in PARTS:
+            ap.error(f"unknown part {n!r}")
+    sizes = tuple(int(x) for x in args.sizes.split(",")) if args.sizes else (
+        QUICK_SIZES if args.quick else SIZES)
+    prev = RESULTS / "burst.json"
+    figures = json.loads(prev.read_text()).get("figures", {}) if prev.exists() and not args.fresh else {}
+    mine = figures.setdefault(args.label, {})
+    for name in names:
+        with Testbed(tag=PARTS[name]) as tb:
+            mixed = name.endswith("_mixed")
+            if name.startswith("burst"):
+                mine[name] = burst_curve(tb, sizes, mixed)
+            else:
+                mine[name] = churn_curve(tb, QUICK_CHURN_RATES if args.quick else CHURN_RATES,
+                                         3 if args.quick else 5, mixed)
+        print(json.dumps({name: mine[name]}, indent=1)[:4000], flush=True)
+    goals = {}
+    for label in ("after",):
+        for part in ("burst_mixed",):
+            by_n = {s["flows"]: s for s in g(figures, label, part, "steps") or []}
+            if 2000 in by_n and by_n[2000]["last_class_in_s"] is not None:
+                goals["burst_2000_mixed<=0.5s"] = by_n[2000]["last_class_in_s"] <= 0.5
+            if 10_000 in by_n and by_n[10_000]["last_class_in_s"] is not None:
+                goals["burst_10000_mixed<=2s"] = by_n[10_000]["last_class_in_s"] <= 2.0
+    write("burst", figures, goals)
+    print(json.dumps(goals, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
