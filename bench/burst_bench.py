@@ -36,7 +36,7 @@ from harness.daemon import Daemon
 from harness.testbed import PY, Testbed, in_netns, sh, wait_for
 
 from .common import RESULTS, write
-from .reportkit import ResultIndex, g, num, pyplot, savefig, table
+from .reportkit import ResultIndex, g, num, pyplot, savefig, share, table
 
 SIZES = (100, 500, 1000, 2000, 5000, 10_000)
 QUICK_SIZES = (100, 1000, 2000)
@@ -347,6 +347,85 @@ def main(argv=None) -> int:
     write("burst", figures, goals)
     print(json.dumps(goals, indent=2))
     return 0
+
+
+# ============================================================== report
+# This benchmark's part of bench/REPORT.md (chapter 4, after daemon_bench's and backend_bench's).
+
+HEADING = "### Classes at burst speed (`bench/burst_bench.py`, issue 26)\n"
+LABELS = (("before", "before (main)"), ("after", "after"))
+
+
+def _ms(x):
+    return num(x * 1e3, "ms", 0) if x is not None and x < 1 else num(x, "s", 2)
+
+
+def report_section(R: ResultIndex) -> str:
+    d = R.fig("burst")
+    if not d:
+        return ""
+    out = [HEADING, "Measured: " + R.provenance("burst", "burst") + "\n",
+           "N connections at once from one client process (non-blocking connect()s back to back); "
+           "*last class in*: from the first connect() to the moment the server interface's class "
+           "count reached N (a netlink dump every 20 ms); *CPU/flow*: the daemon's process CPU "
+           "time (user + system, of which system: the kernel's work in its netlink sendmsg) for the "
+           "burst, less its idle rate, per flow; *removal*: the same when the N connections close "
+           "at once. First-byte shaping off (every class made after the tracer's event); "
+           "*mixed*: a third each IPv4, IPv6 and IPv4-mapped (a dual-stack listener).\n"]
+    rows = []
+    for part, mix in (("burst", "IPv4"), ("burst_mixed", "mixed")):
+        for label, shown in LABELS:
+            for s in g(d, label, part, "steps") or []:
+                rows.append([f"{s['flows']:,}".replace(",", " "), mix, shown,
+                             _ms(s["last_class_in_s"]) if s["last_class_in_s"] is not None else "never",
+                             num(s["cpu_us_per_flow"], "us", 0), num(s.get("sys_us_per_flow"), "us", 0),
+                             num(s["remove_all_s"], "s", 2), num(s["remove_cpu_us_per_flow"], "us", 0),
+                             _ms(s["connect_spread_s"]), s["lost_events"], s["op_errors"]])
+    if rows:
+        out.append(table(["flows at once", "families", "code", "last class in", "CPU/flow",
+                          "of which system", "removal", "removal CPU/flow", "connects spread over",
+                          "lost events", "op errors"], rows))
+        plt = pyplot()
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 3.4))
+        for part, mix, mk in (("burst", "IPv4", "o"), ("burst_mixed", "mixed", "s")):
+            for label, shown in LABELS:
+                st = [s for s in g(d, label, part, "steps") or [] if s["last_class_in_s"] is not None]
+                if not st:
+                    continue
+                ls = "--" if label == "before" else "-"
+                ax.plot([s["flows"] for s in st], [s["last_class_in_s"] for s in st], ls, marker=mk,
+                        label=f"{mix}, {shown}")
+                ax2.plot([s["flows"] for s in st], [s["cpu_us_per_flow"] for s in st], ls, marker=mk,
+                         label=f"{mix}, {shown}")
+        ax.plot([2000, 10_000], [0.5, 2.0], "g*", ms=10, label="issue 26's targets")
+        for a in (ax, ax2):
+            a.set_xscale("log")
+            a.set_xlabel("connections at once")
+        ax.set_yscale("log")
+        ax.set_ylabel("last class in (s)")
+        ax2.set_ylabel("daemon CPU per flow (us)")
+        ax2.axhline(50, color="g", ls=":", lw=0.8)
+        ax.legend(fontsize=7)
+        out.append(savefig(fig, "burst_curve.png"))
+    crow = []
+    for part, mix in (("churn", "IPv4"), ("churn_mixed", "half IPv6")):
+        for label, shown in LABELS:
+            c = g(d, label, part)
+            if not c:
+                continue
+            top = max(c["steps"], key=lambda s: s["offered_per_s"])
+            crow.append([mix, shown, num(c["sustained_flows_per_s"], "/s", 0),
+                         ", ".join(f"{s['offered_per_s']}: {num(s['achieved_per_s'], '', 0)} at "
+                                   f"{share(s['daemon_cpu_share'], 0)}, {num(s['cpu_us_per_flow'], 'us', 0)}/flow"
+                                   for s in c["steps"]),
+                         num(top["drain_after_s"], "s", 2)])
+    if crow:
+        out.append("**Churn ceiling** (bench.daemon_bench's churn: open + read + close from 2 client "
+                   "processes, the daemon as it runs by default; a step is kept up when the classes drain "
+                   "within 2 s of its end and no tracer event is lost; per step: offered: achieved at "
+                   "daemon CPU, CPU per flow):\n")
+        out.append(table(["families", "code", "sustained", "steps", "drain after the last"], crow))
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

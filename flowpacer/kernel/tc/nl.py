@@ -1,10 +1,11 @@
-"""Minimal rtnetlink transport for tc objects: batched requests with per-message acks.
+"""Minimal rtnetlink transport for tc objects: batched requests, one ack per batch.
 
 pyroute2 builds a message through its generic ``nla`` machinery (~0.25 ms per htb class here) and
 waits for each ack before the next request. The backend installs thousands of classes and filters,
 so the hot path packs the few fixed structures itself (see ``htb.py``/``u32.py``, whose encodings are
 checked against pyroute2's nla classes and the uapi headers in the tests), sends many requests in
-one ``sendmsg`` and matches the acks by sequence number. Every refusal keeps the kernel's extack
+one ``sendmsg`` (only its last request asks for an ack; the kernel answers every refusal anyway)
+and matches the answers by sequence number. Every refusal keeps the kernel's extack
 text so that it can be shown in a one-line reason.
 """
 from __future__ import annotations
