@@ -374,13 +374,14 @@ def report_section(R: ResultIndex) -> str:
            "*mixed*: a third each IPv4, IPv6 and IPv4-mapped (a dual-stack listener).\n"]
     rows = []
     for part, mix in (("burst", "IPv4"), ("burst_mixed", "mixed")):
-        for label, shown in LABELS:
-            for s in g(d, label, part, "steps") or []:
-                rows.append([f"{s['flows']:,}".replace(",", " "), mix, shown,
-                             _ms(s["last_class_in_s"]) if s["last_class_in_s"] is not None else "never",
-                             num(s["cpu_us_per_flow"], "us", 0), num(s.get("sys_us_per_flow"), "us", 0),
-                             num(s["remove_all_s"], "s", 2), num(s["remove_cpu_us_per_flow"], "us", 0),
-                             _ms(s["connect_spread_s"]), s["lost_events"], s["op_errors"]])
+        by = [(s["flows"], i, shown, s) for i, (label, shown) in enumerate(LABELS)
+              for s in g(d, label, part, "steps") or []]
+        for _, _, shown, s in sorted(by, key=lambda x: x[:2]):
+            rows.append([f"{s['flows']:,}".replace(",", " "), mix, shown,
+                         _ms(s["last_class_in_s"]) if s["last_class_in_s"] is not None else "never",
+                         num(s["cpu_us_per_flow"], "us", 0), num(s.get("sys_us_per_flow"), "us", 0),
+                         num(s["remove_all_s"], "s", 2), num(s["remove_cpu_us_per_flow"], "us", 0),
+                         _ms(s["connect_spread_s"]), s["lost_events"], s["op_errors"]])
     if rows:
         out.append(table(["flows at once", "families", "code", "last class in", "CPU/flow",
                           "of which system", "removal", "removal CPU/flow", "connects spread over",
@@ -415,7 +416,7 @@ def report_section(R: ResultIndex) -> str:
                 continue
             top = max(c["steps"], key=lambda s: s["offered_per_s"])
             crow.append([mix, shown, num(c["sustained_flows_per_s"], "/s", 0),
-                         ", ".join(f"{s['offered_per_s']}: {num(s['achieved_per_s'], '', 0)} at "
+                         "; ".join(f"{s['offered_per_s']}: {num(s['achieved_per_s'], '', 0)} at "
                                    f"{share(s['daemon_cpu_share'], 0)}, {num(s['cpu_us_per_flow'], 'us', 0)}/flow"
                                    for s in c["steps"]),
                          num(top["drain_after_s"], "s", 2)])
