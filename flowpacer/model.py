@@ -111,11 +111,12 @@ class FlowKey:
 
     def __hash__(self) -> int:
         # over what __eq__ compares; ``ipaddress``' own hash formats the address as hex text
-        # each time, so the addresses' integers are hashed, once per key
+        # each time, so the addresses' integers are hashed, once per key (integers only: the
+        # same in every process, so a copied key's cached hash stays right)
         h = self._hash
         if h is None:
             h = hash((int(self.local_addr), self.local_port, int(self.remote_addr),
-                      self.remote_port, self.protocol))
+                      self.remote_port, _PROTO_NUMBER[self.protocol]))
             object.__setattr__(self, "_hash", h)
         return h
 
