@@ -85,10 +85,17 @@ def desired(flows: Mapping[FlowKey, Flow], ruleset: RuleSet) -> Dict[FlowKey, Sh
     first matching rule is receive-only gets none: its send side is not shaped, no class at all
     (it does not fall through to a later rule)."""
     out = {}
+    plain: Dict[int, Shape] = {}     # a rule without aggregates gives all its flows one shape
     for key, flow in flows.items():
         r = first_match(ruleset.rules, flow)
         if r is not None and r.sends:
-            out[key] = shape_of(r, key)
+            if r.has_groups:
+                out[key] = shape_of(r, key)
+                continue
+            s = plain.get(id(r))
+            if s is None:
+                s = plain[id(r)] = shape_of(r)
+            out[key] = s
     return out
 
 
@@ -112,6 +119,10 @@ def desired_receive(flows: Mapping[FlowKey, Flow], ruleset: RuleSet) -> Dict[Flo
     return out
 
 
+# FlowKey's total order as a sort key: one tuple per key instead of two per comparison
+_ORDER = FlowKey.sort_key.fget
+
+
 def plan(want: Mapping[FlowKey, Shape], have: Mapping[FlowKey, Shape],
          rebind: Collection[FlowKey] = ()) -> List[Op]:
     """Operations that turn ``have`` into ``want``: removals first (they free room), then rate
@@ -126,9 +137,10 @@ def plan(want: Mapping[FlowKey, Shape], have: Mapping[FlowKey, Shape],
     ``rebind``: flows whose socket claimed a first-byte class after they got a class of their
     own (issue 16): their class goes (REMOVE) and their ADD takes the claimed one."""
     rebind = {k for k in rebind if k in have and k in want}
-    removes = [Op(OpKind.REMOVE, k) for k in sorted((have.keys() - want.keys()) | rebind)]
+    removes = [Op(OpKind.REMOVE, k) for k in sorted((have.keys() - want.keys()) | rebind,
+                                                    key=_ORDER)]
     changes, relabels, adds = [], [], []
-    for k in sorted(want):
+    for k in sorted(want, key=_ORDER):
         s = want[k]
         cur = None if k in rebind else have.get(k)
         if cur is None:
