@@ -455,3 +455,60 @@ def test_explain_a_live_flow_status_all_reload_refusal_and_log_priorities(testbe
         assert any(ln.startswith("<6>INFO flowpacer.daemon.app: ready") for ln in lines)
         assert any(ln.startswith("<7>DEBUG flowpacer.") for ln in lines), lines   # -v
         assert all(re.match(r"<[0-7]>", ln) for ln in lines), lines
+
+
+# ------------------------------------------------------------------ the daemon's answers (fakes)
+
+def test_the_daemons_explain_and_status_all_answers(tmp_path):
+    """The control socket's explain and status --all answers of a daemon wired to fakes: every
+    live flow with its rule or the reason it has none, addresses of both families (an
+    IPv4-mapped question finds the IPv4 flow), bad requests answered with one line."""
+    from flowpacer.policy import rules
+    from harness.fakes import FakeSockDiag, inprocess_daemon
+    from harness.testbed import wait_for
+    from flowpacer.surfaces.view import parse_explain, parse_unshaped
+    rs = rules.loads(textwrap.dedent("""\
+        interface: eth0
+        link_rate: 1gbit
+        rules:
+          - {name: slow, match: {process: srv, local_port: 9101}, rate: 10mbit}
+          - {name: up, match: {process: upl}, receive_rate: 8mbit}
+    """), "r.yaml")
+    A = ipaddress.ip_address
+
+    def flow(local, lport, remote, rport, comm, pid=7):
+        return Flow(FlowKey(A(local), lport, A(remote), rport), Direction.INBOUND,
+                    ProcessInfo(pid, comm, "/usr/bin/" + comm if comm else "", 33 if pid else -1))
+    flows = [flow("192.0.2.1", 9101, "198.51.100.7", 40001, "srv"),
+             flow("2001:db8::1", 9101, "2001:db8::7", 40002, "srv"),
+             flow("192.0.2.1", 9102, "198.51.100.7", 40003, "other"),
+             flow("192.0.2.1", 9103, "198.51.100.7", 40004, "upl"),
+             flow("192.0.2.1", 9101, "198.51.100.8", 40005, "", pid=0)]
+    sd = FakeSockDiag()
+    sd.flows = {f.key: f for f in flows}
+    with inprocess_daemon(tmp_path, rs, sockdiag=sd, tracer_enabled=False) as d:
+        wait_for(lambda: sorted(f["side"] for f in d.status()["flows"]) == [
+            "receive", "send", "send"], 5, 0.01, "two flows shaped, one receiving")
+        e = parse_explain(d._handle({"cmd": "explain", "remote_addr": "::ffff:198.51.100.7",
+                                     "remote_port": 40001}))
+        assert [(x.rule, x.local, x.remote, x.unshaped) for x in e] == [
+            ("slow", "192.0.2.1:9101", "198.51.100.7:40001", "")]
+        assert e[0].classes[0].rate_bit == 10_000_000 and e[0].first_byte is True
+        e = parse_explain(d._handle({"cmd": "explain", "local_port": "9101", "protocol": "tcp"}))
+        assert [x.remote for x in e] == ["198.51.100.7:40001", "198.51.100.8:40005",
+                                         "[2001:db8::7]:40002"]
+        assert e[2].rule == "slow" and e[2].classes and e[2].first_byte_why.startswith(
+            "rule 'slow' is decided in the kernel")
+        un = parse_unshaped(d._handle({"cmd": "status", "all": True}))
+        assert [(k.local_port, why) for k, _pid, _p, _d, why in un] == [
+            (9101, "its owner is not known yet (sock_diag found it before the tracer or /proc "
+                   "did)"),
+            (9102, "no rule matches it"),
+            (9103, "rule 'up' matches and is receive-only: what the flow is sent is not shaped")]
+        assert "unshaped" not in d._handle({"cmd": "status"})
+        for bad in ({}, {"remote_port": "http"}, {"remote_port": 70000}, {"remote_addr": [1]},
+                    {"local_addr": "example.org"}, {"protocol": "sctp"},
+                    {"remote_port": True}):
+            answer = d._handle({"cmd": "explain", **bad})
+            assert list(answer) == ["error"] and answer["error"].startswith("explain: "), answer
+        assert d._handle({"cmd": "explain", "remote_port": 1})["flows"] == []
