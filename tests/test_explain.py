@@ -512,3 +512,25 @@ def test_the_daemons_explain_and_status_all_answers(tmp_path):
             answer = d._handle({"cmd": "explain", **bad})
             assert list(answer) == ["error"] and answer["error"].startswith("explain: "), answer
         assert d._handle({"cmd": "explain", "remote_port": 1})["flows"] == []
+
+
+def test_a_refused_class_is_logged_with_its_flow_and_rule_as_journal_fields(tmp_path, caplog):
+    """What ``journalctl -u flowpacer FLOWPACER_RULE=slow`` finds: the reconciler's warning for
+    a class the kernel refused carries the flow, the op and the rule (the JournalHandler sends
+    every FLOWPACER_* attribute of a record as a field)."""
+    from flowpacer.policy import rules
+    from harness.fakes import FakeSockDiag, inprocess_daemon
+    from harness.testbed import wait_for
+    rs = rules.loads("interface: eth0\nlink_rate: 1gbit\nrules:\n"
+                     "  - {name: slow, match: {process: srv}, rate: 10mbit}\n", "r.yaml")
+    f = Flow(FlowKey(ipaddress.ip_address("2001:db8::1"), 9101, ipaddress.ip_address(
+        "2001:db8::7"), 40001), Direction.INBOUND, ProcessInfo(7, "srv", "/usr/bin/srv", 33))
+    caplog.set_level(logging.WARNING, logger="flowpacer.daemon.reconciler")
+    with inprocess_daemon(tmp_path, rs, sockdiag=FakeSockDiag(), tracer_enabled=False) as d:
+        d.supervisor.backend.refuse.add(f.key)
+        d.sockdiag.flows = {f.key: f}            # the flow shows up once the refusal is set
+        rec = wait_for(lambda: [r for r in caplog.records if hasattr(r, "FLOWPACER_FLOW")], 5,
+                       0.01, "the refusal's warning")[0]
+    fields = logs.JournalHandler("/nonexistent").fields(rec).decode()
+    assert f"FLOWPACER_FLOW={f.key}\n" in fields and "FLOWPACER_RULE=slow\n" in fields
+    assert "FLOWPACER_OP=add\n" in fields and "PRIORITY=4\n" in fields

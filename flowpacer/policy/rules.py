@@ -1036,7 +1036,7 @@ def load_checked(path: str, strict_units: bool = False) -> RuleSet:
     check_access(path)
     rs = load(path, strict_units)
     for w in rs.warnings:
-        log.warning("%s", w)
+        log.warning("%s", w, extra={"FLOWPACER_RULES_FILE": path, "FLOWPACER_LINE": w.line})
     return rs
 
 
