@@ -5,6 +5,7 @@ The pure tests run in ``make check``; ``test_explain_a_live_flow_...`` runs a re
 host's kernel with real traffic of both families (marker ``kernel``)."""
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import itertools
 import json
@@ -20,8 +21,8 @@ import pytest
 from click.testing import CliRunner
 
 from flowpacer.model import (Direction, Flow, FlowKey, Match, PortSet, ProcessInfo, Protocol,
-                             Rule, RuleSet)
-from flowpacer.policy import engine, handshake
+                             Rule)
+from flowpacer.policy import engine
 from flowpacer.surfaces import logs
 from flowpacer.surfaces.cli import main
 
@@ -96,7 +97,7 @@ def test_explain_walks_the_engines_own_matcher():
             # the first failing field found when matching is one explain names
             assert engine.mismatches(r, flow)[:1] == every[:1]
         for r, fails in e.passed:
-            assert fails and all(f in {x.name for x in __import__("dataclasses").fields(Match)}
+            assert fails and all(f in {x.name for x in dataclasses.fields(Match)}
                                  for f in fails)
 
 

@@ -34,7 +34,7 @@ from flowpacer.daemon.memory import release_compiler_memory
 from flowpacer.surfaces.metrics import (DEFAULT_LISTEN, DEFAULT_MAX_FLOW_SERIES,
                                         FlowpacerCollector, MetricsServer)
 from flowpacer.model import (BackendKind, DaemonView, FlowKey, FlowSourceMode, FlowSourceStatus,
-                             Protocol, ReloadResult, RuleSet, TracerStats)
+                             Protocol, ReloadResult, RuleSet, TracerStats, endpoint)
 from flowpacer.daemon.reconciler import Reconciler
 from flowpacer.daemon.stages import GiveUp, Stage, StageContext
 from flowpacer.daemon.supervisor import BackendSupervisor, TcBackendFactory
@@ -419,8 +419,8 @@ class Daemon:
         out = []
         for f in shown:
             e = engine.explain(rs.rules, f)
-            mine = classes.get((views.endpoint(f.key.local_addr, f.key.local_port),
-                                views.endpoint(f.key.remote_addr, f.key.remote_port),
+            mine = classes.get((endpoint(f.key.local_addr, f.key.local_port),
+                                endpoint(f.key.remote_addr, f.key.remote_port),
                                 f.key.protocol.value), [])
             why = "" if f.key in classed else views.why_unshaped(e, ok, health)
             out.append(views.explain_json(e, handshake.first_byte(rs, f, compiled), mine, why))
