@@ -64,7 +64,8 @@ def test_unit_says_what_the_daemon_needs():
     u = parse_unit()
     assert one(u, "Type") == "notify"
     assert one(u, "ExecStart") == "/opt/flowpacer/bin/flowpacer run --rules /etc/flowpacer/rules.yaml"
-    assert one(u, "ExecReload") == "/bin/kill -HUP $MAINPID"
+    # a refused reload fails `systemctl reload` (flowpacer reload exits 2; kill -HUP cannot)
+    assert one(u, "ExecReload") == "/opt/flowpacer/bin/flowpacer reload"
     assert one(u, "Restart") == "on-failure" and one(u, "RestartPreventExitStatus") == "2"
     pre = one(u, "ExecStartPre")
     assert pre.lstrip("-+") == "/sbin/modprobe sch_psp" and "-" in pre[:2]    # failure harmless
