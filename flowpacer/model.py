@@ -846,6 +846,10 @@ class DaemonView:
     receive_problem: str = ""
     first_byte: Optional[FirstByteView] = None   # issue 16; None when the stage is off
     backend_fell_back: bool = False      # a lost psp replaced by htb (BackendSupervisor.fell_back)
+    # issue 27.5: the kind the rules ask for ("auto", "psp", "htb"), and why auto's preferred
+    # kind is not the one in use (e.g. the kernel refused the unsigned module), "" when it is
+    backend_wanted: str = ""
+    backend_fallback: str = ""
 
     @property
     def healthy(self) -> bool:

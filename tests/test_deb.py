@@ -145,10 +145,34 @@ def installed(chroot, debs):
     if deps:
         chroot.sh(f"apt-get install -y -q {' '.join(deps)}", timeout=600,
                   what="install the packages' dependencies from the archive")
+    make_mok_key(chroot.path)
     before = chroot.files()
     inst = chroot.sh(f"apt-get install -y {files}", timeout=600,
                      what="apt-get install ./flowpacer_*.deb ./sch-psp-dkms_*.deb")
     return sim, inst.stdout + inst.stderr, before
+
+
+# The MOK key pair an admin enrolls for DKMS (docs/packaging.md, "Module signing"), made before
+# the packages are installed: dkms 3.x signs every module it builds with it
+MOK_CN = "flowpacer test MOK"
+
+
+def make_mok_key(root: Path) -> None:
+    """/var/lib/dkms/mok.key and mok.pub (DER) in the root, made with the host's openssl as
+    dkms itself would (its own CN is "DKMS module signing key")."""
+    d = root / "var/lib/dkms"
+    d.mkdir(parents=True, exist_ok=True)
+    run(["openssl", "req", "-new", "-x509", "-nodes", "-days", "36500", "-subj", f"/CN={MOK_CN}",
+         "-newkey", "rsa:2048", "-keyout", str(d / "mok.key"), "-outform", "DER",
+         "-out", str(d / "mok.pub")], 120, "openssl req (the MOK key pair)")
+    (d / "mok.key").chmod(0o600)
+
+
+def mok_serial(root: Path) -> str:
+    """The certificate's serial as modinfo's sig_key shows it: hex, upper case, no colons."""
+    out = run(["openssl", "x509", "-inform", "DER", "-in", str(root / "var/lib/dkms/mok.pub"),
+               "-noout", "-serial"], 60, "openssl x509 -serial").stdout
+    return out.strip().split("=", 1)[1].upper().lstrip("0")
 
 
 # ------------------------------------------------------------------ the build
@@ -231,6 +255,22 @@ def test_dkms_built_sch_psp_without_warnings(installed, chroot, which):
     assert "LD [M]" in log, log
     bad = [line for line in log.splitlines() if re.search(r"warning|error", line, re.I)]
     assert not bad, f"the {kver} build is not clean:\n" + log
+
+
+@pytest.mark.parametrize("which", ["default", "backports"])
+def test_dkms_signs_sch_psp_with_the_mok_key(installed, chroot, which):
+    """With a MOK key pair in /var/lib/dkms (mok.key, mok.pub), DKMS signs the module it builds
+    for each kernel: modinfo shows the key's subject as signer and its serial as sig_key, so a
+    kernel that enforces signatures loads it once that key is enrolled (mokutil --import)."""
+    kver = chroot.kernels[0 if which == "default" else 1]
+    kos = list((chroot.path / f"lib/modules/{kver}/updates/dkms").glob("sch_psp.ko*"))
+    assert len(kos) == 1, kos
+    ko = f"/lib/modules/{kver}/updates/dkms/{kos[0].name}"
+    signer = chroot.sh(f"modinfo -F signer {ko}").stdout.strip()
+    sig_key = chroot.sh(f"modinfo -F sig_key {ko}").stdout.strip()
+    print(f"{chroot.release} {kver}: {ko}: signer {signer!r}, sig_key {sig_key}")
+    assert signer == MOK_CN, f"{ko}: signer {signer!r}"
+    assert sig_key.replace(":", "").upper().lstrip("0") == mok_serial(chroot.path), sig_key
 
 
 def test_unit_installed_disabled_and_verified(installed, chroot):

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Protocol
 
 from flowpacer.errors import BackendError, FlowpacerError
+from flowpacer.kernel.backend import registry
 from flowpacer.kernel.backend.contract import Backend, StatsChannel
 from flowpacer.model import (BackendHealth, BackendKind, ClassStats, FlowKey, RuleSet, Side,
                              StatsKey)
@@ -118,6 +119,7 @@ class BackendSupervisor:
         self.health = BackendHealth.OK
         self.problem = ""              # why the backend cannot be rebuilt (empty when it can)
         self.fell_back = False         # auto: psp was lost and htb stands in until reload/restart
+        self.fallback = ""             # why auto does not use its preferred kind ("" when it does)
         self.rebuild_failures = 0      # failed rebuild attempts, ever
         self._episode_failures = 0     # failed rebuilds since the backend last worked
         self._problem_logged_at = 0.0
@@ -148,8 +150,22 @@ class BackendSupervisor:
         self.fell_back = False
         self.problem = ""
         self._episode_failures = 0
-        log.info("backend %s on %s (%s)", self.backend.name, self.backend.interface, self.reason)
+        self._note_fallback(rs)
+        if self.fallback:
+            log.warning("backend %s on %s instead of %s: %s", self.backend.name,
+                        self.backend.interface, registry.auto_order()[0].kind.value, self.reason)
+        else:
+            log.info("backend %s on %s (%s)", self.backend.name, self.backend.interface,
+                     self.reason)
         self._sync_receive(rs, at_start=True)
+
+    def _note_fallback(self, rs: RuleSet) -> None:
+        """``fallback``: the reason (one line) when ``auto`` runs a kind other than its
+        preferred one (psp refused or lost), else ""."""
+        preferred = registry.auto_order()[0].kind.value
+        used = self.backend.name if self.backend is not None else ""
+        self.fallback = (self.reason if self.kind_of(rs) is BackendKind.AUTO and used
+                         and used != preferred else "")
 
     @property
     def usable(self) -> bool:
@@ -366,6 +382,7 @@ class BackendSupervisor:
         self._episode_failures = 0
         self.fell_back = True
         self.reason = f"{alt_reason}; {b.name}: {reason}"
+        self._note_fallback(rs)
         log.warning("%s: %s and %s cannot be rebuilt (%s): %s; re-applying every flow",
                     nb.interface, why, b.name, reason, alt_reason)
         return True

@@ -124,6 +124,16 @@ def run(rules_path, interface, backend, socket_path, take_over, rescan, no_trace
         sys.exit(d.exit_code)      # a stage gave up: systemd's Restart=on-failure starts us again
 
 
+def _echo_module_line() -> None:
+    """The module a psp backend needs: who signed its file, whether it is loaded, what this
+    kernel demands of signatures (issue 27.5; read here with modinfo, not from the daemon)."""
+    from flowpacer.kernel.backend import module_report, registry
+    for s in registry.auto_order():
+        line = module_report(s.module) if s.module else ""
+        if line:
+            click.echo(f"module:    {printable(line)}")
+
+
 @main.command()
 @click.option("--socket", "socket_path", default=DEFAULT_SOCKET, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
@@ -144,6 +154,7 @@ def status(socket_path, as_json, all_flows):
         _fail(f"{socket_path}: {e}")
     click.echo(f"backend:   {printable(a.backend)} ({printable(a.backend_reason)})")
     click.echo(f"interface: {printable(a.interface)}, link {format_bit_rate(a.link_rate_bit)}")
+    _echo_module_line()
     if a.backend_state != "ok":
         click.echo(f"state:     {printable(a.backend_state)}"
                    + (f" (cannot rebuild, {a.rebuild_failures} attempts failed: "

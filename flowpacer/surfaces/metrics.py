@@ -309,6 +309,15 @@ class FlowpacerCollector:
                                  labels=["backend", "interface", "flow_source"])
         info.add_metric([v.backend or "", v.interface or "", v.flow_source.text], 1)
         yield info
+        fb = GaugeMetricFamily("flowpacer_backend_fallback",
+                               "1 while backend auto runs another kind than the one it wants "
+                               "(psp), with why in one line (e.g. the kernel refused the unsigned "
+                               "sch_psp module: Key was rejected by service); 0 otherwise.",
+                               labels=["wanted", "used", "reason"])
+        wanted = _auto_preferred() if v.backend_wanted in ("", "auto") else v.backend_wanted
+        fb.add_metric([wanted if v.backend_fallback else (v.backend or wanted), v.backend or "",
+                       v.backend_fallback], 1 if v.backend_fallback else 0)
+        yield fb
         ev = CounterMetricFamily("flowpacer_events", "Flow events by source and kind.",
                                  labels=["source", "kind"])
         for src, kind, n in sorted(v.events.items()):
@@ -861,3 +870,8 @@ def _first_byte_metrics(fb, counter, gauge):
     ids.add_metric(["awaiting"], fb.ids_awaiting)
     yield ids
 
+
+def _auto_preferred() -> str:
+    """The kind ``backend: auto`` wants (the first of its order: psp)."""
+    from flowpacer.kernel.backend import registry
+    return registry.auto_order()[0].kind.value

@@ -67,6 +67,8 @@ def build(rec, sup, stages: Iterable, *, rules_path: str, flow_source: FlowSourc
         receive_health=sup.rx_health,
         receive_problem=sup.rx_problem,
         first_byte=first_byte,
+        backend_wanted=(sup.kind_of(sup._rules).value if sup._rules is not None else ""),
+        backend_fallback=sup.fallback,
     )
 
 
@@ -133,6 +135,8 @@ def to_json(v: DaemonView, stats: Dict[StatsKey, ClassStats]) -> dict:
         "interface": v.interface,
         "backend_state": v.backend_health.value,
         "backend_problem": v.backend_problem,
+        "backend_wanted": v.backend_wanted,
+        "backend_fallback": v.backend_fallback,
         "link_rate_bit": v.link_rate_bps * 8,
         "rules": v.rules_path,
         "flow_source": v.flow_source.text,
