@@ -542,7 +542,7 @@ METRICS = {
     "flowpacer_tracer_lost_events_total", "flowpacer_netlink_errors_total", "flowpacer_reloads_total",
     "flowpacer_flow_series_overflow",
     # health, stages, flow source (issue 28)
-    "flowpacer_backend_state", "flowpacer_backend_fell_back", "flowpacer_flow_source_degraded",
+    "flowpacer_backend_state", "flowpacer_backend_fallback", "flowpacer_flow_source_degraded",
     "flowpacer_build_info", "flowpacer_stage_state", "flowpacer_stage_failures_total",
     "flowpacer_class_ids_used", "flowpacer_class_ids_limit",
     # uploads and caps

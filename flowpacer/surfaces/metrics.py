@@ -799,15 +799,11 @@ class MetricsServer:
 
 
 def health_families(v):
-    """What the alerting rules (docs/flowpacer-alerts.yml) watch besides the stages: a backend
-    that fell back from psp to htb, and how full the flow class-id space is (each interface has
+    """What the alerting rules (docs/flowpacer-alerts.yml) watch besides the stages and
+    ``flowpacer_backend_fallback`` (a backend that fell back from psp to htb): how full the flow class-id space is (each interface has
     ``CLASS_ID_LIMIT`` ids for flow and group classes; one more flow is refused)."""
     from prometheus_client.core import GaugeMetricFamily
     from flowpacer.kernel.backend.handles import FIRST_FLOW_MINOR, LAST_FLOW_MINOR
-    fb = GaugeMetricFamily("flowpacer_backend_fell_back",
-                           "1 when the backend in use is a fall-back (psp lost, htb took over).")
-    fb.add_metric([], 1 if v.backend_fell_back else 0)
-    yield fb
     used = GaugeMetricFamily("flowpacer_class_ids_used",
                              "Class ids in use by flow and group classes, per side.",
                              labels=["side"])
