@@ -188,6 +188,8 @@ def test_a_reload_raising_the_rate_lifts_the_stopgap(root, tmp_path):
             for host_res, w in zip(res, (WIRE, WIRE6)):
                 before = _rate(host_res, 0, t_reload - 2.0, t_reload - 0.2)
                 after = _rate(host_res, 0, t_reload + 1.5, t_reload + 3.0)
+                print(f"stopgap lifted: {host_res['host']} {before * 8 / 1e6:.2f} -> "
+                      f"{after * 8 / 1e6:.2f} Mbit/s of payload")
                 assert before == pytest.approx(8e6 / 8 * w, rel=0.08), (before, after)
                 assert after == pytest.approx(24e6 / 8 * w, rel=0.08), (before, after)
             assert "Traceback" not in d.log_text()
