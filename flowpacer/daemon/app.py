@@ -79,7 +79,7 @@ def _read_stats(stage_obj, method: str, typed: Callable = lambda x: x):
 
 def _real_firstbyte():
     from flowpacer.sources.firstbyte import POOL_ENV, POOL_TARGET, FirstByte
-    raw = os.environ.get(POOL_ENV, "")
+    raw = os.environ.get("FLOWPACER_FIRST_BYTE_POOL", "")
     try:
         return FirstByte(pool_target=int(raw) if raw.strip() else POOL_TARGET)
     except ValueError as e:

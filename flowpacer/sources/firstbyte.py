@@ -373,7 +373,7 @@ class FirstByte:
         now give another rule or rate. A rebuild with the same rules keeps them."""
         rows = []
         rules = ruleset.rules
-        off = bool(os.environ.get(NO_STOPGAP_ENV))
+        off = bool(os.environ.get("FLOWPACER_NO_STOPGAP"))
         for i in range(MAX_RULES):
             prefix = rules[:i + 1] if i < len(rules) else None
             old = self._stop_gens.get(i)
