@@ -630,8 +630,14 @@ class FirstByteCounters:
     program), refilled (classes made to top pools up), returned (ready classes taken back
     unclaimed at a reload or stop), released (claims no flow took), exhausted (a rule matched and
     its pool was empty), and why a flow was left to user space or lost. Metrics label each by its
-    field name (``flowpacer_first_byte_events{kind}``); status shows them under the same names."""
+    field name (``flowpacer_first_byte_events{kind}``); status shows them under the same names.
+    Issue 26: every flow the kernel decided is counted once in ``claimed`` (paced by a pool
+    class), ``stopgap`` (no class ready: paced by TCP at the rule's rate) or ``missed``
+    (neither); ``lifted``: stopgaps lifted after their rule changed."""
     claimed: int = 0
+    stopgap: int = 0
+    missed: int = 0
+    lifted: int = 0
     bound: int = 0
     refilled: int = 0
     returned: int = 0

@@ -15,8 +15,8 @@ from flowpacer.kernel.backend.contract import Capabilities
 from flowpacer.kernel.backend.filters import LayoutFull
 from flowpacer.kernel.backend.pool import Pool, book
 from flowpacer.errors import BackendError
-from flowpacer.sources.firstbyte import (EVENT, FB_DIR_INBOUND, FB_DIR_OUTBOUND, FB_F_CLOSED,
-                                         POOL_SLOTS, FirstByte)
+from flowpacer.sources.firstbyte import (COUNTERS, EVENT, FB_DIR_INBOUND, FB_DIR_OUTBOUND,
+                                         FB_F_CLOSED, POOL_SLOTS, FirstByte)
 from flowpacer.model import (ApplyResult, BackendHealth, BackendKind, ClassRole, ClassStats,
                              FlowKey, Op, OpError, OpKind, PoolOp, Shape, Side)
 
@@ -337,8 +337,12 @@ class FakeFirstByte(FirstByte):
         self.on_kernel_access("fill")
         self.fill[rule] = ticket
 
+    def _write_stopgaps(self, rows) -> None:
+        self.on_kernel_access("rates")
+        self.rates = list(rows)
+
     def _counters(self):
-        return [0] * 7
+        return [0] * len(COUNTERS)
 
     def _ring_poll(self, timeout_ms: int) -> None:
         with self._records_lock:

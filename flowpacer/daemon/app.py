@@ -78,8 +78,14 @@ def _read_stats(stage_obj, method: str, typed: Callable = lambda x: x):
 
 
 def _real_firstbyte():
-    from flowpacer.sources.firstbyte import FirstByte
-    return FirstByte()
+    from flowpacer.sources.firstbyte import POOL_ENV, POOL_TARGET, FirstByte
+    raw = os.environ.get("FLOWPACER_FIRST_BYTE_POOL", "")
+    try:
+        return FirstByte(pool_target=int(raw) if raw.strip() else POOL_TARGET)
+    except ValueError as e:
+        log.warning("%s=%r ignored (%s): %d ready classes per rule", POOL_ENV, raw, e,
+                    POOL_TARGET)
+        return FirstByte()
 
 
 MAX_EXPLAIN = 32        # flows in one explain answer (the rest are counted)

@@ -54,7 +54,7 @@ POOL_SLOTS = 64
 FB_DIR_OUTBOUND, FB_DIR_INBOUND = 1, 2
 FB_F_ATTRIBUTED, FB_F_CLOSED = 0x01, 0x02
 COUNTERS = ("claimed", "pool_empty", "undecided", "unattributed", "setsockopt_failed", "lost",
-            "no_match")
+            "no_match", "stopgap", "missed", "lifted")
 # struct fb_event: ts_ns classid rule pid uid family lport rport direction flags
 #                  laddr[16] raddr[16] comm[16]
 EVENT = struct.Struct("<QIIIIHHHBB16s16s16s")
@@ -64,6 +64,13 @@ assert EVENT.size == 80
 VIEW_COUNTERS = model.FirstByteCounters.NAMES
 
 POOL_TARGET = 48           # ready classes per rule (< POOL_SLOTS): 24 ms of claims at 2 000 flows/s
+# FLOWPACER_FIRST_BYTE_POOL=n: n ready classes per rule instead (0: none, every kernel-decided
+# flow is paced by the stopgap until its class is in; tests and benchmarks)
+POOL_ENV = "FLOWPACER_FIRST_BYTE_POOL"
+# FLOWPACER_NO_STOPGAP=1: no stopgap (a flow finding its pool empty leaves unpaced until its
+# class is in, as before issue 26: benchmarks' and tests' "before" figures)
+NO_STOPGAP_ENV = "FLOWPACER_NO_STOPGAP"
+MAX_PACING = 0xFFFFFFFE    # SO_MAX_PACING_RATE is a u32 of bytes/s; ~0U means "no limit"
 GRACE_S = 0.005            # a sock_ops run that saw the old rules has finished by then
 # the sockets' priorities are swept (a sock_diag dump of every socket: tens of ms at thousands
 # of sockets, during which the pools are not refilled) only for ids whose close report has not
@@ -171,8 +178,8 @@ class FirstByte:
     """The sock_ops program, its maps and the pools of ready classes."""
 
     def __init__(self, ring_pages: int = 64, pool_target: int = POOL_TARGET):
-        if not 1 <= pool_target < POOL_SLOTS:
-            raise ValueError(f"pool_target must be 1..{POOL_SLOTS - 1}, not {pool_target!r}")
+        if not 0 <= pool_target < POOL_SLOTS:
+            raise ValueError(f"pool_target must be 0..{POOL_SLOTS - 1}, not {pool_target!r}")
         self.ring_pages = ring_pages
         self.pool_target = pool_target
         self.netns_cookie = 0
@@ -198,6 +205,9 @@ class FirstByte:
                         "stale": 0, "closed": 0, "sweeps": 0, "freed_by_sweep": 0,
                         "refilled": 0, "returned": 0}
         self._rule_claims: Dict[str, int] = {}
+        # the stopgap (issue 26): per kernel index, the rules up to it and its generation
+        self._stop_gens: Dict[int, Tuple[tuple, int]] = {}
+        self._next_gen = 1
         self._swept_at = 0.0
         self._poll_lock = threading.Lock()
         self._lock = threading.RLock()
@@ -355,6 +365,38 @@ class FirstByte:
             _set_bytes(k, "addr", addr)
             t[k] = t.Leaf(mask)
 
+    def _stopgaps(self, ruleset: RuleSet, c: Compiled) -> List[Tuple[int, int]]:
+        """fb_rate's rows: (rate, generation) per rule index. The rate is the kernel rule's
+        class's (its ceiling when it has one: what the class may send), 0 for the others; the
+        generation changes when the rule or one before it changed (a reload), so the program
+        lifts the limit of the sockets it gave under the old rules, whose flows the engine may
+        now give another rule or rate. A rebuild with the same rules keeps them."""
+        rows = []
+        rules = ruleset.rules
+        off = bool(os.environ.get("FLOWPACER_NO_STOPGAP"))
+        for i in range(MAX_RULES):
+            prefix = rules[:i + 1] if i < len(rules) else None
+            old = self._stop_gens.get(i)
+            if old is not None and old[0] == prefix:
+                gen = old[1]
+            else:
+                gen = self._next_gen
+                self._next_gen += 1
+                self._stop_gens[i] = (prefix, gen)
+            rule = c.kernel.get(i)
+            rate = 0
+            if rule is not None and rule.rate_bps and not off:
+                rate = min(max(rule.ceil_bps or 0, rule.rate_bps), MAX_PACING)
+            rows.append((rate, gen))
+        return rows
+
+    def _write_stopgaps(self, rows: List[Tuple[int, int]]) -> None:
+        t = self._bpf[b"fb_rate"]
+        for i, (rate, gen) in enumerate(rows):
+            leaf = t.Leaf()
+            leaf.rate, leaf.gen = rate, gen
+            t[ctypes.c_int(i)] = leaf
+
     def _take(self, rule: int) -> int:
         return self._bpf[b"fb_take"][ctypes.c_int(rule)].value
 
@@ -396,6 +438,7 @@ class FirstByte:
         c = compile_rules(ruleset)
         self._compiled = c
         self._write_rules(c)
+        self._write_stopgaps(self._stopgaps(ruleset, c))
         for r, rule in sorted(c.kernel.items()):
             # tickets only grow (no ABA for the program's compare-and-swap); the old ones not
             # taken were drained, so take jumps to fill (claims are off: we may write it)

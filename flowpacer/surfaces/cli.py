@@ -169,8 +169,10 @@ def status(socket_path, as_json, all_flows):
     if fb:
         click.echo("first byte: ready " + (", ".join(
             f"{printable(rule)} {n}" for rule, n in fb.ready) or "none")
-            + f"; claimed {fb.count('claimed')}, refilled {fb.count('refilled')}, returned "
-              f"unclaimed {fb.count('returned') + fb.count('released')}, pool exhausted "
+            + f"; claimed {fb.count('claimed')}, stopgap {fb.count('stopgap')} (lifted "
+              f"{fb.count('lifted')}), missed {fb.count('missed')}, refilled "
+              f"{fb.count('refilled')}, returned unclaimed "
+              f"{fb.count('returned') + fb.count('released')}, pool exhausted "
               f"{fb.count('exhausted')}")
     if a.stages:
         click.echo("stages:    " + ", ".join(

@@ -852,6 +852,18 @@ def _first_byte_metrics(fb, counter, gauge):
         claims.add_metric([p.rule], p.claims)
     yield ready
     yield claims
+    c = fb.counters
+    paced = counter("flowpacer_first_byte_flows",
+                    "Flows decided at their handshake, by how their head was paced: 'class' (a "
+                    "ready pool class), 'stopgap' (no class ready: TCP paced at the rule's rate "
+                    "until the class is in), 'missed' (neither).", labels=["paced"])
+    for k, n in (("class", c.claimed), ("stopgap", c.stopgap), ("missed", c.missed)):
+        paced.add_metric([k], n)
+    yield paced
+    lifted = counter("flowpacer_first_byte_stopgaps_lifted",
+                     "Stopgap limits lifted because their rule changed (a reload).")
+    lifted.add_metric([], c.lifted)
+    yield lifted
     ev = counter("flowpacer_first_byte_events",
                  "First-byte shaping counters: claimed, refilled, returned (ready classes taken "
                  "back unclaimed), released (claims no flow took), exhausted (pool empty), and "

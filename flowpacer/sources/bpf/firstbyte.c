@@ -46,6 +46,11 @@
  * runs first_rule() and that rule (the FB_TEST_RUN build, BPF_PROG_TEST_RUN)
  * against the engine on random rule sets and sockets.
  *
+ * When r's pool is empty the socket gets r's rate as its SO_MAX_PACING_RATE
+ * (the stopgap, issue 26: TCP paces itself until the flow's class is in) and
+ * its ACKs lift that limit once r's generation in fb_rate changes (a reload);
+ * see stopgap() and docs/firstbyte.md.
+ *
  * Pool of a rule r: fb_pool[r * FB_POOL_SLOTS + (i % FB_POOL_SLOTS)] holds
  * the class id of ticket i; tickets fb_take[r] <= i < fb_fill[r] are
  * ready.  User space (one writer) writes a slot, then advances fb_fill;
@@ -87,6 +92,14 @@
 #ifndef SOCK_STREAM
 #define SOCK_STREAM 1
 #endif
+#ifndef SO_MAX_PACING_RATE
+#define SO_MAX_PACING_RATE 47
+#endif
+/* what a segment carries besides its payload on the wire, as htb counts it: TCP header with
+ * the timestamp option (Linux's default; without it the stopgap is 0.8 % stricter), IP header,
+ * Ethernet header */
+#define FB_TCP_HDR 32
+#define FB_ETH_HDR 14
 
 BPF_RINGBUF_OUTPUT(fb_events, FB_RING_PAGES);
 BPF_ARRAY(fb_config, struct fb_config, 1);
@@ -101,6 +114,8 @@ BPF_TABLE("lru_hash", u64, u32, fb_claimed, FB_MAX_CONN);	/* cookie -> class id 
 BPF_ARRAY(fb_pool, u32, FB_MAX_RULES * FB_POOL_SLOTS);
 BPF_ARRAY(fb_fill, u64, FB_MAX_RULES);
 BPF_ARRAY(fb_take, u64, FB_MAX_RULES);
+BPF_ARRAY(fb_rate, struct fb_rate, FB_MAX_RULES);	/* rule -> its stopgap (issue 26) */
+BPF_SK_STORAGE(fb_stop_st, struct fb_stop);	/* stopgapped socket -> what it was given */
 BPF_PERCPU_ARRAY(fb_counters, u64, FB_C_MAX);
 
 static __always_inline void count(u32 idx)
@@ -263,6 +278,74 @@ static __always_inline void fill_tuple(struct bpf_sock_ops *skops, struct fb_eve
 	wire_addrs6(e, l, r);
 }
 
+/*
+ * The stopgap (issue 26): rule r's pool is empty, so the socket gets r's rate as its maximum
+ * pacing rate.  bpf_setsockopt(SOL_SOCKET, SO_MAX_PACING_RATE) goes through the kernel's own
+ * socket option code on 6.1, 6.12 and 6.18 (sol_socket_sockopt -> sock_setsockopt /
+ * sk_setsockopt), which also marks the socket as needing pacing (sk_pacing_status), so TCP
+ * paces itself (its internal pacing timer; no fq needed since 4.20).  TCP's pacing counts
+ * payload bytes, htb whole frames: the rate is scaled by payload / frame of one full segment,
+ * so the stopgap is not looser than the class.  (TCP does not pace a flow's first 10 segments:
+ * the class lets its burst through there too.)  1: paced, 0: not (counted missed).
+ */
+static __always_inline int stopgap(struct bpf_sock_ops *skops, u32 r, u16 family)
+{
+	struct fb_rate *fr = fb_rate.lookup(&r);
+	struct bpf_sock *sk = skops->sk;
+	struct fb_stop *st;
+	u64 mss, rate;
+	int val;
+
+	if (!fr || !fr->rate || !sk)
+		return 0;
+	mss = skops->mss_cache;
+	if (!mss)
+		mss = 1448;
+	rate = fr->rate * mss / (mss + FB_TCP_HDR + (family == 4 ? 20 : 40) + FB_ETH_HDR);
+	if (!rate)
+		rate = 1;
+	if (rate >= 0xffffffffULL)
+		rate = 0xfffffffeULL;		/* ~0U means "no limit" */
+	st = fb_stop_st.sk_storage_get(sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (!st)
+		return 0;			/* could not be lifted later: not set */
+	val = (int)(u32)rate;
+	if (bpf_setsockopt(skops, SOL_SOCKET, SO_MAX_PACING_RATE, &val, sizeof(val)) != 0)
+		return 0;
+	st->rule = r;
+	st->rate = (u32)rate;
+	st->gen = fr->gen;
+	/* the socket's ACKs re-check its rule (fb_rate.gen): a reload lifts the limit */
+	bpf_sock_ops_cb_flags_set(skops, skops->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_RTT_CB_FLAG);
+	return 1;
+}
+
+/* An ACK of a stopgapped socket: its limit stays while its rule is unchanged (the class of the
+ * flow has the same rate), and is lifted once the rule, or one before it, changed. */
+static __always_inline void recheck_stopgap(struct bpf_sock_ops *skops)
+{
+	struct bpf_sock *sk = skops->sk;
+	struct fb_stop *st;
+	struct fb_rate *fr;
+	u32 r;
+	int val = -1;				/* ~0U: no limit */
+
+	if (!sk)
+		return;
+	st = fb_stop_st.sk_storage_get(sk, 0, 0);
+	if (!st || !st->rate)
+		return;				/* not ours (another program asked for RTT_CB) */
+	r = st->rule;
+	fr = fb_rate.lookup(&r);
+	if (fr && fr->gen == st->gen)
+		return;
+	if (bpf_setsockopt(skops, SOL_SOCKET, SO_MAX_PACING_RATE, &val, sizeof(val)) != 0)
+		return;				/* tried again at the next ACK */
+	st->rate = 0;
+	count(FB_C_LIFTED);
+	bpf_sock_ops_cb_flags_set(skops, skops->bpf_sock_ops_cb_flags & ~BPF_SOCK_OPS_RTT_CB_FLAG);
+}
+
 static __always_inline void established(struct bpf_sock_ops *skops, struct fb_config *cfg,
 					u8 direction)
 {
@@ -294,12 +377,14 @@ static __always_inline void established(struct bpf_sock_ops *skops, struct fb_co
 
 	if (!classid) {
 		count(FB_C_EMPTY);
+		count(stopgap(skops, chosen, f.ev.family) ? FB_C_STOPGAP : FB_C_MISSED);
 		return;
 	}
 	int prio = (int)classid;
 
 	if (bpf_setsockopt(skops, SOL_SOCKET, SO_PRIORITY, &prio, sizeof(prio)) != 0) {
 		count(FB_C_SETSOCKOPT);	/* still reported: the daemon gives the class back */
+		count(stopgap(skops, chosen, f.ev.family) ? FB_C_STOPGAP : FB_C_MISSED);
 	} else {
 		count(FB_C_CLAIMED);
 		/* tell user space when this socket is closed: until then the class id
@@ -329,6 +414,11 @@ static __always_inline int sockops(struct bpf_sock_ops *skops, const int may_ask
 	u32 zero = 0, op = skops->op;
 	struct fb_config *cfg;
 
+	if (op == BPF_SOCK_OPS_RTT_CB) {
+		/* only stopgapped sockets asked for this callback (and maybe another program's) */
+		recheck_stopgap(skops);
+		return 1;
+	}
 	if (op == BPF_SOCK_OPS_STATE_CB) {
 		/* only sockets that claimed a class asked for this callback */
 		u64 cookie;

@@ -31,7 +31,10 @@
 #define FB_C_SETSOCKOPT   4 /* bpf_setsockopt(SO_PRIORITY) failed */
 #define FB_C_LOST         5 /* ring buffer full: claim not reported */
 #define FB_C_NOMATCH      6 /* no rule matched */
-#define FB_C_MAX          7
+#define FB_C_STOPGAP      7 /* no class: paced by TCP at the rule's rate (fb_rate) */
+#define FB_C_MISSED       8 /* decided here but neither a class nor the stopgap */
+#define FB_C_LIFTED       9 /* a stopgap lifted: its rule changed since (fb_rate.gen) */
+#define FB_C_MAX          10
 
 /*
  * The rules as bit masks (bit i = rule i, first match wins = lowest bit).
@@ -61,6 +64,28 @@ struct fb_config {
 	__u64 any_comm;      /* rules without a process condition */
 	__u64 any_uid;       /* rules without a user condition */
 	__u64 any_remote;    /* rules without remote prefixes */
+};
+
+/*
+ * The stopgap (issue 26) of kernel rule r: fb_rate[r].  A flow decided here
+ * that finds r's pool empty gets SO_MAX_PACING_RATE (TCP paces itself, no fq
+ * needed) from `rate`, the class's rate in bytes/s on the wire, scaled to TCP
+ * payload per segment (what TCP's pacing counts) by the program.  `gen`
+ * changes whenever rule r, or a rule before it, changes (user space): a
+ * stopgapped socket whose recorded gen differs has its limit lifted at its
+ * next ACK (its flow's class, made for the new rules, paces it).  rate 0: no
+ * stopgap for r.
+ */
+struct fb_rate {
+	__u64 rate;          /* bytes/s as the class counts them (whole frames) */
+	__u64 gen;
+};
+
+/* a stopgapped socket's record (socket storage, gone with the socket) */
+struct fb_stop {
+	__u32 rule;
+	__u32 rate;          /* what SO_MAX_PACING_RATE was set to (payload bytes/s) */
+	__u64 gen;           /* fb_rate[rule].gen when it was set */
 };
 
 struct fb_comm_key {
