@@ -27,6 +27,7 @@ from typing import Callable, List, Optional
 
 from flowpacer.policy import engine, rules as rules_loader
 from flowpacer.surfaces import view as views
+from flowpacer.surfaces import explain
 from flowpacer.surfaces.control import DEFAULT_SOCKET, ControlServer, command_handler
 from flowpacer.errors import FlowpacerError, TracerUnavailable
 from flowpacer.daemon.mainloop import MainLoop, sd_notify
@@ -34,8 +35,8 @@ from flowpacer.daemon.memory import release_compiler_memory
 from flowpacer.surfaces.metrics import (DEFAULT_ADDRESSES, DEFAULT_LISTEN,
                                         DEFAULT_MAX_FLOW_SERIES, FlowpacerCollector,
                                         MetricsServer)
-from flowpacer.model import (BackendKind, DaemonView, FlowKey, FlowSourceMode, FlowSourceStatus,
-                             Protocol, ReloadResult, RuleSet, TracerStats, endpoint)
+from flowpacer.model import (BackendKind, DaemonView, FlowSourceMode, FlowSourceStatus,
+                             ReloadResult, RuleSet, TracerStats)
 from flowpacer.daemon.reconciler import Reconciler
 from flowpacer.daemon.stages import GiveUp, Stage, StageContext
 from flowpacer.daemon.supervisor import BackendSupervisor, TcBackendFactory
@@ -86,40 +87,6 @@ def _real_firstbyte():
         log.warning("%s=%r ignored (%s): %d ready classes per rule", POOL_ENV, raw, e,
                     POOL_TARGET)
         return FirstByte()
-
-
-MAX_EXPLAIN = 32        # flows in one explain answer (the rest are counted)
-_FILTER_KEYS = ("local_addr", "local_port", "remote_addr", "remote_port", "protocol")
-
-
-def _flow_filter(req: dict) -> Callable[[FlowKey], bool]:
-    """An explain request's addresses, ports and protocol -> a test of a flow's key (addresses
-    as on the wire: an IPv4-mapped one is its IPv4 address). FlowpacerError for a bad one."""
-    want = {k: req[k] for k in _FILTER_KEYS if req.get(k) not in (None, "")}
-    if not want:
-        raise FlowpacerError("explain: give at least one of " + ", ".join(_FILTER_KEYS))
-    try:
-        addrs = {k: FlowKey.wire_address(str(want[k])) for k in ("local_addr", "remote_addr")
-                 if k in want}
-        ports = {}
-        for k in ("local_port", "remote_port"):
-            if k in want:
-                v = want[k]
-                if isinstance(v, bool) or not isinstance(v, (int, str)) or \
-                        not str(v).isdigit() or not 0 < int(v) < 65536:
-                    raise ValueError(f"{k} {v!r} is not a port")
-                ports[k] = int(v)
-        proto = Protocol(str(want["protocol"])) if "protocol" in want else None
-    except ValueError as e:
-        raise FlowpacerError(f"explain: {e}") from None
-
-    def test(key: FlowKey) -> bool:
-        return (addrs.get("local_addr", key.local_addr) == key.local_addr
-                and addrs.get("remote_addr", key.remote_addr) == key.remote_addr
-                and ports.get("local_port", key.local_port) == key.local_port
-                and ports.get("remote_port", key.remote_port) == key.remote_port
-                and (proto in (None, Protocol.ANY) or proto is key.protocol))
-    return test
 
 
 class Daemon:
@@ -375,7 +342,8 @@ class Daemon:
         class counters are read after it is released, so that a status poll (``top`` asks every
         second) never holds up the tracer's events. ``all_flows``: also every live flow without
         a send class, with the reason (``status --all``)."""
-        unshaped = self._unshaped() if all_flows else None
+        unshaped = (explain.unshaped(self.lock, self.reconciler, self.supervisor)
+                    if all_flows else None)
         v = self.view()
         channels = self.supervisor.open_stats_channel()
         try:
@@ -390,48 +358,9 @@ class Daemon:
             out["unshaped"] = unshaped
         return out
 
-    def _unshaped(self) -> list:
-        """Each live flow without a send class and why (the engine's walk, ``engine.explain``)."""
-        with self.lock:
-            rs = self.reconciler.rules
-            b = self.supervisor.backend
-            ok, health = self.supervisor.usable, self.supervisor.health.value
-            out = []
-            for key, flow in sorted(self.reconciler.table.flows.items()):
-                if b is not None and b.shape_of(key) is not None:
-                    continue
-                why = views.why_unshaped(engine.explain(rs.rules, flow), ok, health)
-                out.append(views.unshaped_json(flow, why))
-            return out
-
     def explain(self, req: dict) -> dict:
-        """The control socket's explain answer: the live flows with the addresses and ports
-        asked (``local_addr``, ``local_port``, ``remote_addr``, ``remote_port``, ``protocol``:
-        any of them, at least one), at most ``MAX_EXPLAIN``, each with the rule it gets and
-        why, whether the kernel shapes it from the first byte, its classes and counters."""
-        from flowpacer.policy import handshake
-        wanted = _flow_filter(req)
-        with self.lock:
-            rs = self.reconciler.rules
-            found = [f for k, f in sorted(self.reconciler.table.flows.items()) if wanted(k)]
-            b = self.supervisor.backend
-            classed = {f.key for f in found if b is not None and b.shape_of(f.key) is not None}
-            ok, health = self.supervisor.usable, self.supervisor.health.value
-        shown = found[:MAX_EXPLAIN]
-        compiled = handshake.compile_rules(rs) if shown else None
-        classes: dict = {}
-        if shown:
-            for c in self.status()["flows"]:
-                classes.setdefault((c["local"], c["remote"], c["protocol"]), []).append(c)
-        out = []
-        for f in shown:
-            e = engine.explain(rs.rules, f)
-            mine = classes.get((endpoint(f.key.local_addr, f.key.local_port),
-                                endpoint(f.key.remote_addr, f.key.remote_port),
-                                f.key.protocol.value), [])
-            why = "" if f.key in classed else views.why_unshaped(e, ok, health)
-            out.append(views.explain_json(e, handshake.first_byte(rs, f, compiled), mine, why))
-        return {"flows": out, "matched": len(found)}
+        """The control socket's explain answer (``surfaces/explain.py``)."""
+        return explain.live(req, self.lock, self.reconciler, self.supervisor, self.status)
 
     def _class_stats(self) -> dict:
         """Read by the metrics stage over its own channels, without the loop's lock."""
