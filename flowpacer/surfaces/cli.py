@@ -72,10 +72,14 @@ def main():
 @click.option("--web.config.file", "web_config_file", type=click.Path(dir_okay=False),
               help="TLS and basic auth of the metrics endpoint (Prometheus exporter web "
                    "configuration file)")
+@click.option("--keep-on-exit", is_flag=True, envvar="FLOWPACER_KEEP_ON_EXIT",
+              help="on SIGTERM leave the qdisc, classes and filters for the next start to adopt "
+                   "(a restart without a gap; the systemd unit removes them on stop)")
 @click.option("-v", "--verbose", count=True)
 def run(rules_path, interface, backend, socket_path, take_over, rescan, no_tracer, metrics_listen,
-        no_metrics, metrics_max_flows, metrics_addresses, web_config_file, verbose):
-    """Run the daemon: shape each matched flow until stopped (SIGTERM removes everything)."""
+        no_metrics, metrics_max_flows, metrics_addresses, web_config_file, keep_on_exit, verbose):
+    """Run the daemon: shape each matched flow until stopped (SIGTERM removes everything it
+    made, unless --keep-on-exit)."""
     _setup_logging(verbose)
     if os.geteuid() != 0:
         _fail("run needs root (CAP_NET_ADMIN for tc, CAP_BPF/CAP_SYS_ADMIN for the tracer)")
@@ -85,7 +89,8 @@ def run(rules_path, interface, backend, socket_path, take_over, rescan, no_trace
                        None if no_metrics else metrics_listen, metrics_max_flows,
                        metrics_addresses, web_config_file,
                        # benchmarks' "before" figures: flows get their class after the handshake
-                       first_byte=not os.environ.get("FLOWPACER_NO_FIRST_BYTE")))
+                       first_byte=not os.environ.get("FLOWPACER_NO_FIRST_BYTE"),
+                       keep_on_exit=keep_on_exit))
     try:
         d.start()
     except RulesError as e:
@@ -210,15 +215,32 @@ def top(socket_path, interval):
 
 
 @main.command()
-@click.option("--interface", required=True)
-def cleanup(interface):
-    """Remove everything flowpacer made on INTERFACE (no daemon needed)."""
-    from flowpacer.kernel.backend.ingress import cleanup as receive_cleanup
+@click.option("--interface", help="the interface to clean")
+@click.option("--all", "everywhere", is_flag=True,
+              help="every interface of this network namespace")
+@click.option("--after-stop", "unit", metavar="UNIT",
+              help="as the systemd unit UNIT's ExecStopPost=: do nothing when UNIT is being "
+                   "restarted (the next process adopts the classes)")
+def cleanup(interface, everywhere, unit):
+    """Remove everything flowpacer made on INTERFACE, or on every interface (no daemon needed)."""
+    if bool(interface) == bool(everywhere):
+        _fail("give --interface IF or --all")
+    if unit:
+        from flowpacer.surfaces.afterstop import after_stop
+        d = after_stop(unit)
+        if not d.remove:
+            click.echo(f"{unit}: flowpacer's classes left in place: {d.why}")
+            return
+    from flowpacer.kernel.backend.ingress import cleanup as receive_cleanup, cleanup_all
     from flowpacer.kernel.backend.tc import cleanup as do_cleanup
     try:
+        if everywhere:
+            done = cleanup_all()
+            click.echo("\n".join(done) if done else "nothing of flowpacer found")
+            return
         removed = do_cleanup(interface)
         rx = receive_cleanup(interface)       # the receive side's ifb and redirect (issue 17)
-    except FlowpacerError as e:
+    except (FlowpacerError, OSError) as e:
         _fail(str(e))
     what = [w for w, done in (("flowpacer qdisc", removed), ("receive side (ifb)", rx)) if done]
     click.echo(f"{interface}: {' and '.join(what) + ' removed' if what else 'nothing of flowpacer found'}")
