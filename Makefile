@@ -5,11 +5,28 @@ VENV  := .venv
 PY    := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: deps venv demo test check test-vm bench bench-quick soak install kmod sim clean deb
+.PHONY: deps deps-test deps-build deps-install venv demo test check test-vm bench bench-quick \
+	soak install kmod sim clean deb
 
-deps: .deps-stamp
+# What each target installs on this host (tools/setup.sh says it before doing it):
+#   deps-build    make deb's: dpkg-buildpackage, debian/control's Build-Depends, lintian
+#   deps-install  make install's: python3 with venv and pip, bcc, DKMS and a compiler
+#   deps (= deps-test)  everything make test and make demo need besides: nginx, prometheus,
+#                 qemu, tshark, mmdebstrap ..., the test VM's kernels (bookworm-backports' 6.12
+#                 becomes the default boot kernel), the venv. Never a prerequisite of deb/install.
+deps deps-test: .deps-stamp
 .deps-stamp: tools/setup.sh pyproject.toml
-	bash tools/setup.sh
+	bash tools/setup.sh test
+	touch $@
+
+deps-build: .deps-build-stamp
+.deps-build-stamp: tools/setup.sh
+	bash tools/setup.sh build
+	touch $@
+
+deps-install: .deps-install-stamp
+.deps-install-stamp: tools/setup.sh
+	bash tools/setup.sh install
 	touch $@
 
 demo: deps
@@ -48,7 +65,7 @@ kmod: deps
 sim: deps
 	$(PY) -c 'from harness.pspsim import pspsim; print(pspsim.build(force=True))'
 
-install: deps
+install: deps-install
 	bash tools/install.sh
 
 # Debian packages flowpacer_*.deb and sch-psp-dkms_*.deb (debian/, docs/packaging.md), built with
@@ -57,7 +74,7 @@ install: deps
 DEB_OUT ?= build/deb
 # Debian's own python3 and tools, not whatever python3 comes first in PATH (pyenv, a venv)
 DEB_PATH := /usr/sbin:/usr/bin:/sbin:/bin
-deb: deps
+deb: deps-build
 	rm -rf $(DEB_OUT) && mkdir -p $(DEB_OUT)/flowpacer
 	git ls-files -z --cached --others --exclude-standard | \
 	  (while IFS= read -r -d '' f; do [ -f "$$f" ] && printf '%s\0' "$$f"; done) | \

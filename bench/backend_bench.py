@@ -147,7 +147,8 @@ def daemon_scale(tb, steps=(100, 1000, 10_000), scrapes=5, mixed=False) -> dict:
     with ``mixed`` two, one over IPv4 and one over IPv6, half of the new flows each)."""
     tb.popen(tb.server_ns, [PY, "-m", "harness.blaster", "hold-serve", "--port", "7000"])
     tb.wait_listening(7000)
-    d = Daemon(tb, None, HELD_RULES, verbose=False, rules_mode=0o600).start(timeout=60)
+    d = Daemon(tb, None, HELD_RULES, "--metrics-addresses", "full", verbose=False,
+               rules_mode=0o600).start(timeout=60)
     wait_for(lambda: _try_scrape(tb), 30, 0.2, "the metrics endpoint")
     base = {"flows": 0, **d.memory(), "scrape_s": percentiles([scrape(tb.server_ns)[0] for _ in range(scrapes)])}
     holders, out, have = [], [], 0

@@ -32,6 +32,9 @@ BENCHES = [
                "IPv4 only and half IPv6"),
     Bench("daemon", "bench.daemon_bench", "daemon", ["--fresh"], ["--fresh", "--quick"], 300,
           what="time-to-shape, churn ceiling (IPv4 only and half IPv6), unshaped bytes per flow"),
+    Bench("burst", "bench.burst_bench", "burst", ["--label", "after"], ["--label", "after", "--quick"], 420,
+          what="issue 26: N = 100 ... 10 000 connections at once -> time until the last class is in, "
+               "daemon CPU per flow (IPv4 only and IPv4/IPv6/IPv4-mapped); churn ceiling to 8 000/s"),
     Bench("tracer", "bench.tracer_overhead", "tracer", [], ["--quick"], 150,
           what="eBPF tracer: event latency, connect+accept with and without it"),
     Bench("reliability", "bench.reliability", "reliability", [], ["--cycles", "10000"], 200,

@@ -32,7 +32,10 @@ class Protocol(str, enum.Enum):
 
     @property
     def number(self) -> int:
-        return {"tcp": 6, "udp": 17}.get(self.value, 0)
+        return _PROTO_NUMBER[self]
+
+
+_PROTO_NUMBER = {Protocol.TCP: 6, Protocol.UDP: 17, Protocol.ANY: 0}
 
 
 class Side(str, enum.Enum):
@@ -71,6 +74,9 @@ class FlowKey:
     remote_addr: IPAddress
     remote_port: int
     protocol: "Protocol" = Protocol.TCP
+    # the hash, computed once (a key is hashed a dozen times on its way to the kernel); not a
+    # part of the key: no __init__ argument, not compared, not shown
+    _hash: Optional[int] = field(default=None, init=False, repr=False, compare=False)
 
     @staticmethod
     def wire_address(addr) -> IPAddress:
@@ -101,7 +107,18 @@ class FlowKey:
     def sort_key(self) -> Tuple[int, int, int, int, int, int, int]:
         return (self.local_addr.version, int(self.local_addr), self.local_port,
                 self.remote_addr.version, int(self.remote_addr), self.remote_port,
-                self.protocol.number)
+                _PROTO_NUMBER[self.protocol])
+
+    def __hash__(self) -> int:
+        # over what __eq__ compares; ``ipaddress``' own hash formats the address as hex text
+        # each time, so the addresses' integers are hashed, once per key (integers only: the
+        # same in every process, so a copied key's cached hash stays right)
+        h = self._hash
+        if h is None:
+            h = hash((int(self.local_addr), self.local_port, int(self.remote_addr),
+                      self.remote_port, _PROTO_NUMBER[self.protocol]))
+            object.__setattr__(self, "_hash", h)
+        return h
 
     def __lt__(self, other: "FlowKey") -> bool:
         if not isinstance(other, FlowKey):
@@ -828,6 +845,7 @@ class DaemonView:
     receive_health: BackendHealth = BackendHealth.OK
     receive_problem: str = ""
     first_byte: Optional[FirstByteView] = None   # issue 16; None when the stage is off
+    backend_fell_back: bool = False      # a lost psp replaced by htb (BackendSupervisor.fell_back)
 
     @property
     def healthy(self) -> bool:

@@ -118,13 +118,20 @@ def parse_rate(text: object, link_bps: Optional[int] = None) -> int:
         s = s[1:]
     m = _RATE_RE.fullmatch(s)
     if m is None:
-        sp = _SPACED_RE.fullmatch(s)
-        if sp is not None:
+        sp = _SPACED_RE.fullmatch(s) or _SPACED_RE.fullmatch(s.replace("/s", "ps", 1))
+        if sp is not None and "/" not in s:
+            if sp["unit"].lower() in BYTE_UNITS:
+                raise ValueError(f"{_show(s)}: no space between number and unit, and "
+                                 f"{_show(sp['unit'])} is tc's BYTES per second: write "
+                                 f"{_spelling(sp['num'], sp['unit'])}")
             raise ValueError(f"{_show(s)}: no space between number and unit "
-                             f"(write '{sp['num']}{sp['unit']}', as tc wants it)")
+                             f"(write {_spelling(sp['num'], sp['unit'])}, as tc wants it)")
         lead = re.match(_NUMBER, s)
         if lead is not None and lead.end() < len(s):
             unit = s[lead.end():]
+            accepted = _accepted_spelling(lead.group(), unit)
+            if accepted:
+                raise ValueError(f"{_show(s)} is not a tc rate: write {accepted}")
             raise ValueError(f"unknown rate unit {_show(unit)}{_unit_hint(unit)}")
         raise ValueError(f"not a rate: {_show(s)} (expected a number with a tc unit, e.g. '8mbit')")
     value = _number(m["num"])
@@ -147,6 +154,79 @@ def parse_rate(text: object, link_bps: Optional[int] = None) -> int:
     if bps > MAX_RATE_BPS:
         raise ValueError(f"{_show(s)}: rate too large (above 2^64-1 bytes/s)")
     return bps
+
+
+BYTE_UNITS = frozenset(u for u in UNITS if u.endswith("bps"))
+_BYTE_WORDS = {"": "bytes", "k": "kilobytes", "m": "megabytes", "g": "gigabytes", "t": "terabytes",
+               "ki": "kibibytes", "mi": "mebibytes", "gi": "gibibytes", "ti": "tebibytes"}
+_BIT_WORDS = {"": "bits", "k": "kilobits", "m": "megabits", "g": "gigabits", "t": "terabits",
+              "ki": "kibibits", "mi": "mebibits", "gi": "gibibits", "ti": "tebibits"}
+
+
+def _bit_unit(unit: str) -> Optional[str]:
+    """A unit as people write it ("Mbit/s", "Mbits", "kb/s" is not one) -> the tc bit unit it
+    means ("mbit"), None when it names no bit unit of tc's."""
+    u = unit.lower().replace(" ", "")
+    if u.endswith("/s"):
+        u = u[:-2]
+    elif u.endswith("ps") and not u.endswith("bps"):
+        u = u[:-2]
+    if u.endswith("bits"):
+        u = u[:-1]
+    return u if u in UNITS and not u.endswith("bps") else None
+
+
+def _spelling(num: str, unit: str) -> str:
+    """The accepted spelling of NUM UNIT written with a space: the bit unit it means, and for a
+    byte unit ("10 Mbps") both readings."""
+    u = unit.lower()
+    if u in BYTE_UNITS:
+        prefix = u[:-3]
+        bit = (prefix + "bit") if prefix else "bit"
+        return (f"'{num}{bit}' for {num} {_BIT_WORDS[prefix]}/s ('{num}{u}' is tc's "
+                f"{num} {_BYTE_WORDS[prefix]}/s, 8 times as much)")
+    bit = _bit_unit(unit)
+    return f"'{num}{bit or unit}'"
+
+
+def _accepted_spelling(num: str, unit: str) -> Optional[str]:
+    """"10Mbit/s", "10 Mbit/s", "10 Mbps" -> how tc wants it written, None when the unit
+    means nothing known."""
+    stripped = unit.strip()
+    if stripped.lower() in BYTE_UNITS:
+        return _spelling(num, stripped)
+    bit = _bit_unit(stripped)
+    return f"'{num}{bit}'" if bit else None
+
+
+def byte_unit_warning(text: object) -> Optional[str]:
+    """For a rate written with one of tc's BYTE units ("320kbps", "10mbps", "1Bps"): a one-line
+    warning that spells out both readings and the bit spelling to write; None for any other
+    rate (bit units, plain numbers, percentages, or text that is not a rate at all).
+
+    tc reads "kbps" as kilobytes per second; in audio and ISP language it means kilobits.
+    flowpacer keeps tc's meaning (the value is parsed as tc parses it) and says so."""
+    if not isinstance(text, str):
+        return None
+    m = _RATE_RE.fullmatch(text.strip().lstrip("+"))
+    if m is None or m["unit"].lower() not in BYTE_UNITS:
+        return None
+    num, unit = m["num"], m["unit"]
+    u = unit.lower()
+    prefix = u[:-3]
+    bit = (prefix + "bit") if prefix else "bit"
+    try:
+        as_bytes = parse_rate(text)
+        as_bits = _number(num) * UNITS[bit]
+    except ValueError:
+        return None
+    keep = format_rate(as_bytes)
+    if keep.endswith("bps"):            # no bit unit divides it: in plain bits
+        keep = f"{as_bytes * 8}bit"
+    return (f"{_show(text.strip())} uses tc's byte unit {_show(unit)}: {num} {_BYTE_WORDS[prefix]}/s "
+            f"= {format_bits(as_bytes)} (the reading used), not {num} {_BIT_WORDS[prefix]}/s "
+            f"= {_exact_bits(as_bits)}; write '{num}{bit}' for bits, or "
+            f"'{keep}' to keep {format_bits(as_bytes)} without this warning")
 
 
 def _unit_hint(unit: str) -> str:
@@ -199,6 +279,14 @@ def format_bytes(n: int) -> str:
         if n >= div:
             return f"{n / div:.3g} {name}"
     return f"{n} B"
+
+
+def _exact_bits(bits: Fraction) -> str:
+    """bits/s (exact, not rounded to bytes) -> "320 Kbit/s", "1 bit/s"."""
+    for name, mult in _HUMAN:
+        if bits >= mult:
+            return f"{_decimals(Fraction(bits) / mult)} {name}"
+    return f"{_decimals(Fraction(bits))} bit/s"
 
 
 def _decimals(value: Fraction) -> str:

@@ -170,7 +170,8 @@ def test_make_deb_builds_both_packages_lintian_clean(debs):
                  "/etc/flowpacer/rules.yaml", "/usr/share/man/man8/flowpacer.8.gz",
                  "/usr/share/man/man5/flowpacer-rules.5.gz",
                  "/usr/lib/python3/dist-packages/flowpacer/sources/bpf/flowtrace.c",
-                 "/usr/share/doc/flowpacer/examples/example.yaml"):
+                 "/usr/share/doc/flowpacer/examples/example.yaml",
+                 "/usr/share/doc/flowpacer/examples/flowpacer-alerts.yml"):
         assert path in have, path
     assert not [p for p in have if "/kmod" in p], "the module's source belongs to sch-psp-dkms"
     dist = "/usr/lib/python3/dist-packages/"      # the product only, in its rooms (issue 25)

@@ -363,6 +363,8 @@ def check(kernel, rs, c, sock):
     want = engine.first_match(rules, flow)
     idx = None if want is None else rules.index(want)
     upto = range(len(rules)) if idx is None else range(idx + 1)
+    if sock.attributed:      # flowpacer explain's "first byte" says what the kernel does
+        assert handshake.first_byte(rs, flow, c)[0] is (got >= 0), (sock, got, why)
     if got >= 0:
         # a claim is only ever the engine's rule, and a rule the kernel decides wholly
         assert got == idx and got in c.kernel, (sock, got, idx)
@@ -399,8 +401,7 @@ def sock(remote="10.1.2.3", local=None, lport=8443, rport=40000, inbound=True, a
 CUT = NAMES[5]                          # its comm ends in a character cut in two
 
 
-@pytest.mark.kernel
-@pytest.mark.parametrize("rules, s, want", [
+FIXED_CASES = [
     # the bug: a udp rule first took the tcp flows of the rule after it
     ([rule("u", process=("musicd",), protocol=Protocol.UDP), rule("t", process=("musicd",))],
      sock(), (1, None)),
@@ -458,12 +459,32 @@ CUT = NAMES[5]                          # its comm ends in a character cut in tw
      sock(lport=1063), (63, None)),
     ([rule(f"p{i}", local_port=PortSet(((1000 + i, 1000 + i),))) for i in range(64)],
      sock(lport=999), (-1, "no match")),
-])
+]
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("rules, s, want", FIXED_CASES)
 def test_the_kernel_on_fixed_cases(kernel, rules, s, want):
     rs = RuleSet("eth0", rules=tuple(rules))
     c = handshake.compile_rules(rs)
     kernel.load(c)
     assert check(kernel, rs, c, s) == want
+
+
+@pytest.mark.parametrize("rules, s, want", [c for c in FIXED_CASES if c[1].attributed])
+def test_explains_first_byte_verdict_is_the_kernels_on_fixed_cases(rules, s, want):
+    """``flowpacer explain``'s "first byte" line (handshake.first_byte) says what the real
+    program does in the cases above (a socket whose owner the kernel knows)."""
+    rs = RuleSet("eth0", rules=tuple(rules))
+    yes, why = handshake.first_byte(rs, s.flow())
+    got, reason = want
+    assert yes is (got >= 0), why
+    if got >= 0:
+        assert why.startswith(f"rule {rules[got].name!r} is decided in the kernel")
+    elif reason == "no match":
+        assert why == "no rule matches it"
+    else:
+        assert "left to user space" in why or "not decided in the kernel" in why, why
 
 
 EXAMPLES = int(os.environ.get("FP_EXAMPLES", "200"))

@@ -37,13 +37,20 @@ def test_foreign_class_at_our_next_id_is_left_alone(testbed):
     assert "rate 3Mbit" in tc(testbed, "class", "show", "dev", testbed.server_if, "classid", "f1f0:10").stdout
 
 
-def test_enobufs_resyncs_from_the_kernel(testbed):
-    """A receive buffer too small for the acks: the batch fails with ENOBUFS; resync() rebuilds
-    the bookkeeping from the kernel and everything can be removed again."""
+def test_enobufs_resyncs_from_the_kernel(testbed, tmp_path):
+    """A receive buffer too small for the kernel's answers: the batch fails with ENOBUFS;
+    resync() rebuilds the bookkeeping from the kernel and everything can be removed again.
+    A batch asks for one ack per sendmsg, but the kernel answers each refusal: here, class ids
+    of ours that someone else took (EEXIST), more of them than the buffer holds."""
     with in_netns(testbed.server_ns):
         rt = nl.RtnlSocket()
         b = tcb.TcBackend(HtbCodec(), testbed.server_if, 1000 * MBIT, rtnl=rt)
         b.setup()
+    batch = tmp_path / "foreign.tc"
+    batch.write_text("".join(f"class add dev {testbed.server_if} parent f1f0:1 classid f1f0:{m:x} "
+                             "htb rate 3mbit\n" for m in range(0x10, 0x10 + 40)))
+    testbed.run(testbed.server_ns, ["tc", "-batch", str(batch)])
+    with in_netns(testbed.server_ns):
         rt._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
         keys = [FlowKey(testbed.server_v4, 80, testbed.client_v4, 10000 + i) for i in range(3000)]
         with pytest.raises(NetlinkError) as e:

@@ -16,37 +16,13 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from flowpacer.surfaces.metrics import FlowpacerCollector, LatencyHistogram
-from flowpacer.model import (BackendHealth, ClassStats, DaemonCounters, DaemonView, Direction,
-                             EventCounts, FlowKey, FlowSource, FlowSourceMode, FlowSourceStatus,
-                             FlowView, Histogram, StageState, StageView, TracerStats)
+from flowpacer.surfaces import metrics
+from flowpacer.surfaces.metrics import FlowpacerCollector
+from flowpacer.model import ClassStats, Direction, FlowKey, FlowSource, FlowView, Side
 from harness.testbed import client_argv, in_netns, server_argv, wait_for
 
 from harness.daemon import Daemon
-
-
-def _flow(i, rule="r", rate=1000, process="srv\n\x1b[31m"):
-    k = FlowKey(ipaddress.ip_address("10.0.0.1"), 80, ipaddress.ip_address("10.0.0.2"), 1000 + i)
-    return FlowView(k, f"f1f0:{0x10 + i:x}", rule, rate, rate, 1, process, 0, Direction.INBOUND,
-                    FlowSource.TRACER)
-
-
-def _view(flows, **kw):
-    h = LatencyHistogram()
-    h.observe(0.0003)
-    buckets, total = h.cumulative()
-    counters = dict(applies=1, op_errors=0, reloads_ok=1, reloads_failed=0,
-                    backend_rebuild_failures=0, apply_hist=Histogram(tuple(buckets), total))
-    counters.update(kw.pop("counters", {}))
-    v = dict(backend="htb", backend_reason="", interface="eth0",
-             backend_health=BackendHealth.OK, backend_problem="", link_rate_bps=125_000_000,
-             rules_path="/r.yaml", rule_names=("r", "s"),
-             flow_source=FlowSourceStatus(FlowSourceMode.TRACER),
-             tracer=TracerStats(lost=0, unattributed=0), live_flows=len(flows), flows=tuple(flows),
-             stages=(StageView("main", StageState.RUNNING), StageView("tracer", StageState.RUNNING)),
-             counters=DaemonCounters(**counters), events=EventCounts(tracer_open=3))
-    v.update(kw)
-    return DaemonView(**v)
+from harness.metricsview import daemon_view as _view, flow_view as _flow
 
 
 def scrape(collector):
@@ -67,7 +43,7 @@ def value(samples, name, **labels):
 def test_collector_bounds_series_and_counts_overflow():
     flows = [_flow(i) for i in range(10)]
     stats = {f.stats_key("eth0"): ClassStats(bytes=100, packets=1) for f in flows}
-    c = FlowpacerCollector(lambda: _view(flows), lambda: stats, max_flow_series=4)
+    c = FlowpacerCollector(lambda: _view(flows), lambda: stats, max_flow_series=4, addresses="full")
     m = scrape(c)
     assert len(m["flowpacer_flow_sent_bytes_total"]) == 4
     assert value(m, "flowpacer_flow_series_overflow") == 6
@@ -94,12 +70,90 @@ def test_rule_totals_are_counters_across_flow_ends_and_rule_changes():
     assert value(m, "flowpacer_apply_duration_seconds_count") == 1
 
 
+def _client_flow(i, net="198.51.100", port=80, direction=Direction.INBOUND, **kw):
+    k = FlowKey(ipaddress.ip_address("10.0.0.1"), port, ipaddress.ip_address(f"{net}.{i}"),
+                40000 + i)
+    return FlowView(k, f"f1f0:{0x10 + i:x}", "r", 1000, 1000, 1, "srv", 0, direction,
+                    FlowSource.TRACER, **kw)
+
+
+def test_defaults_follow_the_cardinality_advice():
+    """By default (the daemon's options, the collector's) no series names a client's address or
+    its ephemeral port: new connections from a known network add no series. IPv4, IPv6 and
+    IPv4-mapped clients of one network share their series."""
+    from flowpacer.daemon.app import Options
+    from flowpacer.surfaces.cli import run
+    opt = {p.name: p.default for p in run.params}
+    assert opt["metrics_addresses"] == Options("r").metrics_addresses == metrics.DEFAULT_ADDRESSES \
+        == "prefix"
+    assert opt["metrics_max_flows"] == Options("r").max_flow_series == metrics.DEFAULT_MAX_FLOW_SERIES
+    flows = [_client_flow(i) for i in range(1, 30)]
+    mapped = FlowKey(ipaddress.ip_address("::ffff:10.0.0.1"), 80,
+                     ipaddress.ip_address("::ffff:198.51.100.200"), 50000)
+    flows.append(dataclasses.replace(flows[0], key=mapped))
+    v6 = [_client_flow(i) for i in (1, 2)]
+    v6 = [dataclasses.replace(f, key=FlowKey(ipaddress.ip_address("2001:db8::1"), 80,
+                                             ipaddress.ip_address(f"2001:db8:7:1::{i}"), 41000 + i))
+          for i, f in enumerate(v6)]
+    flows += v6
+    stats = {f.stats_key("eth0"): ClassStats(bytes=10, packets=1) for f in flows}
+    c = FlowpacerCollector(lambda: _view(flows), lambda: stats)
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(c)
+    text = generate_latest(reg).decode()
+    m = scrape(c)
+    sent = m["flowpacer_flow_sent_bytes_total"]
+    assert sorted((s.labels["remote_address"], s.labels["remote_port"], s.labels["local_port"],
+                   s.value) for s in sent) == [("198.51.100.0/24", "", "80", 300.0),
+                                               ("2001:db8:7::/48", "", "80", 20.0)]
+    assert "198.51.100.7" not in text and "40007" not in text and "2001:db8:7:1::" not in text
+    assert value(m, "flowpacer_rule_flows", rule="r") == 32
+
+
+def test_send_and_receive_are_counted_apart():
+    """A flow shaped both ways (rate and receive_rate) is one flow; its received bytes are in
+    the rule's received totals only, never in flowpacer_rule_sent_bytes_total."""
+    both = _client_flow(1)
+    recv = dataclasses.replace(both, side=Side.RECEIVE)
+    only_send = _client_flow(2)
+    stats = {both.stats_key("eth0"): ClassStats(bytes=1000, packets=10, drops=1),
+             recv.stats_key("eth0"): ClassStats(bytes=70, packets=7, drops=2),
+             only_send.stats_key("eth0"): ClassStats(bytes=500, packets=5)}
+    view = {"v": _view([both, recv, only_send])}
+    c = FlowpacerCollector(lambda: view["v"], lambda: stats)
+    m = scrape(c)
+    assert value(m, "flowpacer_rule_flows", rule="r") == 2
+    assert value(m, "flowpacer_flows", state="shaped") == 2
+    assert value(m, "flowpacer_rule_sent_bytes_total", rule="r") == 1500
+    assert value(m, "flowpacer_rule_sent_packets_total", rule="r") == 15
+    assert value(m, "flowpacer_rule_dropped_packets_total", rule="r") == 1
+    assert value(m, "flowpacer_rule_received_bytes_total", rule="r") == 70
+    assert value(m, "flowpacer_rule_received_packets_total", rule="r") == 7
+    assert value(m, "flowpacer_rule_receive_dropped_packets_total", rule="r") == 2
+    assert value(m, "flowpacer_rule_received_bytes_total", rule="s") == 0     # every rule
+    # the flow ends: both sides' totals keep what was counted, each on its own side
+    view["v"] = _view([only_send])
+    m = scrape(c)
+    assert value(m, "flowpacer_rule_sent_bytes_total", rule="r") == 1500
+    assert value(m, "flowpacer_rule_received_bytes_total", rule="r") == 70
+    assert value(m, "flowpacer_rule_flows", rule="r") == 1
+
+
+def test_build_info():
+    from importlib import metadata
+    import platform
+    m = scrape(FlowpacerCollector(lambda: _view([]), dict))
+    (s,) = m["flowpacer_build_info"]
+    assert s.value == 1 and s.labels == {"version": metadata.version("flowpacer"),
+                                         "python": platform.python_version()}
+
+
 @pytest.mark.kernel
 def test_daemon_endpoint_serves_flows_and_only_metrics(testbed, tmp_path):
     from harness.daemon import RULES
     testbed.popen(testbed.server_ns, server_argv([9101], "fp-test-srv"))
     testbed.wait_listening(9101)
-    d = Daemon(testbed, tmp_path, RULES).start()
+    d = Daemon(testbed, tmp_path, RULES, "--metrics-addresses", "full").start()
     try:
         c = testbed.popen(testbed.client_ns, client_argv(str(testbed.server_v4), 9101, 4, local_port=46001),
                           stdout=subprocess.PIPE, text=True)

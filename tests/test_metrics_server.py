@@ -81,7 +81,10 @@ def test_flow_labels_drop_ports_with_addresses():
     assert flow_labels("r", "p", "inbound", k, AddressLabels.FULL) == \
         ("r", "p", "inbound", "10.0.0.1", "80", "10.9.8.7", "1001", "tcp", "send")
     assert flow_labels("r", "p", "inbound", k, AddressLabels.PREFIX) == \
-        ("r", "p", "inbound", "10.0.0.0/24", "80", "10.9.8.0/24", "1001", "tcp", "send")
+        ("r", "p", "inbound", "10.0.0.0/24", "80", "10.9.8.0/24", "", "tcp", "send")
+    # prefix keeps the service's port only: the remote one of an outbound flow, none unknown
+    assert flow_labels("r", "p", "outbound", k, AddressLabels.PREFIX)[4:7] == ("", "10.9.8.0/24", "1001")
+    assert flow_labels("r", "p", "", k, AddressLabels.PREFIX)[4:7] == ("", "10.9.8.0/24", "")
     assert flow_labels("r", "p", "inbound", k, AddressLabels.NONE, "receive") == \
         ("r", "p", "inbound", "", "", "", "", "tcp", "receive")     # the side stays (issue 17)
     u = dataclasses.replace(k, protocol=Protocol.UDP)      # issue 17: the protocol label
@@ -152,8 +155,9 @@ def test_collector_address_modes_and_clean_labels_everywhere(mode):
     if mode is AddressLabels.FULL:
         assert remotes == ["10.1.2.3", "10.1.2.4", "192.0.2.9"]
     elif mode is AddressLabels.PREFIX:
-        assert remotes == ["10.1.2.0/24", "10.1.2.0/24", "192.0.2.0/24"]
-        assert all(s.labels["remote_port"] for s in sent)
+        # the two flows from 10.1.2.0/24 share a series: their ephemeral ports are dropped
+        assert remotes == ["10.1.2.0/24", "192.0.2.0/24"]
+        assert all(s.labels["remote_port"] == "" and s.labels["local_port"] == "80" for s in sent)
     else:
         # nothing of the address or ports; the two flows of rule r share one series
         assert remotes == ["", ""] and all(s.labels["remote_port"] == "" for s in sent)
@@ -165,7 +169,8 @@ def test_only_the_busiest_flows_get_series():
     flows = [_flow(i, process="srv") for i in range(10)]
     stats = {f.stats_key(_view(flows).interface): ClassStats(bytes=i * 10)
              for i, f in enumerate(flows)}
-    c = FlowpacerCollector(lambda: _view(flows), lambda: stats, max_flow_series=3)
+    c = FlowpacerCollector(lambda: _view(flows), lambda: stats, max_flow_series=3,
+                           addresses="full")
     _text, samples = _scrape(c)
     sent = [s for s in samples if s.name == "flowpacer_flow_sent_bytes_total"]
     assert sorted(s.value for s in sent) == [70, 80, 90]

@@ -113,7 +113,7 @@ def test_mixed_batches_through_table_engine_backend_view_metrics_top(ks, extra, 
     from prometheus_client import CollectorRegistry
     from prometheus_client.exposition import generate_latest
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(FlowpacerCollector(lambda: v, lambda: sup.class_stats(ch)))
+    reg.register(FlowpacerCollector(lambda: v, lambda: sup.class_stats(ch), addresses="full"))
     text = generate_latest(reg).decode()
     assert text.count("flowpacer_flow_sent_bytes_total{") == len(want)
     tv = Tracker("/nonexistent", 1.0).update(j, time.monotonic())

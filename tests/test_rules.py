@@ -877,3 +877,152 @@ def test_receive_only_rule_errors_have_their_place():
         f"r.yaml:{n}:{c}: rule 'r': {k}: needs rate (it shapes what is sent; this rule has "
         "receive_rate only)" for n, c, k in ((6, 11, "ceil"), (7, 18, "client_rate"),
                                              (8, 17, "total_rate"))]
+
+
+# ------------------------------------------- units that bite, rules that cannot win (issue 28)
+
+BYTE_UNITS = """\
+    interface: eth0
+    link_rate: 125mbps
+    rules:
+      - name: radio
+        match: {process: icecast}
+        rate: 320kbps  # a 320 kbit/s stream
+      - name: dl
+        match: {process: nginx}
+        rate: 10mbit
+        ceil: 10mbps
+"""
+
+
+def test_byte_units_load_with_a_warning_at_the_value():
+    rs = ok(BYTE_UNITS)
+    assert rs.link_rate_bps == 125_000_000 and rs.rules[0].rate_bps == 320_000
+    assert rs.rules[1].ceil_bps == 10_000_000
+    assert [str(w) for w in rs.warnings] == [
+        "r.yaml:2:12: link_rate: warning: '125mbps' uses tc's byte unit 'mbps': 125 megabytes/s "
+        "= 1 Gbit/s (the reading used), not 125 megabits/s = 125 Mbit/s; write '125mbit' for "
+        "bits, or '1gbit' to keep 1 Gbit/s without this warning",
+        "r.yaml:6:11: rule 'radio': rate: warning: '320kbps' uses tc's byte unit 'kbps': 320 "
+        "kilobytes/s = 2.56 Mbit/s (the reading used), not 320 kilobits/s = 320 Kbit/s; write "
+        "'320kbit' for bits, or '2560kbit' to keep 2.56 Mbit/s without this warning",
+        "r.yaml:10:11: rule 'dl': ceil: warning: '10mbps' uses tc's byte unit 'mbps': 10 "
+        "megabytes/s = 80 Mbit/s (the reading used), not 10 megabits/s = 10 Mbit/s; write "
+        "'10mbit' for bits, or '80mbit' to keep 80 Mbit/s without this warning"]
+    assert rs.warnings[1].line == 6 and rs.warnings[1].col == 11
+
+
+def test_strict_units_refuse_every_byte_unit_at_once():
+    with pytest.raises(RulesError) as ei:
+        rules.loads(textwrap.dedent(BYTE_UNITS), F, strict_units=True)
+    got = [(p.line, p.col, p.message.split(":")[0]) for p in ei.value.problems]
+    assert got == [(2, 12, "link_rate"), (6, 11, "rule 'radio'"), (10, 11, "rule 'dl'")]
+    assert all("(strict units)" in p.message and "warning" not in p.message
+               for p in ei.value.problems)
+
+
+def test_a_bit_unit_file_has_no_warning_in_either_mode():
+    text = BYTE_UNITS.replace("mbps", "mbit").replace("kbps", "kbit")
+    assert ok(text).warnings == ()
+    assert rules.loads(textwrap.dedent(text), F, strict_units=True).warnings == ()
+
+
+def test_rate_spelled_as_people_write_it_gets_the_tc_spelling():
+    assert errs("""\
+        interface: eth0
+        rules:
+          - {name: a, match: {process: a}, rate: 10 Mbit/s}
+          - {name: b, match: {process: b}, rate: 10 Mbps}
+    """) == [
+        "r.yaml:3:42: rule 'a': rate: '10 Mbit/s' is not a tc rate: write '10mbit'",
+        "r.yaml:4:42: rule 'b': rate: '10 Mbps': no space between number and unit, and 'Mbps' "
+        "is tc's BYTES per second: write '10mbit' for 10 megabits/s ('10mbps' is tc's 10 "
+        "megabytes/s, 8 times as much)"]
+
+
+LINTS = """\
+    interface: eth0
+    rules:
+      - name: nginx
+        match: {process: nginx}
+        rate: 8mbit
+      - name: nginx-hifi
+        match: {process: nginx, local_port: 8443}
+        rate: 20mbit
+      - name: web-any
+        match: {local_port: [80, 443]}
+        rate: 8mbit
+      - name: web-v4
+        match: {local_port: 443, remote: 192.0.2.0/24, direction: inbound}
+        rate: 8mbit
+        idle_timeout: 10s
+      - name: mapped
+        match: {remote: ["::ffff:198.51.100.0/120", 2001:db8::/32], protocol: any}
+        rate: 8mbit
+        idle_timeout: 10s
+      - name: narrow-first
+        match: {process: curl, local_port: 8443}
+        rate: 8mbit
+      - name: wide-after
+        match: {process: curl}
+        rate: 8mbit
+"""
+
+
+def test_shadowed_rules_ignored_fields_and_mapped_networks_warn_with_positions():
+    rs = ok(LINTS)
+    assert [r.name for r in rs.rules][:2] == ["nginx", "nginx-hifi"]      # still loads
+    assert [str(w) for w in rs.warnings] == [
+        "r.yaml:7:12: rule 'nginx-hifi': match: warning: never matches: rule 'nginx' (line 3) "
+        "comes first and matches every flow this rule does (first match wins; put the "
+        "narrower rule first)",
+        "r.yaml:13:12: rule 'web-v4': match: warning: never matches: rule 'web-any' (line 9) "
+        "comes first and matches every flow this rule does (first match wins; put the "
+        "narrower rule first)",
+        "r.yaml:15:19: rule 'web-v4': idle_timeout: warning: ignored: idle_timeout is for UDP "
+        "flows (a TCP flow ends when it closes); this rule matches TCP only (give protocol: "
+        "udp or any)",
+        "r.yaml:17:22: rule 'mapped': match.remote: warning: '::ffff:198.51.100.0/120' never "
+        "matches: an IPv4-mapped address is the IPv4 address it carries, as on the wire (write "
+        "'198.51.100.0/24')"]
+
+
+@pytest.mark.parametrize("outer,inner,shadowed", [
+    ("{process: nginx}", "{process: nginx, user: 0}", True),
+    ("{process: 'ngin*'}", "{process: nginx}", True),
+    ("{process: nginx}", "{process: 'ngin*'}", False),          # the glob matches more
+    ("{process: [a, b]}", "{process: b, direction: outbound}", True),
+    ("{local_port: 8000-8100}", "{local_port: [8001, 8050-8060]}", True),
+    ("{local_port: 8000-8100}", "{local_port: 8050-8200}", False),
+    ("{local_port: [1-100, 101-200]}", "{local_port: 50-150}", True),
+    ("{remote: 10.0.0.0/8}", "{remote: 10.1.0.0/16, process: x}", True),
+    ("{remote: 10.0.0.0/8}", "{remote: ['10.1.0.0/16', '2001:db8::/32']}", False),
+    ("{user: [0, 33]}", "{user: 33, process: x}", True),
+    ("{user: 33}", "{process: x}", False),
+    ("{process: x, protocol: any}", "{process: x, protocol: udp}", True),
+    ("{process: x}", "{process: x, protocol: any}", False),    # tcp does not cover udp
+    ("{process: x, direction: inbound}", "{process: x}", False),
+    ("{exe: /usr/bin/rsync}", "{exe: /usr/bin/rsync, user: 0}", True),
+])
+def test_shadowing_is_said_only_when_certain(outer, inner, shadowed):
+    rs = ok(f"""\
+        interface: eth0
+        rules:
+          - {{name: a, match: {outer}, rate: 8mbit}}
+          - {{name: b, match: {inner}, rate: 8mbit}}
+    """)
+    said = any("never matches: rule 'a'" in str(w) for w in rs.warnings)
+    assert said is shadowed
+    if shadowed:     # the engine agrees: every flow b matches, a matches first
+        from flowpacer.policy import engine
+        assert engine.covers(rs.rules[0], rs.rules[1])
+
+
+def test_idle_timeout_on_udp_or_any_is_not_ignored():
+    rs = ok("""\
+        interface: eth0
+        rules:
+          - {name: u, match: {process: x, protocol: udp}, rate: 8mbit, idle_timeout: 5s}
+          - {name: a, match: {process: y, protocol: any}, rate: 8mbit, idle_timeout: 5s}
+    """)
+    assert rs.warnings == ()

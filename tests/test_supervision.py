@@ -226,11 +226,17 @@ def test_auto_falls_back_to_htb_and_returns_to_psp_on_reload(tmp_path):
         wait_for(lambda: d.status()["backend"] == "htb" and shaped(d) == {f.key}, 5,
                  what="fell back to htb with the flow")
         assert d.supervisor.fell_back and psp.closed
+
+        def gauge(name, **labels):
+            return [v for n, lab, v in _samples(d) if n == name and labels.items() <= lab.items()]
+        assert gauge("flowpacer_backend_fell_back") == [1]         # what the alert watches
+        assert gauge("flowpacer_class_ids_used", side="send") == [1]
         fac.psp = True
         r = call(d.opts.socket_path, {"cmd": "reload"}, timeout=5)
         assert r["ok"] and r["switched_backend"]
         wait_for(lambda: d.status()["backend"] == "psp" and shaped(d) == {f.key}, 5,
                  what="back on psp")
+        assert gauge("flowpacer_backend_fell_back") == [0]
 
 
 def test_reload_with_a_broken_file_changes_nothing(tmp_path):

@@ -5,6 +5,8 @@ import struct
 import subprocess
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pyroute2.netlink.rtnl.tcmsg import sched_htb as p2_htb
 
 from flowpacer.kernel.tc import htb, nl, u32
@@ -209,3 +211,22 @@ def test_receive_side_structures_match_uapi(tmp_path):
     # what we pack reads back as the same redirect
     opts = nl.parse_attrs(mirred.redirect_all_options(7))
     assert mirred.redirect_target(nl.parse_attrs(opts[nl.TCA_OPTIONS]), nl.parse_attrs) == 7
+
+
+_v4 = st.builds(ipaddress.IPv4Address, st.integers(0, 2**32 - 1))
+_v6 = st.builds(ipaddress.IPv6Address, st.integers(0, 2**128 - 1))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.tuples(_v4, _v4), st.tuples(_v6, _v6),
+                 st.tuples(st.just(ipaddress.IPv4Address(0)), _v4),
+                 st.tuples(st.just(ipaddress.IPv6Address(0)), _v6)),
+       st.integers(0, 65535), st.integers(0, 65535), st.sampled_from([6, 17]),
+       st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1))
+def test_flow_leaf_from_prebuilt_pieces_is_the_same_bytes(addrs, lport, rport, proto, classid,
+                                                          table):
+    """The daemon's per-flow filter (u32.flow_leaf_options) is byte for byte what leaf_options
+    makes of flow_keys, both families, TCP and UDP, a wildcard local address too."""
+    la, ra = addrs
+    want = u32.leaf_options(classid, u32.flow_keys(la, lport, ra, rport, proto), table)
+    assert u32.flow_leaf_options(classid, table, la, lport, ra, rport, proto) == want

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import secrets
 import shutil
@@ -245,3 +246,48 @@ def test_tc_refuses_what_we_refuse(netns):
         assert tc_rate(netns, text) is None, text
         with pytest.raises(ValueError):
             parse_rate(text)
+
+
+# ----------------------------------------------------- tc's byte units (issue 28 item 2)
+
+@pytest.mark.parametrize("text,bits_reading,bytes_reading,spelling,keep", [
+    ("320kbps", "320 Kbit/s", "2.56 Mbit/s", "320kbit", "2560kbit"),
+    ("10mbps", "10 Mbit/s", "80 Mbit/s", "10mbit", "80mbit"),
+    ("1gbps", "1 Gbit/s", "8 Gbit/s", "1gbit", "8gbit"),
+    ("100Bps", "100 bit/s", "800 bit/s", "100bit", "800bit"),
+    ("1.5MiBps", "1.573 Mbit/s", "12.583 Mbit/s", "1.5mibit", "12mibit"),
+])
+def test_byte_units_warn_with_both_readings_and_the_bit_spelling(text, bits_reading,
+                                                                bytes_reading, spelling, keep):
+    msg = units.byte_unit_warning(text)
+    assert msg is not None
+    assert f"= {bytes_reading} (the reading used)" in msg and f"= {bits_reading};" in msg
+    assert f"write '{spelling}' for bits" in msg and f"'{keep}' to keep {bytes_reading}" in msg
+    # what it says is what tc's parser gives: the value used, and both spellings it suggests
+    assert units.format_bits(units.parse_rate(text)) == bytes_reading
+    assert units.parse_rate(keep) == units.parse_rate(text)
+    assert units.byte_unit_warning(keep) is None and units.byte_unit_warning(spelling) is None
+
+
+@pytest.mark.parametrize("text", ["8mbit", "8000", 8000, "50%", "1.5gibit", "kbps", "8 mbps",
+                                  None, "8xbps"])
+def test_no_byte_unit_warning_for_anything_else(text):
+    assert units.byte_unit_warning(text) is None
+
+
+@pytest.mark.parametrize("text,msg", [
+    ("10 Mbit/s", "'10 Mbit/s' is not a tc rate: write '10mbit'"),
+    ("10Mbit/s", "'10Mbit/s' is not a tc rate: write '10mbit'"),
+    ("2.5Gbit/s", "'2.5Gbit/s' is not a tc rate: write '2.5gbit'"),
+    ("10 Mbits", "'10 Mbits': no space between number and unit (write '10mbit', as tc wants it)"),
+    ("10 Mbps", "'10 Mbps': no space between number and unit, and 'Mbps' is tc's BYTES per "
+                "second: write '10mbit' for 10 megabits/s ('10mbps' is tc's 10 megabytes/s, 8 "
+                "times as much)"),
+    ("10mbit/s", "'10mbit/s' is not a tc rate: write '10mbit'"),
+])
+def test_human_spellings_get_the_accepted_one(text, msg):
+    with pytest.raises(ValueError) as ei:
+        units.parse_rate(text)
+    assert str(ei.value) == msg
+    spelled = re.search(r"write '([^']+)'", msg).group(1)
+    assert units.parse_rate(spelled) > 0 and units.byte_unit_warning(spelled) is None

@@ -1,34 +1,107 @@
 #!/usr/bin/env bash
-# Idempotent set-up for a fresh Debian 12 machine, as root: Debian packages, the venv,
-# and what bcc needs on a kernel without its own headers package. Safe to run again.
+# Idempotent set-up for a Debian 12 machine, as root. Safe to run again. What it installs depends
+# on what it is asked for, and it says so before it does anything:
+#
+#   tools/setup.sh build     what `make deb` needs: dpkg-buildpackage, debian/control's
+#                            Build-Depends, lintian. Nothing else: no server, no kernel, no venv.
+#   tools/setup.sh install   what `make install` (tools/install.sh) needs: python3 with venv and
+#                            pip, bcc, DKMS and a compiler for the psp module.
+#   tools/setup.sh test      (the default; `make deps`, `make test`, `make demo`) all of the above
+#                            and what only the tests and the test VM need: nginx, prometheus,
+#                            qemu, iperf3, tshark, mmdebstrap ... (nginx and prometheus start as
+#                            services when Debian installs them), bookworm-backports' 6.12 kernel
+#                            (image and headers: it becomes the host's default boot kernel),
+#                            trixie-backports' 7.3 kernel unpacked for the VM, a trixie root to
+#                            build its module, the venv .venv and the headers link bcc needs.
+#
+#   tools/setup.sh --list MODE      print MODE's Debian packages, one a line (no root needed)
+#   tools/setup.sh --dry-run MODE   say what MODE would do and do nothing
+#
+# tests/test_setup.py checks that no test-only package gets into the build or install lists.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PKGS=(
-  python3 python3-venv python3-pip python3-bpfcc bpfcc-tools
-  linux-headers-amd64 linux-image-amd64 kmod busybox-static qemu-system-x86
-  iproute2 iperf3 ethtool tshark tcpdump curl netcat-openbsd tmux
-  build-essential dkms prometheus systemd python3-seccomp vim-tiny
+MODE=test
+LIST=0
+DRY=0
+while [ $# -gt 0 ]; do
+  case $1 in
+    build|install|test) MODE=$1 ;;
+    --list) LIST=1 ;;
+    --dry-run) DRY=1 ;;
+    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "setup: unknown argument '$1' (build, install, test, --list, --dry-run)" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+# make deb: dpkg-buildpackage (build-essential, dpkg-dev), debian/control's Build-Depends
+# (debhelper, pybuild's pyproject build, dh-dkms), lintian; git lists the checkout's files
+BUILD_PKGS=(
+  build-essential dpkg-dev git
+  debhelper dh-python dh-dkms pybuild-plugin-pyproject python3-all python3-setuptools lintian
+)
+# make install (tools/install.sh): a venv of Debian's python3 that imports bcc, DKMS and a
+# compiler for the psp module, the kernel tools the daemon runs
+INSTALL_PKGS=(
+  python3 python3-venv python3-pip python3-bpfcc
+  build-essential dkms kmod iproute2 systemd
+)
+# make test and make demo only: the testbed's servers and traffic tools, the Prometheus the
+# metrics tests scrape with (and its promtool), the qemu test VM and its kernels, packet
+# captures, the Debian roots of tests/test_deb.py and tests/test_debian13.py
+TEST_PKGS=(
+  bpfcc-tools linux-headers-amd64 linux-image-amd64 busybox-static qemu-system-x86
+  iperf3 ethtool tshark tcpdump curl netcat-openbsd tmux
+  prometheus python3-seccomp vim-tiny
   nginx-light apache2-utils nghttp2-client rsync python3-bcrypt
   # harness/xmitstamp.py: a CO-RE BPF object built by clang (14, matching llvm-14 here), loaded
   # through libbpf over ctypes
   clang libbpf1
-  # Debian packaging (make deb, tests/test_deb.py): debhelper, pybuild's pyproject build, dh-dkms,
-  # lintian, and mmdebstrap for the test's clean Debian 12 root
-  debhelper dh-python dh-dkms pybuild-plugin-pyproject python3-all python3-setuptools lintian
+  # tests/test_deb.py's and tests/test_debian13.py's clean Debian roots
   mmdebstrap
 )
+case $MODE in
+  build) PKGS=("${BUILD_PKGS[@]}") ;;
+  install) PKGS=("${INSTALL_PKGS[@]}") ;;
+  test) PKGS=("${BUILD_PKGS[@]}" "${INSTALL_PKGS[@]}" "${TEST_PKGS[@]}") ;;
+esac
+mapfile -t PKGS < <(printf '%s\n' "${PKGS[@]}" | sort -u)
+if [ "$LIST" = 1 ]; then
+  printf '%s\n' "${PKGS[@]}"
+  exit 0
+fi
+
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
-if [ ${#missing[@]} -gt 0 ]; then
-  echo "setup: installing Debian packages: ${missing[*]}"
+echo "setup ($MODE): Debian packages: ${PKGS[*]}"
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "setup ($MODE): all installed already"
+elif [ "$DRY" = 1 ]; then
+  echo "setup ($MODE): would install: ${missing[*]}"
+else
+  [ "$(id -u)" -eq 0 ] || { echo "setup: installing packages needs root (missing: ${missing[*]})" >&2; exit 1; }
+  echo "setup ($MODE): installing Debian packages: ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
   # tshark asks whether non-root may capture: answer once, non-interactively.
-  echo "wireshark-common wireshark-common/install-setuid boolean false" | debconf-set-selections
+  if [ "$MODE" = test ]; then
+    echo "wireshark-common wireshark-common/install-setuid boolean false" | debconf-set-selections
+  fi
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+if [ "$MODE" != test ]; then
+  echo "setup ($MODE): done (no kernel, no server, no venv: those are make test's, tools/setup.sh test)"
+  exit 0
+fi
+if [ "$DRY" = 1 ]; then
+  echo "setup (test): would also install bookworm-backports' 6.12 kernel image and headers (the" \
+       "default boot kernel then), unpack trixie-backports' 7.3 kernel for the test VM, make a" \
+       "trixie root with mmdebstrap to build its module, make the venv .venv and the headers link" \
+       "bcc needs"
+  exit 0
 fi
 
 # Debian 13's kernel, 6.12, from bookworm-backports: the test VM boots it too
@@ -55,7 +128,8 @@ EOF
     echo "setup: no linux-image/headers 6.12.*+deb12-amd64 in bookworm-backports" >&2
     exit 1
   fi
-  echo "setup: installing kernel $k612 (bookworm-backports) for the test VM"
+  echo "setup: installing kernel $k612 (bookworm-backports) for the test VM; it becomes this" \
+       "host's default boot kernel"
   apt-get install -y -qq --no-install-recommends -t bookworm-backports \
     "linux-image-$k612" "linux-headers-$k612" >/dev/null
 fi

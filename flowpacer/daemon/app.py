@@ -31,10 +31,11 @@ from flowpacer.surfaces.control import DEFAULT_SOCKET, ControlServer, command_ha
 from flowpacer.errors import FlowpacerError, TracerUnavailable
 from flowpacer.daemon.mainloop import MainLoop, sd_notify
 from flowpacer.daemon.memory import release_compiler_memory
-from flowpacer.surfaces.metrics import (DEFAULT_LISTEN, DEFAULT_MAX_FLOW_SERIES,
-                                        FlowpacerCollector, MetricsServer)
-from flowpacer.model import (BackendKind, DaemonView, FlowSourceMode, FlowSourceStatus,
-                             ReloadResult, RuleSet, TracerStats)
+from flowpacer.surfaces.metrics import (DEFAULT_ADDRESSES, DEFAULT_LISTEN,
+                                        DEFAULT_MAX_FLOW_SERIES, FlowpacerCollector,
+                                        MetricsServer)
+from flowpacer.model import (BackendKind, DaemonView, FlowKey, FlowSourceMode, FlowSourceStatus,
+                             Protocol, ReloadResult, RuleSet, TracerStats, endpoint)
 from flowpacer.daemon.reconciler import Reconciler
 from flowpacer.daemon.stages import GiveUp, Stage, StageContext
 from flowpacer.daemon.supervisor import BackendSupervisor, TcBackendFactory
@@ -53,9 +54,10 @@ class Options:
     tracer: bool = True
     metrics_listen: Optional[str] = DEFAULT_LISTEN   # None: no metrics endpoint
     max_flow_series: int = DEFAULT_MAX_FLOW_SERIES
-    metrics_addresses: str = "full"        # full | prefix | none (metrics.AddressLabels)
+    metrics_addresses: str = DEFAULT_ADDRESSES   # full | prefix | none (metrics.AddressLabels)
     web_config_file: Optional[str] = None  # TLS / basic auth of the metrics endpoint
     first_byte: bool = True                # issue 16 (off: benchmarks' "before" figures)
+    strict_units: bool = False             # tc's byte units refused, not warned about
     # issue 28: on exit leave the qdisc, classes and filters for the next process to adopt (the
     # unit's ExecStopPost= removes them when the stop is not a restart)
     keep_on_exit: bool = False
@@ -83,6 +85,40 @@ def _real_firstbyte():
     return FirstByte()
 
 
+MAX_EXPLAIN = 32        # flows in one explain answer (the rest are counted)
+_FILTER_KEYS = ("local_addr", "local_port", "remote_addr", "remote_port", "protocol")
+
+
+def _flow_filter(req: dict) -> Callable[[FlowKey], bool]:
+    """An explain request's addresses, ports and protocol -> a test of a flow's key (addresses
+    as on the wire: an IPv4-mapped one is its IPv4 address). FlowpacerError for a bad one."""
+    want = {k: req[k] for k in _FILTER_KEYS if req.get(k) not in (None, "")}
+    if not want:
+        raise FlowpacerError("explain: give at least one of " + ", ".join(_FILTER_KEYS))
+    try:
+        addrs = {k: FlowKey.wire_address(str(want[k])) for k in ("local_addr", "remote_addr")
+                 if k in want}
+        ports = {}
+        for k in ("local_port", "remote_port"):
+            if k in want:
+                v = want[k]
+                if isinstance(v, bool) or not isinstance(v, (int, str)) or \
+                        not str(v).isdigit() or not 0 < int(v) < 65536:
+                    raise ValueError(f"{k} {v!r} is not a port")
+                ports[k] = int(v)
+        proto = Protocol(str(want["protocol"])) if "protocol" in want else None
+    except ValueError as e:
+        raise FlowpacerError(f"explain: {e}") from None
+
+    def test(key: FlowKey) -> bool:
+        return (addrs.get("local_addr", key.local_addr) == key.local_addr
+                and addrs.get("remote_addr", key.remote_addr) == key.remote_addr
+                and ports.get("local_port", key.local_port) == key.local_port
+                and ports.get("remote_port", key.remote_port) == key.remote_port
+                and (proto in (None, Protocol.ANY) or proto is key.protocol))
+    return test
+
+
 class Daemon:
     def __init__(self, opts: Options, *, backend_factory=None, sockdiag=None,
                  tracer_factory: Optional[Callable[[], object]] = None,
@@ -92,7 +128,7 @@ class Daemon:
                  stage_backoff_s=(0.2, 10.0),
                  firstbyte_factory: Optional[Callable[[], object]] = None):
         self.opts = opts
-        self._load = load or rules_loader.load_checked
+        self._load = load or (lambda path: rules_loader.load_checked(path, opts.strict_units))
         self.notify = notify
         self.clock = clock
         self._backoff = stage_backoff_s
@@ -114,7 +150,8 @@ class Daemon:
         self._stop = threading.Event()
         self.loop: Optional[MainLoop] = None
         self._control: Optional[ControlServer] = None
-        self._handle = command_handler({"status": lambda req: self.status(),
+        self._handle = command_handler({"status": lambda req: self.status(req.get("all") is True),
+                                        "explain": self.explain,
                                         "reload": lambda req: views.reload_json(self.reload()),
                                         "ping": lambda req: {"ok": True}})
         self._metrics: Optional[MetricsServer] = None
@@ -330,10 +367,12 @@ class Daemon:
                                flow_source=source, tracer_stats=tracer_stats,
                                first_byte=first_byte)
 
-    def status(self) -> dict:
+    def status(self, all_flows: bool = False) -> dict:
         """The control socket's status answer. The view is copied under the lock; the kernel's
         class counters are read after it is released, so that a status poll (``top`` asks every
-        second) never holds up the tracer's events."""
+        second) never holds up the tracer's events. ``all_flows``: also every live flow without
+        a send class, with the reason (``status --all``)."""
+        unshaped = self._unshaped() if all_flows else None
         v = self.view()
         channels = self.supervisor.open_stats_channel()
         try:
@@ -343,7 +382,53 @@ class Daemon:
             stats = {}
         finally:
             channels.close()
-        return views.to_json(v, stats)
+        out = views.to_json(v, stats)
+        if unshaped is not None:
+            out["unshaped"] = unshaped
+        return out
+
+    def _unshaped(self) -> list:
+        """Each live flow without a send class and why (the engine's walk, ``engine.explain``)."""
+        with self.lock:
+            rs = self.reconciler.rules
+            b = self.supervisor.backend
+            ok, health = self.supervisor.usable, self.supervisor.health.value
+            out = []
+            for key, flow in sorted(self.reconciler.table.flows.items()):
+                if b is not None and b.shape_of(key) is not None:
+                    continue
+                why = views.why_unshaped(engine.explain(rs.rules, flow), ok, health)
+                out.append(views.unshaped_json(flow, why))
+            return out
+
+    def explain(self, req: dict) -> dict:
+        """The control socket's explain answer: the live flows with the addresses and ports
+        asked (``local_addr``, ``local_port``, ``remote_addr``, ``remote_port``, ``protocol``:
+        any of them, at least one), at most ``MAX_EXPLAIN``, each with the rule it gets and
+        why, whether the kernel shapes it from the first byte, its classes and counters."""
+        from flowpacer.policy import handshake
+        wanted = _flow_filter(req)
+        with self.lock:
+            rs = self.reconciler.rules
+            found = [f for k, f in sorted(self.reconciler.table.flows.items()) if wanted(k)]
+            b = self.supervisor.backend
+            classed = {f.key for f in found if b is not None and b.shape_of(f.key) is not None}
+            ok, health = self.supervisor.usable, self.supervisor.health.value
+        shown = found[:MAX_EXPLAIN]
+        compiled = handshake.compile_rules(rs) if shown else None
+        classes: dict = {}
+        if shown:
+            for c in self.status()["flows"]:
+                classes.setdefault((c["local"], c["remote"], c["protocol"]), []).append(c)
+        out = []
+        for f in shown:
+            e = engine.explain(rs.rules, f)
+            mine = classes.get((endpoint(f.key.local_addr, f.key.local_port),
+                                endpoint(f.key.remote_addr, f.key.remote_port),
+                                f.key.protocol.value), [])
+            why = "" if f.key in classed else views.why_unshaped(e, ok, health)
+            out.append(views.explain_json(e, handshake.first_byte(rs, f, compiled), mine, why))
+        return {"flows": out, "matched": len(found)}
 
     def _class_stats(self) -> dict:
         """Read by the metrics stage over its own channels, without the loop's lock."""

@@ -211,7 +211,10 @@ class Reconciler:
         for err in res.errors:
             self.counters.op_errors += 1
             self._retry.add(err.op.key)     # planned again at the next reconcile pass
-            log.warning("%s", err.reason)
+            fields = {"FLOWPACER_FLOW": str(err.op.key), "FLOWPACER_OP": err.op.kind.value}
+            if err.op.shape is not None:
+                fields["FLOWPACER_RULE"] = err.op.shape.rule
+            log.warning("%s", err.reason, extra=fields)     # journal fields (surfaces/logs.py)
         if res.added or res.removed or res.changed:
             log.debug("applied on %s: +%d ~%d -%d", b.interface, res.added, res.changed,
                       res.removed)

@@ -24,25 +24,49 @@ def is_glob(pattern: str) -> bool:
     return bool(_GLOB_CHARS & set(pattern))
 
 
-def rule_matches(rule: Rule, flow: Flow) -> bool:
+def mismatches(rule: Rule, flow: Flow, every: bool = False) -> Tuple[str, ...]:
+    """The fields of ``rule``'s match that ``flow`` fails, () when the rule matches it. The one
+    matcher: ``rule_matches`` (which flow gets which rule) and ``explain`` (why) both ask it.
+    ``every``: all failing fields (explain), else the first one found (matching)."""
     m = rule.match
+    out: Tuple[str, ...] = ()
     if m.protocol is not Protocol.ANY and m.protocol is not flow.key.protocol:
-        return False
+        if not every:
+            return ("protocol",)
+        out += ("protocol",)
     if m.direction is not Direction.ANY and m.direction is not flow.direction:
-        return False
+        if not every:
+            return ("direction",)
+        out += ("direction",)
     if m.process and not any(fnmatch.fnmatchcase(flow.proc.comm, p) for p in m.process):
-        return False
+        if not every:
+            return ("process",)
+        out += ("process",)
     if m.exe and not (flow.proc.exe and any(fnmatch.fnmatchcase(flow.proc.exe, p) for p in m.exe)):
-        return False
+        if not every:
+            return ("exe",)
+        out += ("exe",)
     if m.user and flow.proc.uid not in m.user:
-        return False
+        if not every:
+            return ("user",)
+        out += ("user",)
     k = flow.key
-    if k.local_port not in m.local_port or k.remote_port not in m.remote_port:
-        return False
+    if k.local_port not in m.local_port:
+        if not every:
+            return ("local_port",)
+        out += ("local_port",)
+    if k.remote_port not in m.remote_port:
+        if not every:
+            return ("remote_port",)
+        out += ("remote_port",)
     if m.remote and not any(k.remote_addr.version == n.version and k.remote_addr in n
                             for n in m.remote):
-        return False
-    return True
+        out += ("remote",)
+    return out
+
+
+def rule_matches(rule: Rule, flow: Flow) -> bool:
+    return not mismatches(rule, flow)
 
 
 def first_match(rules: Iterable[Rule], flow: Flow) -> Optional[Rule]:
@@ -50,6 +74,77 @@ def first_match(rules: Iterable[Rule], flow: Flow) -> Optional[Rule]:
         if rule_matches(r, flow):
             return r
     return None
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Why ``flow`` gets the rule it gets (``explain``): the rules before the winner that do
+    not match it, each with every field it fails; ``unknown``: fields of a described flow that
+    were not given (a rule failing only those may or may not match, and the walk goes on)."""
+    flow: Flow
+    rule: Optional[Rule]                                   # the winner, None: no rule matches
+    index: int                                             # the winner's position, -1: none
+    passed: Tuple[Tuple[Rule, Tuple[str, ...]], ...]       # (rule, failing fields), in order
+    unknown: FrozenSet[str] = frozenset()
+
+    def undecided(self, fails: Tuple[str, ...]) -> bool:
+        """Whether a rule that fails ``fails`` fails only on fields that were not given."""
+        return bool(fails) and set(fails) <= self.unknown
+
+
+def explain(rules: Iterable[Rule], flow: Flow, unknown: Collection[str] = ()) -> Explanation:
+    """``first_match`` with its reasons: the same walk over the same matcher (``mismatches``),
+    keeping what each rule before the winner fails."""
+    passed = []
+    for i, r in enumerate(rules):
+        fails = mismatches(r, flow, every=True)
+        if not fails:
+            return Explanation(flow, r, i, tuple(passed), frozenset(unknown))
+        passed.append((r, fails))
+    return Explanation(flow, None, -1, tuple(passed), frozenset(unknown))
+
+
+def _names_cover(outer: Tuple[str, ...], inner: Tuple[str, ...]) -> bool:
+    """Whether every name the globs ``inner`` match is matched by one of ``outer`` (only when
+    certain: a glob of ``inner`` must be one of ``outer`` itself, or ``outer`` holds '*')."""
+    if not outer:
+        return True
+    if not inner:
+        return False
+    if "*" in outer:
+        return True
+    return all(p in outer or (not is_glob(p) and any(fnmatch.fnmatchcase(p, o) for o in outer))
+               for p in inner)
+
+
+def _ports_cover(outer, inner) -> bool:
+    if not outer.ranges:
+        return True
+    if not inner.ranges:
+        return False
+    return all(all(p in outer for p in range(lo, hi + 1)) if hi - lo < 4096 else
+               any(o_lo <= lo and hi <= o_hi for o_lo, o_hi in outer.ranges)
+               for lo, hi in inner.ranges)
+
+
+def covers(outer: Rule, inner: Rule) -> bool:
+    """Whether every flow ``inner`` matches is matched by ``outer`` too (field by field, only
+    when certain): ``outer`` before ``inner`` shadows it, ``inner`` can never win."""
+    a, b = outer.match, inner.match
+    if a.protocol is not Protocol.ANY and a.protocol is not b.protocol:
+        return False
+    if a.direction is not Direction.ANY and a.direction is not b.direction:
+        return False
+    if not (_names_cover(a.process, b.process) and _names_cover(a.exe, b.exe)):
+        return False
+    if a.user and not (b.user and set(b.user) <= set(a.user)):
+        return False
+    if not (_ports_cover(a.local_port, b.local_port) and _ports_cover(a.remote_port, b.remote_port)):
+        return False
+    if a.remote and not (b.remote and all(
+            any(n.version == o.version and n.subnet_of(o) for o in a.remote) for n in b.remote)):
+        return False
+    return True
 
 
 def client_of(rule: Rule, remote: IPAddress) -> str:
@@ -85,10 +180,17 @@ def desired(flows: Mapping[FlowKey, Flow], ruleset: RuleSet) -> Dict[FlowKey, Sh
     first matching rule is receive-only gets none: its send side is not shaped, no class at all
     (it does not fall through to a later rule)."""
     out = {}
+    plain: Dict[int, Shape] = {}     # a rule without aggregates gives all its flows one shape
     for key, flow in flows.items():
         r = first_match(ruleset.rules, flow)
         if r is not None and r.sends:
-            out[key] = shape_of(r, key)
+            if r.has_groups:
+                out[key] = shape_of(r, key)
+                continue
+            s = plain.get(id(r))
+            if s is None:
+                s = plain[id(r)] = shape_of(r)
+            out[key] = s
     return out
 
 
@@ -112,6 +214,10 @@ def desired_receive(flows: Mapping[FlowKey, Flow], ruleset: RuleSet) -> Dict[Flo
     return out
 
 
+# FlowKey's total order as a sort key: one tuple per key instead of two per comparison
+_ORDER = FlowKey.sort_key.fget
+
+
 def plan(want: Mapping[FlowKey, Shape], have: Mapping[FlowKey, Shape],
          rebind: Collection[FlowKey] = ()) -> List[Op]:
     """Operations that turn ``have`` into ``want``: removals first (they free room), then rate
@@ -126,9 +232,10 @@ def plan(want: Mapping[FlowKey, Shape], have: Mapping[FlowKey, Shape],
     ``rebind``: flows whose socket claimed a first-byte class after they got a class of their
     own (issue 16): their class goes (REMOVE) and their ADD takes the claimed one."""
     rebind = {k for k in rebind if k in have and k in want}
-    removes = [Op(OpKind.REMOVE, k) for k in sorted((have.keys() - want.keys()) | rebind)]
+    removes = [Op(OpKind.REMOVE, k) for k in sorted((have.keys() - want.keys()) | rebind,
+                                                    key=_ORDER)]
     changes, relabels, adds = [], [], []
-    for k in sorted(want):
+    for k in sorted(want, key=_ORDER):
         s = want[k]
         cur = None if k in rebind else have.get(k)
         if cur is None:

@@ -25,8 +25,9 @@ import ipaddress
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from flowpacer.policy import engine
 from flowpacer.policy.engine import is_glob
-from flowpacer.model import (Direction, Handshake, Match, PortSet, Protocol, Rule, RuleSet,
+from flowpacer.model import (Direction, Flow, Handshake, Match, PortSet, Protocol, Rule, RuleSet,
                              handshake_of)
 
 # firstbyte.h (flowpacer/sources/bpf; firstbyte.py mirrors them too): FB_COMM_LEN, FB_MAX_RULES (one
@@ -280,3 +281,58 @@ def compile_rules(ruleset: RuleSet) -> Compiled:
     c.lport = _port_masks(b.lport, b.any_lport)
     c.rport = _port_masks(b.rport, b.any_rport)
     return c
+
+
+def _kernel_view(rule: Rule) -> Tuple[Dict[str, str], Optional[str]]:
+    """What the kernel cannot decide of ``rule`` (field -> why) and, when it knows the rule
+    never matches a TCP handshake, why: the compilers above, run on the rule alone."""
+    b = _Build(Compiled())
+    blind = {}
+    for f, d in DECLARATIONS:
+        value = getattr(rule.match, f.name)
+        compiler = FIELD_COMPILERS.get(f.name)
+        reason = compiler(b, 1, value) if compiler is not None else \
+            (d.why if value != _default(f) else None)
+        if reason:
+            blind[f.name] = reason
+    return blind, b.excluded.get(1)
+
+
+def first_byte(ruleset: RuleSet, flow: Flow, compiled: Optional[Compiled] = None,
+               unknown=frozenset()) -> Tuple[bool, str]:
+    """Whether the kernel gives ``flow`` its class at the end of its handshake, and why (for
+    ``flowpacer explain``). The kernel's walk as ``compile_rules`` sets it up: rules it knows
+    never match a TCP handshake are skipped; a rule is a candidate when every field the kernel
+    sees matches (``engine.mismatches`` says which fail, the declarations which of those the
+    kernel cannot see); the first candidate decides: its class when the kernel decides it
+    wholly, else the flow is left to user space. ``unknown``: fields of a described flow that
+    were not given (a rule failing on one of them makes the answer depend on it)."""
+    if flow.key.protocol is not Protocol.TCP:
+        return False, "not TCP: the first-byte program sees TCP handshakes only"
+    c = compiled if compiled is not None else compile_rules(ruleset)
+    rules = ruleset.rules
+    for i, r in enumerate(rules):
+        if len(rules) > MAX_RULES and i >= MAX_RULES - 1:
+            return False, (f"rule {r.name!r}: {c.not_kernel.get(r.name, 'not seen')}: "
+                           "the flow is left to user space")
+        blind, never = _kernel_view(r)
+        if never:
+            continue
+        fails = set(engine.mismatches(r, flow, every=True))
+        if fails - set(blind) - set(unknown):
+            continue                     # a field the kernel sees does not match
+        if (fails - set(blind)) & set(unknown):
+            return False, (f"depends on {', '.join(sorted((fails - set(blind)) & set(unknown)))} "
+                           "(not given): "
+                           f"rule {r.name!r} (line {r.line}) may match first")
+        if i in c.kernel:
+            return True, (f"rule {r.name!r} is decided in the kernel: the flow takes one of its "
+                          "ready classes at the end of the handshake")
+        why = c.not_kernel.get(r.name, "; ".join(blind.values()))
+        if fails:
+            return False, (f"rule {r.name!r} (line {r.line}) comes first and the kernel cannot "
+                           f"tell that it does not match, so the flow is left to user space: "
+                           f"{why}")
+        return False, (f"rule {r.name!r} is not decided in the kernel ({why}): the flow gets its "
+                       "class once user space sees it")
+    return False, "no rule matches it"

@@ -109,6 +109,7 @@ class _Env:
     prefix: str = ""                     # "match." for match fields
     link_bps: Optional[int] = None
     link_bad: bool = False               # link_rate was given but refused
+    strict_units: bool = False           # tc's byte units ("kbps") are refused, not warned about
 
     def where(self, field_name: str) -> str:
         f = self.prefix + field_name
@@ -228,6 +229,17 @@ def _rate_text(node: Node) -> str:
     return s
 
 
+def _byte_units(node: Node, env: _Env, name: str, text: str) -> None:
+    """tc's byte units ("320kbps" is 2.56 Mbit/s, not 320 kbit/s): a warning at the value, or
+    with ``strict_units`` (``rules check --strict``, ``run --strict-units``) an error."""
+    msg = units.byte_unit_warning(text)
+    if msg is None:
+        return
+    if env.strict_units:
+        raise _Invalid(node, msg.replace(" without this warning", "") + " (strict units)")
+    env.col.warn(node, env.where(name), msg)
+
+
 def _p_link_rate(node: Node, env: _Env, name: str) -> int:
     """Also records the link rate in ``env`` for the rules' percentages and checks
     (TOP_FIELDS lists link_rate before rules)."""
@@ -239,6 +251,7 @@ def _p_link_rate(node: Node, env: _Env, name: str) -> int:
         env.link_bps = units.parse_rate(s)
     except ValueError as e:
         raise _Invalid(node, str(e)) from None
+    _byte_units(node, env, name, s)
     env.link_bad = False
     return env.link_bps
 
@@ -248,9 +261,11 @@ def _p_rate(node: Node, env: _Env, name: str) -> int:
     if s.strip().endswith("%") and env.link_bad:
         raise _Invalid(node, f"{_show(s)}: a percentage needs a valid link_rate")
     try:
-        return units.parse_rate(s, link_bps=env.link_bps)
+        value = units.parse_rate(s, link_bps=env.link_bps)
     except ValueError as e:
         raise _Invalid(node, str(e)) from None
+    _byte_units(node, env, name, s)
+    return value
 
 
 def _p_name(node: Node, env: _Env, name: str) -> str:
@@ -420,8 +435,19 @@ def _one_remote(node: Node) -> Any:
         raise _Invalid(node, f"{_show(s)} has host bits set; did you mean '{loose}'?") from None
 
 
+_MAPPED = ipaddress.ip_network("::ffff:0:0/96")
+
+
 def _p_remote(node: Node, env: _Env, name: str) -> Tuple[Any, ...]:
-    return _items(node, env, name, _one_remote, "an address or a CIDR network")
+    nets = _items(node, env, name, _one_remote, "an address or a CIDR network")
+    items = node.value if isinstance(node, SequenceNode) else [node]
+    for item, net in zip(items, nets):
+        if net.version == 6 and net.prefixlen >= 96 and net.subnet_of(_MAPPED):
+            v4 = ipaddress.ip_network((net.network_address.ipv4_mapped, net.prefixlen - 96))
+            env.col.warn(item, env.where(name),
+                         f"{_show(item.value.strip())} never matches: an IPv4-mapped address is the IPv4 "
+                         f"address it carries, as on the wire (write '{v4}')")
+    return nets
 
 
 MATCH_FIELDS: Tuple[Field, ...] = (
@@ -600,7 +626,29 @@ def _p_rules(node: Node, env: _Env, name: str) -> Tuple[Rule, ...]:
     if bad:
         raise _Reported()
     _warn_oversubscribed(totals, env)
+    _warn_unreachable(rules, node, env)
     return tuple(rules)
+
+
+def _warn_unreachable(rules: List[Rule], node: SequenceNode, env: _Env) -> None:
+    """Warnings (the file still loads) for what the rules say but cannot do: a rule an earlier
+    one shadows (``engine.covers``: every flow it matches, the earlier one matches first), and
+    a field the rule's protocol ignores (idle_timeout is for UDP: a TCP flow ends at close)."""
+    from flowpacer.policy import engine
+    items = [i for i in node.value if isinstance(i, MappingNode)]
+    for j, (r, item) in enumerate(zip(rules, items)):
+        renv = dataclasses.replace(env, label=f"rule {_show(r.name)}", prefix="")
+        for earlier in rules[:j]:
+            if engine.covers(earlier, r):
+                renv.col.warn(_lookup(item, "match") or item, renv.where("match"),
+                              f"never matches: rule {_show(earlier.name)} (line {earlier.line}) "
+                              "comes first and matches every flow this rule does (first match "
+                              "wins; put the narrower rule first)")
+                break
+        if r.match.protocol is Protocol.TCP and _given(item, "idle_timeout"):
+            renv.col.warn(_lookup(item, "idle_timeout"), renv.where("idle_timeout"),
+                          "ignored: idle_timeout is for UDP flows (a TCP flow ends when it "
+                          "closes); this rule matches TCP only (give protocol: udp or any)")
 
 
 def _within_link(item, values: dict, renv, link: Optional[int], keys, who: str) -> bool:
@@ -909,7 +957,7 @@ def _capped(problems: List[RuleProblem]) -> List[RuleProblem]:
                                             f"... and {more} more problems from here on")]
 
 
-def _build(text: str, path: str) -> RuleSet:
+def _build(text: str, path: str, strict_units: bool = False) -> RuleSet:
     col = _Collector(path)
     if _too_big(len(text), col) or _too_big(len(text.encode("utf-8", "surrogatepass")), col):
         raise RulesError(col.problems[:1])
@@ -923,7 +971,7 @@ def _build(text: str, path: str) -> RuleSet:
     if not isinstance(root, MappingNode) or root.tag != _T + "map":
         col.at(root, "", f"the rules file must be a mapping with {keys}, found {_kind(root)}")
         raise RulesError(col.problems)
-    env = _Env(col=col)
+    env = _Env(col=col, strict_units=strict_units)
     values, ok = _mapping(root, TOP_FIELDS, env)
     if not ok or col.problems:
         raise RulesError(_capped(col.problems))
@@ -935,9 +983,10 @@ def _build(text: str, path: str) -> RuleSet:
 
 # ------------------------------------------------------------------- the API
 
-def loads(text, path: str = "<string>") -> RuleSet:
+def loads(text, path: str = "<string>", strict_units: bool = False) -> RuleSet:
     """Validate rules given as text (``bytes`` must be UTF-8) -> ``RuleSet``.
-    Raises ``RulesError`` listing every problem."""
+    Raises ``RulesError`` listing every problem. ``strict_units``: a rate in one of tc's byte
+    units ("kbps", "mbps") is a problem, not a warning."""
     path = str(path)
     if isinstance(text, (bytes, bytearray, memoryview)):
         data = bytes(text)
@@ -950,7 +999,7 @@ def loads(text, path: str = "<string>") -> RuleSet:
         text = decoded
     if not isinstance(text, str):
         raise RulesError([RuleProblem(path, 1, 1, f"rules must be text, not {type(text).__name__}")])
-    return _build(text, path)
+    return _build(text, path, strict_units)
 
 
 def check_access(path: str) -> None:
@@ -971,17 +1020,27 @@ def check_access(path: str) -> None:
                              f"{st.S_IMODE(info.st_mode):04o}): refusing it (chmod go-w)")
 
 
-def load_checked(path: str) -> RuleSet:
+def access_problem(path: str) -> Optional[str]:
+    """Why the daemon would refuse ``path`` for its owner or mode (``check_access``), None
+    when it would not: ``rules check`` says so too."""
+    try:
+        check_access(path)
+    except FlowpacerError as e:
+        return str(e)
+    return None
+
+
+def load_checked(path: str, strict_units: bool = False) -> RuleSet:
     """The daemon's loader: ``check_access``, then ``load``; the rule set's warnings (e.g. total
     rates oversubscribing the link, issue 15) are logged."""
     check_access(path)
-    rs = load(path)
+    rs = load(path, strict_units)
     for w in rs.warnings:
-        log.warning("%s", w)
+        log.warning("%s", w, extra={"FLOWPACER_RULES_FILE": path, "FLOWPACER_LINE": w.line})
     return rs
 
 
-def load(path) -> RuleSet:
+def load(path, strict_units: bool = False) -> RuleSet:
     """Read and validate a rules file -> ``RuleSet`` (``.path`` is ``path``).
     An unreadable file is one problem ``FILE:0:0: cannot read: reason``."""
     spath = os.fsdecode(path) if isinstance(path, (bytes, os.PathLike)) else str(path)
@@ -993,7 +1052,7 @@ def load(path) -> RuleSet:
         raise RulesError([RuleProblem(spath, 0, 0, f"cannot read: {reason}")]) from None
     except ValueError as e:   # e.g. an embedded NUL in the path
         raise RulesError([RuleProblem(spath, 0, 0, f"cannot read: {e}")]) from None
-    return loads(data, spath)
+    return loads(data, spath, strict_units)
 
 
 def _one_or_list(values: List[Any]) -> Any:

@@ -325,6 +325,20 @@ def _addr(family: int, raw: bytes) -> model.IPAddress:
     return a
 
 
+_WIRE_CACHE: Dict[Tuple[int, bytes], model.IPAddress] = {}
+
+
+def _wire(family: int, raw: bytes) -> model.IPAddress:
+    """``FlowKey.wire_address`` of an event's address (cached as ``_addr`` is)."""
+    a = _WIRE_CACHE.get((family, raw))
+    if a is None:
+        a = model.FlowKey.wire_address(_addr(family, raw))
+        if len(_WIRE_CACHE) >= 8192:
+            _WIRE_CACHE.clear()
+        _WIRE_CACHE[(family, raw)] = a
+    return a
+
+
 def _comm(raw: bytes) -> str:
     return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
 
@@ -816,6 +830,9 @@ class Tracer:
 
     @staticmethod
     def _key(family, laddr, lport, raddr, rport, proto) -> model.FlowKey:
+        la, ra = _wire(family, laddr), _wire(family, raddr)
+        if la.version == ra.version:        # what FlowKey.wire gives, from cached addresses
+            return model.FlowKey(la, lport, ra, rport, proto)
         return model.FlowKey.wire(_addr(family, laddr), lport, _addr(family, raddr), rport, proto)
 
     def _to_event(self, r) -> Optional[model.FlowEvent]:

@@ -17,17 +17,30 @@ from flowpacer.errors import FlowpacerError, RulesError
 from flowpacer.model import BackendKind, Side
 from flowpacer.text import printable
 from flowpacer.units import format_bit_rate, format_bytes
-from flowpacer.surfaces.view import parse_reload, parse_status
+from flowpacer.surfaces.view import parse_explain, parse_reload, parse_status, parse_unshaped
 
 
 def _setup_logging(verbose: int) -> None:
-    under_systemd = bool(os.environ.get("JOURNAL_STREAM") or os.environ.get("INVOCATION_ID"))
-    fmt = "%(levelname)s %(name)s: %(message)s" if under_systemd else \
-        "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    level = logging.DEBUG if verbose > 1 else logging.INFO if verbose or under_systemd else logging.INFO
-    logging.basicConfig(level=level, format=fmt, stream=sys.stderr)
-    if verbose < 2:
-        logging.getLogger("pyroute2").setLevel(logging.WARNING)
+    from flowpacer.surfaces import logs
+    logs.setup(verbose)
+
+
+def version() -> str:
+    """The installed distribution's version; from a checkout that was never installed,
+    pyproject.toml's."""
+    from importlib import metadata
+    try:
+        return metadata.version("flowpacer")
+    except metadata.PackageNotFoundError:
+        pass
+    import re
+    here = os.path.join(os.path.dirname(__file__), "..", "..", "pyproject.toml")
+    try:
+        with open(here, encoding="utf-8") as f:
+            m = re.search(r'^version = "([^"]+)"', f.read(), re.M)
+    except OSError:
+        m = None
+    return m.group(1) if m else "unknown"
 
 
 def _fail(msg: str, code: int = 1):
@@ -42,6 +55,8 @@ def _rules_fail(e: RulesError):
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(version(), "-V", "--version", prog_name="flowpacer",
+                      message="%(prog)s %(version)s")
 def main():
     """Per-flow precise pacing for delivery servers."""
 
@@ -65,24 +80,32 @@ def main():
 @click.option("--metrics-max-flows", default=10_000, show_default=True, type=click.IntRange(0),
               help="at most this many per-flow series (the busiest flows); the rest are counted "
                    "as overflow")
-@click.option("--metrics-addresses", default="full", show_default=True,
+@click.option("--metrics-addresses", default="prefix", show_default=True,
               type=click.Choice(["full", "prefix", "none"]),
-              help="per-flow address labels: as they are, their /24 or /48 network, or none "
-                   "(ports dropped too)")
+              help="address labels of the per-flow and per-client series: as they are (with "
+                   "both ports), their /24 or /48 network (with the service's port only), or "
+                   "none (no ports, no client series)")
 @click.option("--web.config.file", "web_config_file", type=click.Path(dir_okay=False),
               help="TLS and basic auth of the metrics endpoint (Prometheus exporter web "
                    "configuration file)")
-@click.option("--keep-on-exit", is_flag=True, envvar="FLOWPACER_KEEP_ON_EXIT",
+@click.option("--strict-units", is_flag=True,
+              help="refuse rates in tc's byte units (kbps, mbps: BYTES per second) instead of "
+                   "warning about them")
+@click.option("--keep-on-exit", is_flag=True,
               help="on SIGTERM leave the qdisc, classes and filters for the next start to adopt "
-                   "(a restart without a gap; the systemd unit removes them on stop)")
-@click.option("-v", "--verbose", count=True)
+                   "(a restart without a gap; the systemd unit sets FLOWPACER_KEEP_ON_EXIT=1, "
+                   "the same, and removes them on stop)")
+@click.option("-v", "--verbose", count=True,
+              help="debug records of flowpacer (-vv: of its libraries too)")
 def run(rules_path, interface, backend, socket_path, take_over, rescan, no_tracer, metrics_listen,
-        no_metrics, metrics_max_flows, metrics_addresses, web_config_file, keep_on_exit, verbose):
+        no_metrics, metrics_max_flows, metrics_addresses, web_config_file, strict_units,
+        keep_on_exit, verbose):
     """Run the daemon: shape each matched flow until stopped (SIGTERM removes everything it
     made, unless --keep-on-exit)."""
     _setup_logging(verbose)
     if os.geteuid() != 0:
-        _fail("run needs root (CAP_NET_ADMIN for tc, CAP_BPF/CAP_SYS_ADMIN for the tracer)")
+        _fail("run needs root (CAP_NET_ADMIN for tc, CAP_BPF and CAP_PERFMON for the tracer, "
+              "CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH to find sockets' owners)")
     from flowpacer.daemon.app import Daemon, Options
     d = Daemon(Options(rules_path, interface, BackendKind(backend) if backend else None,
                        socket_path, take_over, rescan, not no_tracer,
@@ -90,7 +113,9 @@ def run(rules_path, interface, backend, socket_path, take_over, rescan, no_trace
                        metrics_addresses, web_config_file,
                        # benchmarks' "before" figures: flows get their class after the handshake
                        first_byte=not os.environ.get("FLOWPACER_NO_FIRST_BYTE"),
-                       keep_on_exit=keep_on_exit))
+                       strict_units=strict_units,
+                       keep_on_exit=keep_on_exit
+                       or os.environ.get("FLOWPACER_KEEP_ON_EXIT", "") not in ("", "0")))
     try:
         d.start()
     except RulesError as e:
@@ -110,10 +135,12 @@ def run(rules_path, interface, backend, socket_path, take_over, rescan, no_trace
 @main.command()
 @click.option("--socket", "socket_path", default=DEFAULT_SOCKET, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
-def status(socket_path, as_json):
+@click.option("--all", "all_flows", is_flag=True,
+              help="also every live flow that has no class, and why")
+def status(socket_path, as_json, all_flows):
     """Show the backend and every shaped flow of the running daemon."""
     try:
-        st = call(socket_path, {"cmd": "status"})
+        st = call(socket_path, {"cmd": "status", "all": True} if all_flows else {"cmd": "status"})
     except FlowpacerError as e:
         _fail(str(e))
     if as_json:
@@ -147,6 +174,30 @@ def status(socket_path, as_json):
             f"{printable(s.name)} {printable(s.state)}"
             + (f" ({s.failures} failures, last: {printable(s.last_error)})" if s.failures else "")
             for s in a.stages))
+    unshaped = ()
+    if all_flows:
+        try:
+            unshaped = parse_unshaped(st)
+        except ValueError as e:
+            _fail(f"{socket_path}: {e}")
+    _shaped_table(a)
+    if unshaped:
+        click.echo(f"not shaped: {len(unshaped)}")
+        _table([("PID", "PROCESS", "PROTO", "DIRECTION", "LOCAL", "REMOTE", "WHY")] + [
+            (str(pid), printable(proc or "?"), key.protocol.value, printable(d or "?"),
+             key.local_endpoint, key.remote_endpoint, printable(why))
+            for key, pid, proc, d, why in unshaped])
+    elif all_flows:
+        click.echo("not shaped: none")
+
+
+def _table(rows) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
+def _shaped_table(a) -> None:
     if not a.flows:
         return
     rows = [("RULE", "PID", "PROCESS", "PROTO", "LOCAL", "REMOTE", "CLASS", "RATE", "SENT",
@@ -156,9 +207,7 @@ def status(socket_path, as_json):
         rows.append((printable(rule), str(f.pid), printable(f.process), f.key.protocol.value,
                      f.key.local_endpoint, f.key.remote_endpoint, printable(f.classid),
                      format_bit_rate(f.rate_bit), format_bytes(f.bytes), printable(f.source)))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    _table(rows)
 
 
 @main.command()
@@ -176,6 +225,197 @@ def reload(socket_path):
     click.echo(f"reloaded: {r.changed} flows re-rated, {r.added} added, {r.removed} removed")
 
 
+def _side(text: str, what: str):
+    """An --local/--remote value -> (address or None, port or None): ADDR, ADDR:PORT,
+    [V6ADDR]:PORT, a bare IPv6 address, or :PORT."""
+    import ipaddress
+    t = text.strip()
+    host, port = t, None
+    if t.startswith("["):
+        host, sep, rest = t[1:].partition("]")
+        if not sep or (rest and not rest.startswith(":")):
+            raise click.BadParameter(f"{text!r}: write [IPV6]:PORT", param_hint=what)
+        port = rest[1:] or None
+    elif t.count(":") == 1:
+        host, port = t.split(":")
+    if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
+        raise click.BadParameter(f"{text!r}: {port!r} is not a port (1..65535)", param_hint=what)
+    addr = None
+    if host:
+        try:
+            addr = ipaddress.ip_address(host)
+        except ValueError:
+            hint = " (an IPv6 address with a port is written [IPV6]:PORT)" \
+                if t.count(":") > 1 else ""
+            raise click.BadParameter(f"{text!r}: {host!r} is not an IP address{hint}",
+                                     param_hint=what) from None
+    return addr, int(port) if port is not None else None
+
+
+def _uid(text: str) -> int:
+    import pwd
+    if text.isdigit():
+        return int(text)
+    try:
+        return pwd.getpwnam(text).pw_uid
+    except (KeyError, ValueError, OverflowError):
+        raise click.BadParameter(f"unknown user {text!r}", param_hint="--user") from None
+
+
+def _described_flow(process, exe, user, direction, local, remote, protocol):
+    """The flow an offline explain describes, and the fields it leaves unknown (they are given
+    values no rule field can match, and a rule failing only on them is "undecided")."""
+    import ipaddress
+    from flowpacer.model import Direction, Flow, FlowKey, ProcessInfo, Protocol
+    unknown = set()
+    (la, lp), (ra, rp) = local, remote
+    if la is not None and ra is not None:
+        la, ra = FlowKey.wire_address(la), FlowKey.wire_address(ra)
+        if la.version != ra.version:
+            raise click.UsageError("--local and --remote are of different address families")
+    v6 = (la or ra) is not None and FlowKey.wire_address(la or ra).version == 6
+    zero = ipaddress.ip_address("::" if v6 else "0.0.0.0")
+    for name, value in (("local", la), ("local_port", lp), ("remote_port", rp), ("remote", ra),
+                        ("process", process), ("exe", exe), ("user", user),
+                        ("direction", direction)):
+        if value is None:
+            unknown.add(name)
+    key = FlowKey(FlowKey.wire_address(la) if la is not None else zero, lp or 0,
+                  FlowKey.wire_address(ra) if ra is not None else zero, rp or 0,
+                  Protocol(protocol))
+    comm = process.encode("utf-8", "surrogateescape")[:15].decode("utf-8", "replace") \
+        if process is not None else ""
+    proc = ProcessInfo(pid=0, comm=comm, exe=exe or "", uid=_uid(user) if user is not None else -1)
+    return Flow(key, Direction(direction) if direction else Direction.ANY, proc), unknown
+
+
+def _shown_endpoint(text: str, no_addr: bool, no_port: bool) -> str:
+    """An endpoint of a described flow, '*' for what was not given."""
+    host, _, port = text.rpartition(":")
+    return f"{'*' if no_addr else host}:{'*' if no_port else port}"
+
+
+def _print_explained(e, offline: bool) -> None:
+    from flowpacer.units import format_bit_rate as rate
+    who = []
+    if e.process or not offline:
+        who.append(f"process {printable(e.process or '?')}"
+                   + ("" if offline else f" (pid {e.pid}, uid {e.uid})"))
+    if e.exe:
+        who.append(f"exe {printable(e.exe)}")
+    if offline and e.uid >= 0:
+        who.append(f"uid {e.uid}")
+    local, remote = (_shown_endpoint(e.local, "local" in e.unknown, "local_port" in e.unknown),
+                     _shown_endpoint(e.remote, "remote" in e.unknown,
+                                     "remote_port" in e.unknown))
+    click.echo(f"flow: {e.protocol} {local} <-> {remote}, "
+               f"{e.direction if e.direction in ('inbound', 'outbound') else 'direction ?'}"
+               + (", " + ", ".join(who) if who else ""))
+    if e.unknown:
+        click.echo(f"  not given: {', '.join(u if u != 'local' else 'local address' for u in e.unknown)}"
+                   " (a rule that tests them may or may not match)")
+    for p in e.passed:
+        if p.undecided:
+            click.echo(f"  {printable(p.rule)} (line {p.line}): may match, depends on "
+                       f"{', '.join(p.fails)} (not given)")
+        else:
+            known = [f for f in p.fails if f not in e.unknown]
+            rest = [f for f in p.fails if f in e.unknown]
+            click.echo(f"  {printable(p.rule)} (line {p.line}): no match on {', '.join(known)}"
+                       + (f" (not given: {', '.join(rest)})" if rest else ""))
+    if e.rule is None:
+        click.echo("rule: none matches: the flow is not shaped")
+    else:
+        what = (f"rate {rate(e.rate_bit)} per flow" if e.sends else
+                "receive only: what the flow is sent is not shaped")
+        if e.receives:
+            what += ", receive_rate set (uploads shaped)"
+        cond = (" if the rules that may match above do not"
+                if any(p.undecided for p in e.passed) else "")
+        click.echo(f"rule: {printable(e.rule)} (line {e.rule_line}) wins{cond}: {what}")
+    click.echo(f"first byte: {'yes' if e.first_byte else 'no'}: {printable(e.first_byte_why)}")
+    for c in e.classes:
+        click.echo(f"class: {printable(c.classid)} ({c.side.value}) rule {printable(c.rule)}, "
+                   f"rate {rate(c.rate_bit)}, ceil {rate(c.ceil_bit)}, sent "
+                   f"{format_bytes(c.bytes)} in {c.packets} packets, {c.drops} dropped")
+    if e.unshaped:
+        click.echo(f"class: none: {printable(e.unshaped)}")
+
+
+@main.command()
+@click.option("--rules", "rules_path", type=click.Path(dir_okay=False),
+              help="explain a described flow offline against this rules file (default: ask "
+                   "the running daemon about its live flows)")
+@click.option("--socket", "socket_path", default=DEFAULT_SOCKET, show_default=True)
+@click.option("--local", default=None, metavar="ADDR[:PORT]",
+              help="the flow's local address and/or port ([IPV6]:PORT, :PORT)")
+@click.option("--remote", default=None, metavar="ADDR[:PORT]",
+              help="the flow's remote address and/or port")
+@click.option("--protocol", type=click.Choice(["tcp", "udp"]), default=None,
+              help="the flow's protocol (a described flow: tcp unless given)")
+@click.option("--process", default=None, help="a described flow's process name (comm)")
+@click.option("--exe", default=None, help="a described flow's executable path")
+@click.option("--user", default=None, help="a described flow's user (name or uid)")
+@click.option("--direction", type=click.Choice(["inbound", "outbound"]), default=None,
+              help="a described flow's direction (inbound: the process accepted it)")
+@click.option("--json", "as_json", is_flag=True)
+def explain(rules_path, socket_path, local, remote, protocol, process, exe, user, direction,
+            as_json):
+    """Which rule a flow gets and why: the rules before it that do not match (and the fields
+    that differ), whether the kernel shapes it from its first byte, and for a live flow its
+    class, rate and counters.
+
+    A live flow (the daemon's, by addresses and ports): flowpacer explain --remote
+    192.0.2.7:51000. A described one, offline from a rules file: flowpacer explain --rules
+    /etc/flowpacer/rules.yaml --process nginx --user www-data --direction inbound --local
+    :443"""
+    loc = _side(local, "--local") if local else (None, None)
+    rem = _side(remote, "--remote") if remote else (None, None)
+    described = any(v is not None for v in (process, exe, user, direction))
+    if rules_path is None and described:
+        rules_path = "/etc/flowpacer/rules.yaml"
+    if rules_path is not None:
+        from flowpacer.policy import engine, handshake, rules as loader
+        from flowpacer.surfaces import view
+        try:
+            rs = loader.load(rules_path)
+        except RulesError as e:
+            _rules_fail(e)
+        flow, unknown = _described_flow(process, exe, user, direction, loc, rem,
+                                        protocol or "tcp")
+        answer = {"flows": [view.explain_json(engine.explain(rs.rules, flow, unknown),
+                                              handshake.first_byte(rs, flow, unknown=unknown))]}
+    else:
+        req = {"cmd": "explain"}
+        for k, v in (("local_addr", loc[0]), ("local_port", loc[1]), ("remote_addr", rem[0]),
+                     ("remote_port", rem[1]), ("protocol", protocol)):
+            if v is not None:
+                req[k] = str(v) if k.endswith("addr") else v
+        if len(req) == 1:
+            raise click.UsageError("give the live flow's --local and/or --remote (ADDR[:PORT]), "
+                                   "or describe a flow (--process, --user, ...) with --rules")
+        try:
+            answer = call(socket_path, req)
+        except FlowpacerError as e:
+            _fail(str(e))
+    if as_json:
+        click.echo(json.dumps(answer, indent=2))
+        return
+    try:
+        flows = parse_explain(answer)
+    except ValueError as e:
+        _fail(f"{socket_path}: {e}")
+    if not flows:
+        _fail("no live flow has these addresses and ports")
+    for i, e in enumerate(flows):
+        if i:
+            click.echo("")
+        _print_explained(e, rules_path is not None)
+    more = answer.get("matched", len(flows)) if isinstance(answer.get("matched"), int) else 0
+    if more > len(flows):
+        click.echo(f"... and {more - len(flows)} more flows (narrow the addresses and ports)")
+
+
 @main.group()
 def rules():
     """Rules files."""
@@ -183,15 +423,26 @@ def rules():
 
 @rules.command("check")
 @click.argument("file", type=click.Path(dir_okay=False))
-def rules_check(file):
-    """Validate FILE (no root needed) and print each rule with its rate in bit/s."""
+@click.option("--strict", is_flag=True,
+              help="warnings are errors: tc's byte units (kbps, mbps) are refused, and any "
+                   "other warning (a shadowed rule, an ignored field, an owner or mode the "
+                   "daemon refuses) makes the exit status 2")
+def rules_check(file, strict):
+    """Validate FILE (no root needed) and print each rule with its rate in bit/s; warn about
+    rules that can never match, fields the rule's protocol ignores, rates in byte units and an
+    owner or mode the daemon would refuse."""
     from flowpacer.policy import rules as loader
     try:
-        rs = loader.load(file)
+        rs = loader.load(file, strict_units=strict)
     except RulesError as e:
         _rules_fail(e)
     for line in loader.describe(rs):
         click.echo(printable(line))
+    refused = loader.access_problem(file)       # the daemon's own check, at start and reload
+    if refused:
+        click.echo(printable(f"{refused}: warning: the daemon refuses this file"), err=True)
+    if strict and (rs.warnings or refused):
+        sys.exit(2)
 
 
 @rules.command("edit")

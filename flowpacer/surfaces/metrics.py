@@ -6,8 +6,11 @@ socket and renders them. The number of per-flow series is bounded; flows past th
 counted in ``flowpacer_flow_series_overflow``, never silently cut. Per-rule totals keep the
 bytes of flows that have ended, so they are real counters.
 
-Every label value has its control characters replaced (``text.printable``); the per-flow address
-labels are ``full``, ``prefix`` or ``none`` (``AddressLabels``). The HTTP server
+Every label value has its control characters replaced (``text.printable``); the address labels
+are ``full``, ``prefix`` or ``none`` (``AddressLabels``), ``prefix`` by default: Prometheus's
+cardinality advice (no label whose values grow with the connections, no client list on a port
+every local user can read). The send and the receive side (issue 17) are counted apart: a flow
+with both rates is one flow, its received bytes are never in a ``sent`` total. The HTTP server
 (``MetricsServer``) answers ``GET /metrics`` (and HEAD) and nothing else, from one event-loop
 thread with a connection cap and timeouts, optionally with TLS and basic auth (``webconfig``)
 or on a Unix socket.
@@ -37,6 +40,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_LISTEN = "127.0.0.1:9717"
 DEFAULT_MAX_FLOW_SERIES = 10_000
+DEFAULT_ADDRESSES = "prefix"          # --metrics-addresses (AddressLabels)
 FLOW_LABELS = ["rule", "process", "direction", "local_address", "local_port", "remote_address",
                "remote_port", "protocol", "side"]
 
@@ -128,7 +132,8 @@ def group_families(v, stats, addresses, limit: int = MAX_CLIENT_SERIES):
 class AddressLabels(str, enum.Enum):
     """What the per-flow series say of a flow's addresses (``--metrics-addresses``)."""
     FULL = "full"        # addresses and ports as they are
-    PREFIX = "prefix"    # addresses as their /24 (IPv4) or /48 (IPv6) network, ports kept
+    PREFIX = "prefix"    # addresses as their /24 (IPv4) or /48 (IPv6) network; the service
+    #                      port kept, the client's ephemeral port dropped (flow_labels)
     NONE = "none"        # addresses and ports empty: flows of one rule/process/direction merge
 
 
@@ -158,9 +163,14 @@ def address_label(addr, mode: AddressLabels) -> str:
 def flow_labels(rule: str, process: str, direction: str, key, mode: AddressLabels,
                 side: str = "send") -> tuple:
     """The per-flow series' label values, in ``FLOW_LABELS`` order (``side``: send, or receive
-    for a class on the receive side, issue 17)."""
+    for a class on the receive side, issue 17). ``prefix`` keeps the service's port only: the
+    local one of an inbound flow, the remote one of an outbound flow (neither when the direction
+    is unknown), so a new connection from a known network adds no series."""
     if mode is AddressLabels.NONE:
         ports = ("", "")
+    elif mode is AddressLabels.PREFIX:
+        ports = (str(key.local_port) if direction == "inbound" else "",
+                 str(key.remote_port) if direction == "outbound" else "")
     else:
         ports = (str(key.local_port), str(key.remote_port))
     return (rule, process, direction, address_label(key.local_addr, mode), ports[0],
@@ -219,12 +229,12 @@ class FlowpacerCollector:
         self.view = view
         self.class_stats = class_stats
         self.max_flow_series = max_flow_series
-        self.addresses = AddressLabels(addresses or AddressLabels.FULL)
+        self.addresses = AddressLabels(addresses or DEFAULT_ADDRESSES)
         self._series = FlowSeries()
         self._lock = threading.Lock()
         # key -> (rule, bytes, packets, drops, and those counters when the rule began counting)
         self._last: Dict[object, tuple] = {}
-        self._retired: Dict[str, list] = {}                         # rule -> [bytes, pkts, drops]
+        self._retired: Dict[tuple, list] = {}             # (rule, side) -> [bytes, pkts, drops]
         self.scrapes = 0
 
     def collect(self):
@@ -248,7 +258,8 @@ class FlowpacerCollector:
             ("dropped_packets", "Packets of the flow dropped by its class."))}
         target = GaugeMetricFamily("flowpacer_flow_target_rate_bytes_per_second",
                                    "The flow's rule rate.", labels=FLOW_LABELS)
-        rules_now: Dict[str, list] = {}
+        rules_now: Dict[tuple, list] = {}        # (rule, side) -> [bytes, packets, drops]
+        rule_flows: Dict[str, set] = {}          # rule -> its flows (a flow with both sides once)
         seen = set()
         rows = []
         for f in v.flows:
@@ -261,14 +272,15 @@ class FlowpacerCollector:
             if last is not None:
                 base = last[4:]
                 if last[0] != f.rule:          # re-rated into another rule: the old rule keeps
-                    self._retire(last)        # what was sent so far, the new one counts from here
+                    self._retire(last, key.side.value)   # what was sent so far, the new one
+                    #                                      counts from here
                     base = last[1:4]
             self._last[key] = (f.rule, b, p, d) + tuple(base)
-            r = rules_now.setdefault(f.rule, [0, 0, 0, 0])
-            r[0] += 1
-            r[1] += b - base[0]
-            r[2] += p - base[1]
-            r[3] += d - base[2]
+            rule_flows.setdefault(f.rule, set()).add(f.key)
+            r = rules_now.setdefault((f.rule, key.side.value), [0, 0, 0])
+            r[0] += b - base[0]
+            r[1] += p - base[1]
+            r[2] += d - base[2]
             rows.append((key, flow_labels(f.rule, f.process,
                                           f.direction.value if f.direction else "", f.key,
                                           self.addresses, f.side.value), b, p, d, f.rate_bps))
@@ -282,7 +294,7 @@ class FlowpacerCollector:
             fam["dropped_packets"].add_metric(labels, d)
             target.add_metric(labels, rate)
         for key in [k for k in self._last if k not in seen]:
-            self._retire(self._last.pop(key))
+            self._retire(self._last.pop(key), key.side.value)
         yield from fam.values()
         yield target
         ov = GaugeMetricFamily("flowpacer_flow_series_overflow",
@@ -290,22 +302,8 @@ class FlowpacerCollector:
         ov.add_metric([], overflow)
         yield ov
 
-        r_flows = GaugeMetricFamily("flowpacer_rule_flows", "Flows shaped by the rule now.",
-                                    labels=["rule"])
-        r_bytes = CounterMetricFamily("flowpacer_rule_sent_bytes", "Bytes sent by the rule's flows.",
-                                      labels=["rule"])
-        r_pkts = CounterMetricFamily("flowpacer_rule_sent_packets",
-                                     "Packets sent by the rule's flows.", labels=["rule"])
-        r_drops = CounterMetricFamily("flowpacer_rule_dropped_packets",
-                                      "Packets of the rule's flows dropped.", labels=["rule"])
-        for rule in sorted(set(rules_now) | set(self._retired) | set(v.rule_names)):
-            now = rules_now.get(rule, [0, 0, 0, 0])
-            old = self._retired.get(rule, [0, 0, 0])
-            r_flows.add_metric([rule], now[0])
-            r_bytes.add_metric([rule], now[1] + old[0])
-            r_pkts.add_metric([rule], now[2] + old[1])
-            r_drops.add_metric([rule], now[3] + old[2])
-        yield from (r_flows, r_bytes, r_pkts, r_drops)
+        yield from self._rule_families(v, rules_now, rule_flows)
+        yield build_info()
 
         info = GaugeMetricFamily("flowpacer_info", "The daemon's backend and flow source.",
                                  labels=["backend", "interface", "flow_source"])
@@ -379,7 +377,7 @@ class FlowpacerCollector:
         yield rel
         live = GaugeMetricFamily("flowpacer_flows", "Flows known to the daemon.", labels=["state"])
         live.add_metric(["live"], v.live_flows)
-        live.add_metric(["shaped"], len(v.flows))
+        live.add_metric(["shaped"], len({f.key for f in v.flows}))   # both sides: one flow
         yield live
         hist = v.counters.apply_hist
         h = HistogramMetricFamily("flowpacer_apply_duration_seconds",
@@ -390,10 +388,46 @@ class FlowpacerCollector:
         sc.add_metric([], self.scrapes)
         yield sc
         yield from group_families(v, stats, self.addresses)
+        yield from health_families(v)
 
-    def _retire(self, last) -> None:
+    # per-rule totals, always there whatever the per-flow options: (name, help) per side, the
+    # counters in [bytes, packets, drops] order
+    RULE_SIDES = (
+        ("send", (("flowpacer_rule_sent_bytes", "Bytes the server sent in the rule's flows."),
+                  ("flowpacer_rule_sent_packets", "Packets the server sent in the rule's flows."),
+                  ("flowpacer_rule_dropped_packets",
+                   "Packets of the rule's flows dropped by their send classes."))),
+        ("receive", (("flowpacer_rule_received_bytes",
+                      "Bytes the server received in the rule's flows (receive_rate, shaped on "
+                      "the ifb)."),
+                     ("flowpacer_rule_received_packets",
+                      "Packets the server received in the rule's flows."),
+                     ("flowpacer_rule_receive_dropped_packets",
+                      "Packets to the server of the rule's flows dropped by their receive "
+                      "classes."))),
+    )
+
+    def _rule_families(self, v, rules_now, rule_flows):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        r_flows = GaugeMetricFamily("flowpacer_rule_flows", "Flows shaped by the rule now (a flow "
+                                    "shaped both ways counts once).", labels=["rule"])
+        names = sorted(set(rule_flows) | {r for r, _ in rules_now} | {r for r, _ in self._retired}
+                       | set(v.rule_names))
+        for rule in names:
+            r_flows.add_metric([rule], len(rule_flows.get(rule, ())))
+        yield r_flows
+        for side, fams in self.RULE_SIDES:
+            out = [CounterMetricFamily(n, h, labels=["rule"]) for n, h in fams]
+            for rule in names:
+                now = rules_now.get((rule, side), (0, 0, 0))
+                old = self._retired.get((rule, side), (0, 0, 0))
+                for i, fam in enumerate(out):
+                    fam.add_metric([rule], now[i] + old[i])
+            yield from out
+
+    def _retire(self, last, side: str) -> None:
         rule, b, p, d, b0, p0, d0 = last
-        r = self._retired.setdefault(rule, [0, 0, 0])
+        r = self._retired.setdefault((rule, side), [0, 0, 0])
         r[0] += b - b0
         r[1] += p - p0
         r[2] += d - d0
@@ -753,6 +787,48 @@ class MetricsServer:
                 os.unlink(self.listen.path)
             except OSError:
                 pass
+
+
+def health_families(v):
+    """What the alerting rules (docs/flowpacer-alerts.yml) watch besides the stages: a backend
+    that fell back from psp to htb, and how full the flow class-id space is (each interface has
+    ``CLASS_ID_LIMIT`` ids for flow and group classes; one more flow is refused)."""
+    from prometheus_client.core import GaugeMetricFamily
+    from flowpacer.kernel.backend.handles import FIRST_FLOW_MINOR, LAST_FLOW_MINOR
+    fb = GaugeMetricFamily("flowpacer_backend_fell_back",
+                           "1 when the backend in use is a fall-back (psp lost, htb took over).")
+    fb.add_metric([], 1 if v.backend_fell_back else 0)
+    yield fb
+    used = GaugeMetricFamily("flowpacer_class_ids_used",
+                             "Class ids in use by flow and group classes, per side.",
+                             labels=["side"])
+    send = sum(1 for f in v.flows if f.side.value == "send") + len(v.groups)
+    used.add_metric(["send"], send)
+    used.add_metric(["receive"], sum(1 for f in v.flows if f.side.value == "receive"))
+    yield used
+    lim = GaugeMetricFamily("flowpacer_class_ids_limit",
+                            "Class ids each side has for flow and group classes.")
+    lim.add_metric([], LAST_FLOW_MINOR - FIRST_FLOW_MINOR + 1)
+    yield lim
+
+
+def version() -> str:
+    """flowpacer's version as installed (the wheel's or the .deb's metadata)."""
+    from importlib import metadata
+    try:
+        return metadata.version("flowpacer")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def build_info():
+    """``flowpacer_build_info``: 1, labelled with what was built and what runs it."""
+    import platform
+    from prometheus_client.core import GaugeMetricFamily
+    fam = GaugeMetricFamily("flowpacer_build_info", "flowpacer's version and the Python that runs "
+                            "it (always 1).", labels=["version", "python"])
+    fam.add_metric([version(), platform.python_version()], 1)
+    return fam
 
 
 def _first_byte_metrics(fb, counter, gauge):

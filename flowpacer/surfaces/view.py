@@ -41,6 +41,7 @@ def build(rec, sup, stages: Iterable, *, rules_path: str, flow_source: FlowSourc
     return DaemonView(
         backend=b.name if b else None,
         backend_reason=sup.reason,
+        backend_fell_back=sup.fell_back,
         interface=b.interface if b else None,
         backend_health=sup.health,
         backend_problem=sup.problem,
@@ -350,5 +351,140 @@ def parse_status(st: dict) -> StatusAnswer:
             first_byte=None if not fb else StatusFirstByte(
                 tuple((_str(p["rule"]), _int(p["ready"])) for p in fb.get("pools") or ()),
                 tuple((_str(k), _int(n)) for k, n in (fb.get("counters") or {}).items())))
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"unreadable status answer ({type(e).__name__}: {e})") from None
+
+
+# ------------------------------------------------------- explain and unshaped flows (issue 28)
+# ``flowpacer explain`` and ``status --all``: the engine's own walk (``engine.explain``) and the
+# first-byte program's (``handshake.first_byte``), written out here for both the daemon's
+# answer (a live flow) and the command's offline one (a described flow), read back by
+# ``parse_explain``.
+
+def why_unshaped(expl, sends_ok: bool, health: str = "ok") -> str:
+    """Why a live flow has no send class, from its ``engine.Explanation``; ``sends_ok``:
+    whether the send backend can take classes now (``health`` says what it is otherwise)."""
+    f = expl.flow
+    if f.proc.pid == 0 and not f.proc.comm:
+        return "its owner is not known yet (sock_diag found it before the tracer or /proc did)"
+    r = expl.rule
+    if r is None:
+        return "no rule matches it"
+    if not r.sends:
+        return f"rule {r.name!r} matches and is receive-only: what the flow is sent is not shaped"
+    if not sends_ok:
+        return (f"rule {r.name!r} matches but the backend is {health}: no class until it is "
+                "rebuilt")
+    return (f"rule {r.name!r} matches but the flow has no class yet (it gets one at the next "
+            "pass, or adding it failed: see the log)")
+
+
+def _flow_json(flow) -> dict:
+    k, p = flow.key, flow.proc
+    return {"local": endpoint(k.local_addr, k.local_port),
+            "remote": endpoint(k.remote_addr, k.remote_port), "protocol": k.protocol.value,
+            "direction": flow.direction.value, "pid": p.pid, "process": p.comm, "exe": p.exe,
+            "uid": p.uid, "source": flow.source.value}
+
+
+def unshaped_json(flow, reason: str) -> dict:
+    """One live flow without a send class, for ``status --all``."""
+    return {**_flow_json(flow), "reason": reason}
+
+
+def explain_json(expl, first_byte: Tuple[bool, str], classes=(), unshaped: str = "") -> dict:
+    """One flow's explanation: ``expl`` (``engine.explain``), the first-byte verdict
+    (``handshake.first_byte``), for a live flow its classes (status flow entries) and, when it
+    has no send class, why."""
+    r = expl.rule
+    return {
+        **_flow_json(expl.flow),
+        "unknown": sorted(expl.unknown),
+        "rule": r.name if r else None, "rule_line": r.line if r else 0,
+        "sends": bool(r and r.sends), "receives": bool(r and r.receive_rate_bps is not None),
+        "rate_bit": r.rate_bps * 8 if r and r.rate_bps else 0,
+        "passed": [{"rule": p.name, "line": p.line, "fails": list(fails),
+                    "undecided": expl.undecided(fails)} for p, fails in expl.passed],
+        "first_byte": {"yes": first_byte[0], "why": first_byte[1]},
+        "classes": list(classes),
+        "unshaped": unshaped,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class ExplainedRule:
+    rule: str
+    line: int
+    fails: Tuple[str, ...]
+    undecided: bool            # fails only on fields a described flow did not give
+
+
+@dataclass(frozen=True, slots=True)
+class Explained:
+    """One flow of an explain answer, typed (``parse_explain``)."""
+    local: str
+    remote: str
+    protocol: str
+    direction: str
+    pid: int
+    process: str
+    exe: str
+    uid: int
+    unknown: Tuple[str, ...]
+    rule: Optional[str]
+    rule_line: int
+    sends: bool
+    receives: bool
+    rate_bit: int
+    passed: Tuple[ExplainedRule, ...]
+    first_byte: bool
+    first_byte_why: str
+    classes: Tuple[StatusFlow, ...]
+    unshaped: str
+
+
+def _explained(e: dict) -> Explained:
+    if not isinstance(e, dict):
+        raise ValueError("an explained flow is not an object")
+    fb = e.get("first_byte") or {}
+    rule = e.get("rule")
+    return Explained(
+        local=_str(e.get("local")), remote=_str(e.get("remote")),
+        protocol=_str(e.get("protocol")), direction=_str(e.get("direction")),
+        pid=_int(e.get("pid", 0)), process=_str(e.get("process")), exe=_str(e.get("exe")),
+        uid=_int(e.get("uid", -1)), unknown=tuple(_str(u) for u in e.get("unknown") or ()),
+        rule=None if rule is None else _str(rule), rule_line=_int(e.get("rule_line", 0)),
+        sends=e.get("sends") is True, receives=e.get("receives") is True,
+        rate_bit=_int(e.get("rate_bit", 0)),
+        passed=tuple(ExplainedRule(_str(p["rule"]), _int(p.get("line", 0)),
+                                   tuple(_str(x) for x in p.get("fails") or ()),
+                                   p.get("undecided") is True) for p in e.get("passed") or ()),
+        first_byte=fb.get("yes") is True, first_byte_why=_str(fb.get("why")),
+        classes=tuple(_flow(c) for c in e.get("classes") or ()),
+        unshaped=_str(e.get("unshaped")))
+
+
+def parse_explain(answer: dict) -> Tuple[Explained, ...]:
+    """The explain answer (``{"flows": [explain_json ...]}``) as typed objects; ValueError
+    for another shape."""
+    try:
+        if not isinstance(answer, dict) or not isinstance(answer.get("flows"), list):
+            raise ValueError("no flows in the answer")
+        return tuple(_explained(e) for e in answer["flows"])
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"unreadable explain answer ({type(e).__name__}: {e})") from None
+
+
+def parse_unshaped(st: dict) -> Tuple[Tuple[FlowKey, int, str, str, str], ...]:
+    """``status --all``'s unshaped flows: (key, pid, process, direction, reason)."""
+    try:
+        out = []
+        for u in st.get("unshaped") or ():
+            if not isinstance(u, dict):
+                raise ValueError("an unshaped flow is not an object")
+            out.append((FlowKey.parse(u["local"], u["remote"], _str(u.get("protocol")) or "tcp"),
+                        _int(u.get("pid", 0)), _str(u.get("process")), _str(u.get("direction")),
+                        _str(u.get("reason"))))
+        return tuple(out)
     except (KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"unreadable status answer ({type(e).__name__}: {e})") from None

@@ -107,6 +107,7 @@ class TcBackend(FlowClasses, GroupClasses, ClassCounters):
         self._free_minors: List[int] = []
         self._next_minor = FIRST_FLOW_MINOR
         self._layout = Layout()
+        self._options_cache: Dict[tuple, bytes] = {}   # flow class options by rates (tcflows)
         self._groups = GroupTree()       # group classes of rules with aggregates (groups.py)
         self._warned_groups = False
         self.adopted = 0

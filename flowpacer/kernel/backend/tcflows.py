@@ -34,6 +34,21 @@ class FlowClasses:
         inst = self._flows.get(key)
         return inst.classid if inst else None
 
+    def _flow_options(self, shape: Shape, kernel: Optional[tuple]) -> bytes:
+        """The codec's options for a flow class of these rates (raises ValueError as the codec
+        does). A codec's flow options depend on the rates and the link rate only, and a burst's
+        flows share a few shapes: each is encoded once."""
+        s = self._kernel_shape(shape, kernel)
+        ck = (s.rate_bps, s.ceil_bps, self.link_rate_bps)
+        cache = self._options_cache
+        options = cache.get(ck)
+        if options is None:
+            options = self.codec.flow_class_options(s, self.link_rate_bps)
+            if len(cache) >= 1024:
+                cache.clear()
+            cache[ck] = options
+        return options
+
     def apply(self, plan: Sequence[Op]) -> ApplyResult:
         """Carry out a plan. Idempotent: an ADD of a known flow changes it, a REMOVE of an
         unknown one does nothing. Failures are reported per operation; the rest goes on.
@@ -109,8 +124,7 @@ class FlowClasses:
         """``kernel``: the (rate, ceil) to give the class instead of the shape's (a flow under a
         group gets its share, see groups.py)."""
         try:
-            options = self.codec.flow_class_options(self._kernel_shape(op.shape, kernel),
-                                                    self.link_rate_bps)
+            options = self._flow_options(op.shape, kernel)
         except ValueError as e:
             res.errors.append(OpError(op, f"{op.key}: {e}"))
             return
@@ -131,8 +145,7 @@ class FlowClasses:
         ``_queue_change``."""
         key = op.key
         try:
-            options = self.codec.flow_class_options(self._kernel_shape(op.shape, kernel),
-                                                    self.link_rate_bps)
+            options = self._flow_options(op.shape, kernel)
         except ValueError as e:
             res.errors.append(OpError(op, f"{key}: {e}"))
             return
@@ -192,10 +205,9 @@ class FlowClasses:
         add(self._class_msg(minor, parent or self._flow_parent, options, not claimed,
                             lambda: f"add class {nl.fmt_handle(classid)} for {key}"), class_done)
         add(self._filter_msg(RTM_NEWTFILTER, NLM_F_CREATE | NLM_F_EXCL, key.family, pl.handle,
-                             u32.leaf_options(classid, u32.flow_keys(wk.local_addr, wk.local_port,
-                                                                     wk.remote_addr, wk.remote_port,
-                                                                     wk.protocol.number),
-                                              pl.in_table),
+                             u32.flow_leaf_options(classid, pl.in_table, wk.local_addr,
+                                                   wk.local_port, wk.remote_addr, wk.remote_port,
+                                                   wk.protocol.number),
                              lambda: f"add filter for {key}"), filter_done)
 
 

@@ -1,10 +1,11 @@
-"""Minimal rtnetlink transport for tc objects: batched requests with per-message acks.
+"""Minimal rtnetlink transport for tc objects: batched requests, one ack per batch.
 
 pyroute2 builds a message through its generic ``nla`` machinery (~0.25 ms per htb class here) and
 waits for each ack before the next request. The backend installs thousands of classes and filters,
 so the hot path packs the few fixed structures itself (see ``htb.py``/``u32.py``, whose encodings are
 checked against pyroute2's nla classes and the uapi headers in the tests), sends many requests in
-one ``sendmsg`` and matches the acks by sequence number. Every refusal keeps the kernel's extack
+one ``sendmsg`` (only its last request asks for an ack; the kernel answers every refusal anyway)
+and matches the answers by sequence number. Every refusal keeps the kernel's extack
 text so that it can be shown in a one-line reason.
 """
 from __future__ import annotations
@@ -202,30 +203,53 @@ class RtnlSocket:
         return self._seq
 
     def transact(self, requests: Sequence[Request]) -> List[Optional[NetlinkError]]:
-        """Send every request (acked); return None or the NetlinkError for each, in order."""
+        """Send every request; return None or the NetlinkError for each, in order.
+
+        Only the last request of each sendmsg asks for an ack: the kernel answers a refused
+        request with its error whether it was asked to or not, and handles one sendmsg's
+        requests in order before it returns, so the last one's ack comes after every error
+        of the chunk. A chunk holds at most ``max_in_flight`` requests, so that even a chunk
+        refused whole fits in the receive buffer."""
         results: List[Optional[NetlinkError]] = [None] * len(requests)
+        pack = _NLMSGHDR.pack
+        hdr = _NLMSGHDR.size
+        n = len(requests)
         i = 0
-        while i < len(requests):
-            pending = {}
-            chunk = bytearray()
-            while i < len(requests) and (not chunk or (len(chunk) < self.BATCH_BYTES
-                                                       and len(pending) < self.max_in_flight)):
+        while i < n:
+            first = i
+            index = {}                   # seq -> request index
+            parts = []
+            size = 0
+            while True:
                 r = requests[i]
-                seq = self._next_seq()
-                pending[seq] = i
-                chunk += _NLMSGHDR.pack(_NLMSGHDR.size + len(r.body), r.msg_type,
-                                        r.flags | NLM_F_REQUEST | NLM_F_ACK, seq, 0)
-                chunk += r.body
+                body = r.body
+                size += hdr + len(body)
                 i += 1
-            self._sock.sendall(bytes(chunk))
-            while pending:
+                last_of_chunk = (i == n or size >= self.BATCH_BYTES
+                                 or i - first >= self.max_in_flight)
+                seq = self._next_seq()
+                index[seq] = i - 1
+                parts.append(pack(hdr + len(body), r.msg_type,
+                                  r.flags | NLM_F_REQUEST | (NLM_F_ACK if last_of_chunk else 0),
+                                  seq, 0))
+                parts.append(body)
+                if last_of_chunk:
+                    break
+            last = seq
+            self._sock.sendall(b"".join(parts))
+            done = False
+            while not done:
                 for mtype, flags, seq, payload in self._recv():
-                    if seq not in pending or mtype != NLMSG_ERROR:
+                    if mtype != NLMSG_ERROR:
                         continue
-                    idx = pending.pop(seq)
+                    idx = index.get(seq)
+                    if idx is None:
+                        continue
                     err, extack = _parse_error(flags, payload)
                     if err:
                         results[idx] = NetlinkError(requests[idx].describe(), err, extack)
+                    if seq == last:
+                        done = True
         return results
 
     def request(self, req: Request) -> None:

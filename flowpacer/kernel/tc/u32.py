@@ -111,8 +111,11 @@ def leaf_options(classid: int, keys: List[Key], in_table: int) -> bytes:
         nla(TCA_U32_SEL, pack_sel(keys, TC_U32_TERMINAL)))
 
 
+_KIND_ONLY = nla_str(TCA_KIND, "u32")
+
+
 def kind_only() -> bytes:
-    return nla_str(TCA_KIND, "u32")
+    return _KIND_ONLY
 
 
 # ------------------------------------------------------------ flow 4-tuples
@@ -170,6 +173,55 @@ def flow_keys(local_addr, local_port: int, remote_addr, remote_port: int,
             keys += [(base + 4 * i, 0xFFFFFFFF, w) for i, w in enumerate(_addr_words(addr))]
     keys.append((ports_off, 0xFFFFFFFF, ports))
     return keys
+
+
+# flow_leaf_options' pieces: (offset) -> key offset + offmask bytes, per (family, protocol) the
+# protocol key, per family the attribute headers around the keys (their count is fixed)
+_OFF = {o: KEY[1].pack(o, 0) for o in range(0, 64, 4)}
+_EXACT = b"\xff\xff\xff\xff"
+_U32 = struct.Struct("=I")
+_NLA_HDR = struct.Struct("=HH")
+_LEAF_PIECES = {}
+
+
+def _leaf_pieces(fam: int, proto: int):
+    pieces = _LEAF_PIECES.get((fam, proto))
+    if pieces is None:
+        nkeys = 1 + (2 if fam == 4 else 8) + 1
+        sel_len = SEL_HEAD.size + nkeys * KEY_SIZE
+        inner_len = 8 + 8 + 4 + sel_len
+        off, mask, shift = PROTO_KEY[fam]
+        kind = nla_str(TCA_KIND, "u32")
+        head = (kind + _NLA_HDR.pack(4 + inner_len, TCA_OPTIONS | 0x8000)
+                + _NLA_HDR.pack(8, TCA_U32_HASH))
+        mid = _NLA_HDR.pack(8, TCA_U32_CLASSID)
+        sel = (_NLA_HDR.pack(4 + sel_len, TCA_U32_SEL)
+               + SEL_HEAD.pack(TC_U32_TERMINAL, 0, nkeys, b"\0\0", 0, 0, 0, b"\0\0\0\0")
+               + KEY[0].pack(mask, (proto & 0xFF) << shift) + KEY[1].pack(off, 0))
+        pieces = _LEAF_PIECES[(fam, proto)] = (head, mid, sel)
+    return pieces
+
+
+def flow_leaf_options(classid: int, in_table: int, local_addr, local_port: int, remote_addr,
+                      remote_port: int, proto: int = IPPROTO_TCP) -> bytes:
+    """``leaf_options(classid, flow_keys(...), in_table)``, the same bytes packed from
+    prebuilt pieces (the daemon makes one per new flow)."""
+    if local_addr.is_unspecified or remote_addr.is_unspecified:
+        return leaf_options(classid, flow_keys(local_addr, local_port, remote_addr, remote_port,
+                                               proto), in_table)
+    fam = local_addr.version
+    head, mid, sel = _leaf_pieces(fam, proto)
+    la, ra = local_addr.packed, remote_addr.packed
+    ports = _EXACT + struct.pack(">HH", local_port, remote_port)
+    if fam == 4:
+        return b"".join((head, _U32.pack(in_table), mid, _U32.pack(classid), sel,
+                         _EXACT, la, _OFF[12], _EXACT, ra, _OFF[16], ports, _OFF[20]))
+    return b"".join((head, _U32.pack(in_table), mid, _U32.pack(classid), sel,
+                     _EXACT, la[0:4], _OFF[8], _EXACT, la[4:8], _OFF[12],
+                     _EXACT, la[8:12], _OFF[16], _EXACT, la[12:16], _OFF[20],
+                     _EXACT, ra[0:4], _OFF[24], _EXACT, ra[4:8], _OFF[28],
+                     _EXACT, ra[8:12], _OFF[32], _EXACT, ra[12:16], _OFF[36],
+                     ports, _OFF[40]))
 
 
 def keys_to_tuple(keys: List[Key]):

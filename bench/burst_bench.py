@@ -1,0 +1,463 @@
+"""Classes at burst speed (issue 26, item 2): the burst curve and the churn ceiling.
+
+1. ``burst`` / ``burst_mixed``: N connections (100 ... 10 000) arrive at once at a held server
+   (one client process, non-blocking connects issued back to back); how long until the last of
+   them has its class (from the first connect() to the moment the kernel's class count on the
+   server's interface reached N, polled by a netlink dump every 20 ms), and the daemon's process
+   CPU time (user + system, not wall: meaningful on a shared machine) per flow for the burst's
+   classes, and again for their removal when the N connections close at once. ``burst`` is
+   IPv4 only (an AF_INET listener: the server's sockets are plain IPv4); ``burst_mixed`` is a
+   third each of IPv4, IPv6 and IPv4-mapped (IPv4 clients of a dual-stack listener).
+   First-byte shaping is off here (FLOWPACER_NO_FIRST_BYTE): every flow's class is one the
+   daemon makes after the tracer's event, which is the path this measures.
+2. ``churn`` / ``churn_mixed``: ``bench.daemon_bench``'s churn ceiling (open + read + close from
+   2 client processes, the daemon as it runs by default) over rates up to 8 000/s, with the
+   daemon's CPU per flow of each step.
+
+Results go under a label (``--label before`` for main's code, ``after`` for this branch's), so
+one file holds both. Writes bench/results/burst.json (labels and parts not run keep their
+previous figures unless ``--fresh``).
+Run: ``.venv/bin/python -m bench.burst_bench [--quick] [--label L] [part ...]``.
+The module is also its own client and server (``serve`` / ``connect``, see ``_helper_main``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+from typing import List
+
+from harness.daemon import Daemon
+from harness.testbed import PY, Testbed, in_netns, sh, wait_for
+
+from .common import RESULTS, write
+from .reportkit import ResultIndex, g, num, pyplot, savefig, share, table
+
+SIZES = (100, 500, 1000, 2000, 5000, 10_000)
+QUICK_SIZES = (100, 1000, 2000)
+CHURN_RATES = (2000, 4000, 6000, 8000)
+QUICK_CHURN_RATES = (2000, 4000)
+PORT_V4, PORT_DUAL = 7300, 7301
+SERVER_COMM = "fp-burst-hold"
+
+RULES = f"""
+    interface: IFACE
+    backend: htb
+    link_rate: 10gbit
+    rules:
+      - name: burst
+        match: {{process: {SERVER_COMM}, direction: inbound}}
+        rate: 1mbit
+"""
+
+
+# ============================================================ the client and server processes
+
+def _raise_nofile() -> None:
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _serve(v4_port: int, dual_port: int) -> None:
+    """Accept on an IPv4 listener and a dual-stack one and hold every connection (until
+    killed); the process is named SERVER_COMM, the rule's process."""
+    from harness.blaster import set_comm
+    _raise_nofile()
+    set_comm(SERVER_COMM)
+    s4 = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s6 = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    s6.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    for s, addr in ((s4, ("0.0.0.0", v4_port)), (s6, ("::", dual_port))):
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(addr)
+        s.listen(65535)
+        s.setblocking(False)
+    listeners = {s4.fileno(): s4, s6.fileno(): s6}
+    p = select.epoll()
+    for s in (s4, s6):
+        p.register(s.fileno(), select.EPOLLIN)
+    conns = {}
+    while True:
+        for fd, ev in p.poll():
+            s = listeners.get(fd)
+            if s is None:               # a held connection: its peer closed, close it too
+                c = conns.pop(fd)
+                p.unregister(fd)
+                c.close()
+                continue
+            while True:
+                try:
+                    c, _ = s.accept()
+                except BlockingIOError:
+                    break
+                conns[c.fileno()] = c
+                p.register(c.fileno(), select.EPOLLIN | select.EPOLLRDHUP)
+
+
+def _connect(targets: List[str], count: int) -> None:
+    """``count`` connections spread round-robin over ``targets`` (host:port), made at once on
+    a line "go" from stdin: prints {"t_first": ..} (CLOCK_MONOTONIC) before the first
+    connect() and {"connected": n, "t_all": ..} once every one completed; closes them all when
+    stdin closes."""
+    _raise_nofile()
+    addrs = []
+    for t in targets:
+        host, port = t.rsplit(":", 1)
+        fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+        addrs.append((fam, (host.strip("[]"), int(port))))
+    socks = []
+    for i in range(count):
+        fam, addr = addrs[i % len(addrs)]
+        s = socket.socket(fam, socket.SOCK_STREAM)
+        s.setblocking(False)
+        socks.append((s, addr))
+    print(json.dumps({"ready": count}), flush=True)
+    sys.stdin.readline()
+    t_first = time.monotonic()
+    pending = {}
+    p = select.epoll()
+    for s, addr in socks:
+        err = s.connect_ex(addr)
+        if err not in (0, 115):        # EINPROGRESS
+            raise OSError(err, os.strerror(err))
+        pending[s.fileno()] = s
+        p.register(s.fileno(), select.EPOLLOUT)
+    t_issued = time.monotonic()
+    errors = 0
+    deadline = time.monotonic() + 60
+    while pending and time.monotonic() < deadline:
+        for fd, _ in p.poll(1.0):
+            s = pending.pop(fd)
+            p.unregister(fd)
+            if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                errors += 1
+    t_all = time.monotonic()
+    print(json.dumps({"t_first": t_first, "t_issued": t_issued, "t_all": t_all,
+                      "connected": count - len(pending) - errors, "errors": errors,
+                      "pending": len(pending)}), flush=True)
+    sys.stdin.read()
+    for s, _ in socks:
+        s.close()
+
+
+def _helper_main(argv) -> int:
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("serve")
+    a.add_argument("--v4-port", type=int, default=PORT_V4)
+    a.add_argument("--dual-port", type=int, default=PORT_DUAL)
+    b = sub.add_parser("connect")
+    b.add_argument("--targets", required=True)
+    b.add_argument("--count", type=int, required=True)
+    args = ap.parse_args(argv)
+    if args.cmd == "serve":
+        _serve(args.v4_port, args.dual_port)
+    else:
+        _connect(args.targets.split(","), args.count)
+    return 0
+
+
+# ============================================================ measuring
+
+def _class_counter(tb):
+    """A function giving the number of classes on the server's interface (one netlink dump,
+    messages counted, not parsed)."""
+    from flowpacer.kernel.tc import nl
+    with in_netns(tb.server_ns):
+        rtnl = nl.RtnlSocket()
+        ifindex = socket.if_nametoindex(tb.server_if)
+
+    def count() -> int:
+        for attempt in range(50):    # a dump the daemon's changes interrupt is asked again
+            try:
+                return sum(1 for _ in rtnl.dump(nl.RTM_GETTCLASS, nl.tcmsg(ifindex)))
+            except nl.NetlinkError as e:
+                if attempt == 49 or "busy" not in str(e):
+                    raise
+        return 0
+    count.close = rtnl.close
+    return count
+
+
+def _cpu_split(d) -> tuple:
+    """The daemon's (user, system) CPU seconds so far (system: the kernel's work in its
+    syscalls, e.g. the classes made in its netlink sendmsg)."""
+    with open(f"/proc/{d.pid()}/stat") as f:
+        parts = f.read().rsplit(")", 1)[1].split()
+    tck = os.sysconf("SC_CLK_TCK")
+    return int(parts[11]) / tck, int(parts[12]) / tck
+
+
+def _cpu_ns(d) -> float:
+    """The daemon's CPU time so far in seconds, to the nanosecond: the sum of its threads' time
+    on a CPU (/proc/PID/task/*/schedstat; /proc/PID/stat counts 10 ms ticks, too coarse for a
+    burst of 100 flows). Threads that ended are not counted: the daemon's live as long as it."""
+    total = 0
+    base = f"/proc/{d.pid()}/task"
+    for tid in os.listdir(base):
+        try:
+            with open(f"{base}/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total / 1e9
+
+
+def _idle_cpu_rate(d, seconds=1.0) -> float:
+    c0, t0 = _cpu_ns(d), time.monotonic()
+    time.sleep(seconds)
+    return (_cpu_ns(d) - c0) / (time.monotonic() - t0)
+
+
+def _settle_cpu(d, idle_rate, quiet_s=0.3, timeout=30.0) -> float:
+    """Wait until the daemon's CPU time stops growing faster than when idle (no work left)."""
+    last, t_last = _cpu_ns(d), time.monotonic()
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        time.sleep(quiet_s)
+        now, t = _cpu_ns(d), time.monotonic()
+        if now - last <= 2 * idle_rate * (t - t_last) + 0.002:
+            return now
+        last, t_last = now, t
+    return _cpu_ns(d)
+
+
+def targets(tb, mixed: bool) -> List[str]:
+    v4 = f"{tb.server_v4}:{PORT_V4}"
+    if not mixed:
+        return [v4]
+    # IPv4 to the IPv4 listener, IPv6, and IPv4 to the dual-stack one (IPv4-mapped at the server)
+    return [v4, f"[{tb.server_v6}]:{PORT_DUAL}", f"{tb.server_v4}:{PORT_DUAL}"]
+
+
+def burst_curve(tb, sizes=SIZES, mixed=False) -> dict:
+    for k, v in (("net.core.somaxconn", "65535"), ("net.ipv4.tcp_max_syn_backlog", "65535")):
+        sh("ip", "netns", "exec", tb.server_ns, "sysctl", "-qw", f"{k}={v}")
+    # the client's ports: every step's connections wait in TIME_WAIT for 60 s after it
+    for k, v in (("net.ipv4.ip_local_port_range", "10000 65000"), ("net.ipv4.tcp_tw_reuse", "1")):
+        sh("ip", "netns", "exec", tb.client_ns, "sysctl", "-qw", f"{k}={v}")
+    tb.popen(tb.server_ns, [PY, "-m", "bench.burst_bench", "serve"])
+    tb.wait_listening(PORT_V4)
+    tb.wait_listening(PORT_DUAL)
+    d = Daemon(tb, None, RULES, "--no-metrics", verbose=False,
+               env={**os.environ, "FLOWPACER_NO_FIRST_BYTE": "1"}).start(timeout=60)
+    count = _class_counter(tb)
+    steps = []
+    try:
+        idle = _idle_cpu_rate(d)
+        for n in sizes:
+            base = count()
+            cl = tb.popen(tb.client_ns, [PY, "-m", "bench.burst_bench", "connect", "--targets",
+                                         ",".join(targets(tb, mixed)), "--count", str(n)],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            try:
+                assert json.loads(cl.stdout.readline())["ready"] == n
+                c0, s0 = _cpu_ns(d), _cpu_split(d)[1]
+                t_go = time.monotonic()
+                cl.stdin.write("go\n")
+                cl.stdin.flush()
+                have, t_in, polls = base, None, 0
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline:
+                    have = count()
+                    polls += 1
+                    if have - base >= n:
+                        t_in = time.monotonic()
+                        break
+                    time.sleep(0.02)
+                res = json.loads(cl.stdout.readline())
+                c1 = _settle_cpu(d, idle)
+                add_cpu = c1 - c0 - idle * (time.monotonic() - t_go)
+                add_sys = _cpu_split(d)[1] - s0
+                st = d.status(timeout=60)
+                shaped = st["shaped_flows"]
+                # the removal: every connection closes at once
+                c2, s2, t_close = _cpu_ns(d), _cpu_split(d)[1], time.monotonic()
+                cl.stdin.close()
+                cl.wait(timeout=60)
+                wait_for(lambda: count() <= base, 120, 0.02, "the burst's classes to go")
+                t_gone = time.monotonic()
+                c3 = _settle_cpu(d, idle)
+                del_cpu = c3 - c2 - idle * (time.monotonic() - t_close)
+                del_sys = _cpu_split(d)[1] - s2
+            finally:
+                if cl.poll() is None:
+                    cl.kill()
+                    cl.wait(timeout=10)
+            step = {"flows": n, "connected": res["connected"], "client_errors": res["errors"],
+                    "connect_spread_s": res["t_all"] - res["t_first"],
+                    "last_class_in_s": (t_in - res["t_first"]) if t_in else None,
+                    "classes_seen": have - base, "status_shaped_flows": shaped,
+                    "daemon_cpu_s": add_cpu, "cpu_us_per_flow": add_cpu * 1e6 / n,
+                    "sys_us_per_flow": add_sys * 1e6 / n,
+                    "remove_all_s": t_gone - t_close, "remove_cpu_us_per_flow": del_cpu * 1e6 / n,
+                    "remove_sys_us_per_flow": del_sys * 1e6 / n,
+                    "apply_us": st["counters"]["apply_latency_us"],
+                    "time_to_shape_us": st["counters"]["shape_latency_us"],
+                    "lost_events": st["tracer"]["lost"], "op_errors": st["counters"]["op_errors"],
+                    "polls": polls}
+            steps.append(step)
+            print(json.dumps({k: v for k, v in step.items() if k not in ("apply_us", "time_to_shape_us")}),
+                  flush=True)
+    finally:
+        count.close()
+        d.stop()
+    return {"steps": steps, "mix": "ipv4, ipv6, ipv4-mapped" if mixed else "ipv4",
+            "idle_cpu_share": idle, "cpu_clock": "schedstat"}
+
+
+def churn_curve(tb, rates=CHURN_RATES, seconds=5, mixed=False) -> dict:
+    from . import daemon_bench
+    res = daemon_bench.churn_ceiling(tb, rates, seconds, mixed)
+    for s in res["steps"]:
+        flows = s["achieved_per_s"] * seconds
+        s["cpu_us_per_flow"] = s["daemon_cpu_share"] * (seconds + s["drain_after_s"]) * 1e6 / max(1, flows)
+    return res
+
+
+PARTS = {"burst": "bu1", "burst_mixed": "bu2", "churn": "bu3", "churn_mixed": "bu4"}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("serve", "connect"):
+        return _helper_main(argv)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("parts", nargs="*", help=f"of {', '.join(PARTS)} (default: all)")
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and rates (a smoke run)")
+    ap.add_argument("--fresh", action="store_true", help="do not keep figures of parts not run")
+    ap.add_argument("--label", default="after", help="where the figures go: before (main's "
+                    "code) or after (default)")
+    ap.add_argument("--sizes", default="", help="burst sizes, comma-separated")
+    args = ap.parse_args(argv)
+    names = args.parts or list(PARTS)
+    for n in names:
+        if n not in PARTS:
+            ap.error(f"unknown part {n!r}")
+    sizes = tuple(int(x) for x in args.sizes.split(",")) if args.sizes else (
+        QUICK_SIZES if args.quick else SIZES)
+    prev = RESULTS / "burst.json"
+    figures = json.loads(prev.read_text()).get("figures", {}) if prev.exists() and not args.fresh else {}
+    mine = figures.setdefault(args.label, {})
+    for name in names:
+        with Testbed(tag=PARTS[name]) as tb:
+            mixed = name.endswith("_mixed")
+            if name.startswith("burst"):
+                mine[name] = burst_curve(tb, sizes, mixed)
+            else:
+                mine[name] = churn_curve(tb, QUICK_CHURN_RATES if args.quick else CHURN_RATES,
+                                         3 if args.quick else 5, mixed)
+        print(json.dumps({name: mine[name]}, indent=1)[:4000], flush=True)
+    goals = {}
+    for label in ("after",):
+        for part in ("burst_mixed",):
+            by_n = {s["flows"]: s for s in g(figures, label, part, "steps") or []}
+            if 2000 in by_n and by_n[2000]["last_class_in_s"] is not None:
+                goals["burst_2000_mixed<=0.5s"] = by_n[2000]["last_class_in_s"] <= 0.5
+            if 10_000 in by_n and by_n[10_000]["last_class_in_s"] is not None:
+                goals["burst_10000_mixed<=2s"] = by_n[10_000]["last_class_in_s"] <= 2.0
+    write("burst", figures, goals)
+    print(json.dumps(goals, indent=2))
+    return 0
+
+
+# ============================================================== report
+# This benchmark's part of bench/REPORT.md (chapter 4, after daemon_bench's and backend_bench's).
+
+HEADING = "### Classes at burst speed (`bench/burst_bench.py`, issue 26)\n"
+LABELS = (("before", "before (main)"), ("after", "after"))
+
+
+def _ms(x):
+    return num(x * 1e3, "ms", 0) if x is not None and x < 1 else num(x, "s", 2)
+
+
+def report_section(R: ResultIndex) -> str:
+    d = R.fig("burst")
+    if not d:
+        return ""
+    parts = [g(d, label, part) or {} for label, _ in LABELS for part in ("burst", "burst_mixed")]
+    clock = ("its threads' time on a CPU, /proc/PID/task/*/schedstat"
+             if all(p.get("cpu_clock") == "schedstat" for p in parts if p) else
+             "/proc/PID/stat, in 10 ms ticks: coarse below 1 000 flows")
+    out = [HEADING, R.provenance("burst", "burst") + " *before*: main's code, measured right "
+           "after *after* in the same hold of the machine.\n",
+           "N connections at once from one client process (non-blocking connect()s back to back); "
+           "*last class in*: from the first connect() to the moment the server interface's class "
+           "count reached N (a netlink dump every 20 ms); *CPU/flow*: the daemon's CPU time (user and "
+           "system, not wall; " + clock + ") for the burst, less its idle rate, per flow; *of which "
+           "system*: its kernel time (mostly the classes and filters made in its netlink sendmsg; "
+           "/proc/PID/stat, in 10 ms ticks: coarse below 1 000 flows); *removal*: the same when the N connections close "
+           "at once. First-byte shaping off (every class made after the tracer's event); "
+           "*mixed*: a third each IPv4, IPv6 and IPv4-mapped (a dual-stack listener).\n",
+           "The system time grows with the number of classes already there: the kernel walks every "
+           "class of the qdisc (and locks each one's filter block) for each class made or deleted "
+           "(`tc_bind_tclass`, the reverse binding of filters to a new or deleted class; `perf` "
+           "puts about two thirds of the kernel's time there at 6 000 classes), so a burst of N new "
+           "classes costs O(N^2) in the kernel whatever the daemon does; only classes that already "
+           "exist (changed, not made) escape it.\n"]
+    rows = []
+    for part, mix in (("burst", "IPv4"), ("burst_mixed", "mixed")):
+        by = [(s["flows"], i, shown, s) for i, (label, shown) in enumerate(LABELS)
+              for s in g(d, label, part, "steps") or []]
+        for _, _, shown, s in sorted(by, key=lambda x: x[:2]):
+            rows.append([f"{s['flows']:,}".replace(",", " "), mix, shown,
+                         _ms(s["last_class_in_s"]) if s["last_class_in_s"] is not None else "never",
+                         num(s["cpu_us_per_flow"], "us", 0), num(s.get("sys_us_per_flow"), "us", 0),
+                         num(s["remove_all_s"], "s", 2), num(s["remove_cpu_us_per_flow"], "us", 0),
+                         _ms(s["connect_spread_s"]), s["lost_events"], s["op_errors"]])
+    if rows:
+        out.append(table(["flows at once", "families", "code", "last class in", "CPU/flow",
+                          "of which system", "removal", "removal CPU/flow", "connects spread over",
+                          "lost events", "op errors"], rows))
+        plt = pyplot()
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 3.4))
+        for part, mix, mk in (("burst", "IPv4", "o"), ("burst_mixed", "mixed", "s")):
+            for label, shown in LABELS:
+                st = [s for s in g(d, label, part, "steps") or [] if s["last_class_in_s"] is not None]
+                if not st:
+                    continue
+                ls = "--" if label == "before" else "-"
+                ax.plot([s["flows"] for s in st], [s["last_class_in_s"] for s in st], ls, marker=mk,
+                        label=f"{mix}, {shown}")
+                ax2.plot([s["flows"] for s in st], [s["cpu_us_per_flow"] for s in st], ls, marker=mk,
+                         label=f"{mix}, {shown}")
+        ax.plot([2000, 10_000], [0.5, 2.0], "g*", ms=10, label="issue 26's targets")
+        for a in (ax, ax2):
+            a.set_xscale("log")
+            a.set_xlabel("connections at once")
+        ax.set_yscale("log")
+        ax.set_ylabel("last class in (s)")
+        ax2.set_ylabel("daemon CPU per flow (us)")
+        ax2.axhline(50, color="g", ls=":", lw=0.8)
+        ax.legend(fontsize=7)
+        out.append(savefig(fig, "burst_curve.png"))
+    crow = []
+    for part, mix in (("churn", "IPv4"), ("churn_mixed", "half IPv6")):
+        for label, shown in LABELS:
+            c = g(d, label, part)
+            if not c:
+                continue
+            top = max(c["steps"], key=lambda s: s["offered_per_s"])
+            crow.append([mix, shown, num(c["sustained_flows_per_s"], "/s", 0),
+                         "; ".join(f"{s['offered_per_s']}: {num(s['achieved_per_s'], '', 0)} at "
+                                   f"{share(s['daemon_cpu_share'], 0)}, {num(s['cpu_us_per_flow'], 'us', 0)}/flow"
+                                   for s in c["steps"]),
+                         num(top["drain_after_s"], "s", 2)])
+    if crow:
+        out.append("**Churn ceiling** (bench.daemon_bench's churn: open + read + close from 2 client "
+                   "processes, the daemon as it runs by default; a step is kept up when the classes drain "
+                   "within 2 s of its end and no tracer event is lost; per step: offered: achieved at "
+                   "daemon CPU, CPU per flow):\n")
+        out.append(table(["families", "code", "sustained", "steps", "drain after the last"], crow))
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
