@@ -206,6 +206,16 @@ def test_make_deb_builds_both_packages_lintian_clean(debs):
     for dep in ("python3-pyroute2", "python3-yaml", "python3-click", "python3-prometheus-client"):
         assert dep in depends, depends
     assert "python3-bpfcc" in field(fp, "Recommends")
+    # the headers meta-package, so that a kernel update brings its headers (bcc, DKMS: issue 28)
+    for deb in (fp, psp):
+        assert field(deb, "Recommends").count("linux-headers-amd64 | ") == 1, field(deb, "Recommends")
+    # an upgrade restarts the service once, after the new files are in place (postinst), and
+    # never stops it first (prerm stops it on remove only): the classes stay across (issue 28)
+    postinst = run(["dpkg-deb", "-I", str(fp), "postinst"], 60, "dpkg-deb -I postinst").stdout
+    prerm = run(["dpkg-deb", "-I", str(fp), "prerm"], 60, "dpkg-deb -I prerm").stdout
+    assert re.search(r"_dh_action=restart\b", postinst), postinst
+    assert re.search(r"\[ \"\$1\" = remove \].*\n\s*deb-systemd-invoke stop '?flowpacer\.service",
+                     prerm), prerm
 
     conf = (ROOT / "flowpacer/kernel/kmod/dkms.conf").read_text()
     version = re.search(r'^PACKAGE_VERSION="?([^"\n]+)"?', conf, re.M).group(1)

@@ -59,6 +59,9 @@ class Options:
     web_config_file: Optional[str] = None  # TLS / basic auth of the metrics endpoint
     first_byte: bool = True                # issue 16 (off: benchmarks' "before" figures)
     strict_units: bool = False             # tc's byte units refused, not warned about
+    # issue 28: on exit leave the qdisc, classes and filters for the next process to adopt (the
+    # unit's ExecStopPost= removes them when the stop is not a restart)
+    keep_on_exit: bool = False
 
 
 def _real_tracer():
@@ -382,7 +385,12 @@ class Daemon:
                 log.debug("tracer close: %s", e)
         if self.firstbyte is not None:
             self._close_first_byte(self.firstbyte)
-        self.supervisor.shutdown()
+        keep = self.opts.keep_on_exit and self.supervisor.backend is not None
+        if keep:
+            log.info("exiting with %d flow classes left on %s for the next start to adopt "
+                     "(flowpacer cleanup removes them)",
+                     len(self.supervisor.backend.installed()), self.supervisor.backend.interface)
+        self.supervisor.shutdown(keep=keep)
         if self._control is not None:
             self._control.close()
         if self._metrics is not None:

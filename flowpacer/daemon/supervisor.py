@@ -447,7 +447,14 @@ class BackendSupervisor:
         channels.retain(self.backends())
         return out
 
-    def shutdown(self) -> None:
+    def shutdown(self, keep: bool = False) -> None:
+        """Remove everything the backends made, or with ``keep`` leave it in the kernel for the
+        next process to adopt (a restart, issue 28): only the netlink sockets are closed."""
+        if keep:
+            for b in self.backends():
+                b.close()
+            self.rx = self.backend = None
+            return
         if self.rx is not None:
             self._drop_receive()
         if self.backend is not None:

@@ -91,11 +91,17 @@ def main():
 @click.option("--strict-units", is_flag=True,
               help="refuse rates in tc's byte units (kbps, mbps: BYTES per second) instead of "
                    "warning about them")
+@click.option("--keep-on-exit", is_flag=True,
+              help="on SIGTERM leave the qdisc, classes and filters for the next start to adopt "
+                   "(a restart without a gap; the systemd unit sets FLOWPACER_KEEP_ON_EXIT=1, "
+                   "the same, and removes them on stop)")
 @click.option("-v", "--verbose", count=True,
               help="debug records of flowpacer (-vv: of its libraries too)")
 def run(rules_path, interface, backend, socket_path, take_over, rescan, no_tracer, metrics_listen,
-        no_metrics, metrics_max_flows, metrics_addresses, web_config_file, strict_units, verbose):
-    """Run the daemon: shape each matched flow until stopped (SIGTERM removes everything)."""
+        no_metrics, metrics_max_flows, metrics_addresses, web_config_file, strict_units,
+        keep_on_exit, verbose):
+    """Run the daemon: shape each matched flow until stopped (SIGTERM removes everything it
+    made, unless --keep-on-exit)."""
     _setup_logging(verbose)
     if os.geteuid() != 0:
         _fail("run needs root (CAP_NET_ADMIN for tc, CAP_BPF and CAP_PERFMON for the tracer, "
@@ -107,7 +113,9 @@ def run(rules_path, interface, backend, socket_path, take_over, rescan, no_trace
                        metrics_addresses, web_config_file,
                        # benchmarks' "before" figures: flows get their class after the handshake
                        first_byte=not os.environ.get("FLOWPACER_NO_FIRST_BYTE"),
-                       strict_units=strict_units))
+                       strict_units=strict_units,
+                       keep_on_exit=keep_on_exit
+                       or os.environ.get("FLOWPACER_KEEP_ON_EXIT", "") not in ("", "0")))
     try:
         d.start()
     except RulesError as e:
@@ -471,15 +479,32 @@ def top(socket_path, interval):
 
 
 @main.command()
-@click.option("--interface", required=True)
-def cleanup(interface):
-    """Remove everything flowpacer made on INTERFACE (no daemon needed)."""
-    from flowpacer.kernel.backend.ingress import cleanup as receive_cleanup
+@click.option("--interface", help="the interface to clean")
+@click.option("--all", "everywhere", is_flag=True,
+              help="every interface of this network namespace")
+@click.option("--after-stop", "unit", metavar="UNIT",
+              help="as the systemd unit UNIT's ExecStopPost=: do nothing when UNIT is being "
+                   "restarted (the next process adopts the classes)")
+def cleanup(interface, everywhere, unit):
+    """Remove everything flowpacer made on INTERFACE, or on every interface (no daemon needed)."""
+    if bool(interface) == bool(everywhere):
+        _fail("give --interface IF or --all")
+    if unit:
+        from flowpacer.surfaces.afterstop import after_stop
+        d = after_stop(unit)
+        if not d.remove:
+            click.echo(f"{unit}: flowpacer's classes left in place: {d.why}")
+            return
+    from flowpacer.kernel.backend.ingress import cleanup as receive_cleanup, cleanup_all
     from flowpacer.kernel.backend.tc import cleanup as do_cleanup
     try:
+        if everywhere:
+            done = cleanup_all()
+            click.echo("\n".join(done) if done else "nothing of flowpacer found")
+            return
         removed = do_cleanup(interface)
         rx = receive_cleanup(interface)       # the receive side's ifb and redirect (issue 17)
-    except FlowpacerError as e:
+    except (FlowpacerError, OSError) as e:
         _fail(str(e))
     what = [w for w, done in (("flowpacer qdisc", removed), ("receive side (ifb)", rx)) if done]
     click.echo(f"{interface}: {' and '.join(what) + ' removed' if what else 'nothing of flowpacer found'}")

@@ -268,3 +268,29 @@ class IngressBackend(TcBackend):
         except NetlinkError as e:
             log.warning("teardown of the receive side: %s", e)
         self.forget()
+
+
+def cleanup_all() -> List[str]:
+    """Remove what flowpacer made on every interface of this network namespace, with no rules
+    file to name it (the unit's ExecStopPost=, ``flowpacer cleanup --all``): first each receive
+    side (an ifb whose alias says whose it is, and that interface's redirect), then each root
+    qdisc with flowpacer's handle. What was removed, one line per interface."""
+    from flowpacer.kernel.backend.tc import QDISC_HANDLE, root_qdisc
+    done: List[str] = []
+    with RtnlSocket() as rtnl:
+        for ln in list(_links(rtnl)):
+            if ln.kind == "ifb" and ln.alias.startswith(ALIAS):
+                parent = ln.alias[len(ALIAS):].split(";", 1)[0]
+                if remove(rtnl, parent):
+                    done.append(f"{parent}: receive side ({ln.name}) removed")
+        for ln in list(_links(rtnl)):      # a dump at a time on the socket
+            root = root_qdisc(rtnl, ln.index)
+            if root is None or root.handle != QDISC_HANDLE:
+                continue
+            err = rtnl.transact([Request(RTM_DELQDISC, 0,
+                                         nl.tcmsg(ln.index, QDISC_HANDLE, nl.TC_H_ROOT),
+                                         f"delete root qdisc on {ln.name}")])[0]
+            if err is not None and err.errno not in (errno.ENOENT, errno.EINVAL, errno.ENODEV):
+                raise err
+            done.append(f"{ln.name}: flowpacer qdisc removed")
+    return done

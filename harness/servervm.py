@@ -1,0 +1,225 @@
+"""A Debian 13 server in the qemu VM (issue 27 item 4, issue 28 item 4): trixie's own root,
+kernel and systemd as PID 1, not the host's root that ``vm/run.py`` shares.
+
+The root is a trixie minbase made by mmdebstrap (``debroot.base_tar``, cached for a week in
+/var/cache/flowpacer-test) with systemd, nginx, curl, trixie's kernel image and headers, dkms and
+gcc, and the Python packages flowpacer depends on (so that ``apt-get install ./x.deb`` in the
+guest, which has no network, finds every dependency installed), unpacked once next to its tar.
+The guest boots trixie's kernel (``/boot/vmlinuz-*`` of the root) with a busybox initramfs that
+loads virtio/9p/overlay from the root's own modules, mounts the root read-only over 9p under a
+tmpfs overlay, adds the job's unit, and hands over to ``/sbin/init`` (systemd). The job
+(``vm/server/job.py``, the root's python3) runs as a oneshot service once multi-user.target is
+reached, writes its results into the shared directory and powers the guest off.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+from harness import debroot
+from vm import build as vmbuild
+from vm.run import CPU, QEMU
+
+REPO = Path(__file__).resolve().parents[1]
+JOB = REPO / "vm" / "server" / "job.py"
+PACKAGES = ("systemd", "systemd-sysv", "udev", "iproute2", "kmod", "procps", "nginx", "curl",
+            "python3", "python3-click", "python3-pyroute2", "python3-yaml",
+            "python3-prometheus-client", "dkms", "gcc", "make", "linux-headers-amd64",
+            "linux-image-amd64")
+MODULES = ("virtio_pci", "9pnet_virtio", "9p", "overlay", "virtio_rng")
+
+INIT = r"""#!/bin/busybox sh
+/bin/busybox --install -s /bin
+export PATH=/bin
+fail() { echo "fp-server-vm: FAIL: $*"; poweroff -f; sleep 5; echo o > /proc/sysrq-trigger; }
+mount -t proc proc /proc; mount -t sysfs sysfs /sys; mount -t devtmpfs devtmpfs /dev
+while read -r mod params; do
+    [ -n "$mod" ] || continue
+    insmod "$mod" $params || fail "insmod $mod"
+done < /modules.list
+P9="trans=virtio,version=9p2000.L,msize=262144"
+mount -t 9p -o "$P9,ro,cache=loose" fproot /lower || fail "mount 9p fproot"
+mount -t tmpfs -o mode=0755 tmpfs /upper || fail "tmpfs"
+mkdir -p /upper/upper /upper/work
+mount -t overlay -o lowerdir=/lower,upperdir=/upper/upper,workdir=/upper/work overlay /newroot \
+    || fail "overlay"
+N=/newroot
+mkdir -p $N/fp-out
+mount -t 9p -o "$P9,cache=none" fpout $N/fp-out || fail "mount 9p fpout"
+cp /fp-job.service $N/etc/systemd/system/fp-job.service
+mkdir -p $N/etc/systemd/system/multi-user.target.wants
+ln -sf /etc/systemd/system/fp-job.service $N/etc/systemd/system/multi-user.target.wants/
+echo fp-server > $N/etc/hostname
+# not a first boot (no firstboot prompts on the console): a fixed machine id
+echo 0f1f0f1f0f1f0f1f0f1f0f1f0f1f0f1f > $N/etc/machine-id
+umount /proc /sys /dev 2>/dev/null
+exec switch_root $N /sbin/init
+fail "switch_root"
+"""
+
+JOB_UNIT = """[Unit]
+Description=flowpacer server VM job
+After=multi-user.target nginx.service
+
+[Service]
+Type=oneshot
+ExecStart=/usr/bin/python3 /fp-out/job.py
+StandardOutput=append:/fp-out/output.log
+StandardError=append:/fp-out/output.log
+TimeoutStartSec=infinity
+ExecStopPost=/bin/sh -c 'echo $EXIT_STATUS > /fp-out/rc; systemctl --no-block poweroff'
+"""
+
+
+class ServerVMError(Exception):
+    pass
+
+
+def root_dir() -> Path:
+    """The trixie server root, unpacked once next to its cached tar (call under cache_lock)."""
+    tar = debroot.base_tar("trixie", PACKAGES)
+    d = tar.with_suffix(".d")
+    stamp = d / ".fp-unpacked"
+    if stamp.exists() and stamp.stat().st_mtime >= tar.stat().st_mtime:
+        return d
+    if d.exists():
+        shutil.rmtree(d)
+    d.mkdir()
+    debroot.run(["tar", "-C", str(d), "-xf", str(tar)], 600, "unpack the trixie server root")
+    (d / "etc/dpkg/dpkg.cfg.d/test-unsafe-io").write_text("force-unsafe-io\n")
+    stamp.touch()
+    return d
+
+
+def kernel_of(root: Path) -> vmbuild.Kernel:
+    images = sorted((root / "boot").glob("vmlinuz-*"))
+    if not images:
+        raise ServerVMError(f"no kernel image in {root}/boot")
+    img = images[-1]
+    ver = img.name[len("vmlinuz-"):]
+    return vmbuild.Kernel(img, ver, root / "lib/modules" / ver)
+
+
+def _modules(root: Path, ver: str) -> List[Tuple[Path, str]]:
+    out, seen = [], set()
+    for name in MODULES:
+        p = subprocess.run(["modprobe", "-d", str(root), "-S", ver, "--show-depends", name],
+                           capture_output=True, text=True)
+        if p.returncode != 0:
+            raise ServerVMError(f"modprobe --show-depends {name} in {root}: {p.stderr.strip()}")
+        for line in p.stdout.splitlines():
+            parts = line.split(None, 2)
+            if len(parts) >= 2 and parts[0] == "insmod":
+                path = Path(parts[1])
+                if not str(path).startswith(str(root)):
+                    path = root / str(path).lstrip("/")
+                if path not in seen:
+                    seen.add(path)
+                    out.append((path, parts[2].strip() if len(parts) > 2 else ""))
+    return out
+
+
+def boot_files(root: Path, out: Path) -> Tuple[vmbuild.Kernel, Path, Path]:
+    """(kernel, vmlinux, initramfs) for the root's kernel, made in ``out``."""
+    k = kernel_of(root)
+    vmlinux = out / f"vmlinux-{k.version}"
+    vmbuild.extract_vmlinux(k.bzimage, vmlinux)
+    cpio = vmbuild.CpioWriter()
+    for d in ("bin", "dev", "proc", "sys", "run", "tmp", "lower", "upper", "newroot", "lib",
+              "lib/modules", f"lib/modules/{k.version}"):
+        cpio.dir(d)
+    cpio.chardev("dev/console", 5, 1)
+    cpio.chardev("dev/null", 1, 3, 0o666)
+    cpio.file("bin/busybox", vmbuild.find_busybox().read_bytes(), 0o755)
+    cpio.symlink("bin/sh", "busybox")
+    listing = []
+    for path, params in _modules(root, k.version):
+        base, data = vmbuild._module_bytes(path)
+        name = f"lib/modules/{k.version}/{base}"
+        cpio.file(name, data)
+        listing.append(f"/{name} {params}".rstrip())
+    cpio.file("modules.list", ("\n".join(listing) + "\n").encode())
+    cpio.file("init", INIT.encode(), 0o755)
+    cpio.file("fp-job.service", JOB_UNIT.encode())
+    initramfs = out / "initramfs.cpio"
+    initramfs.write_bytes(cpio.finish())
+    return k, vmlinux, initramfs
+
+
+def run(root: Path, out: Path, files: dict, timeout: float = 1500, mem_mb: int = 2048,
+        smp: int = 2) -> dict:
+    """Boot the server VM with ``files`` ({name: path on the host}) copied into the shared
+    directory ``out`` next to the job; the job's result (result.json), its output, the
+    console and the times."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("rc", "result.json", "output.log", "console.log"):
+        (out / name).unlink(missing_ok=True)
+    shutil.copy(JOB, out / "job.py")
+    for name, path in files.items():
+        shutil.copy(path, out / name)
+    k, vmlinux, initramfs = boot_files(root, out)
+    console = out / "console.log"
+    argv = [QEMU, "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+            "-machine", "q35", "-accel", "tcg", "-cpu", os.environ.get("FLOWPACER_VM_CPU", CPU),
+            "-m", str(mem_mb), "-smp", str(smp), "-kernel", str(vmlinux), "-initrd", str(initramfs),
+            "-append", "console=ttyS0 panic=-1 tsc=reliable mitigations=off init_on_alloc=0 "
+                       "rdinit=/init systemd.show_status=1 systemd.firstboot=no net.ifnames=0",
+            "-serial", f"file:{console}",
+            "-virtfs", f"local,path={root},mount_tag=fproot,security_model=none,readonly=on,"
+                       "multidevs=remap",
+            "-virtfs", f"local,path={out},mount_tag=fpout,security_model=none",
+            "-device", "virtio-rng-pci"]
+    t0 = time.monotonic()
+    with open(out / "qemu.stderr", "wb") as err:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
+                                start_new_session=True)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise ServerVMError(f"the server VM did not finish in {timeout:.0f} s; files in {out}\n"
+                            + _tail(out / "output.log") + _tail(console))
+    wall = time.monotonic() - t0
+    rc = (out / "rc").read_text().strip() if (out / "rc").exists() else ""
+    res = {"rc": rc, "wall_s": wall, "kernel": k.version, "output": _tail(out / "output.log", 20000),
+           "console": _tail(console, 6000)}
+    try:
+        res["result"] = json.loads((out / "result.json").read_text())
+    except (OSError, ValueError):
+        res["result"] = None
+    return res
+
+
+def _tail(p: Path, n: int = 4000) -> str:
+    try:
+        return p.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+def bumped_deb(deb: Path, dest_dir: Path, suffix: str = "+fpupgrade1") -> Path:
+    """The same package with its version bumped (an upgrade as apt sees one: prerm upgrade,
+    the new files, postinst configure OLD-VERSION)."""
+    work = dest_dir / "bump"
+    shutil.rmtree(work, ignore_errors=True)
+    debroot.run(["dpkg-deb", "-R", str(deb), str(work)], 120, "dpkg-deb -R")
+    ctl = work / "DEBIAN" / "control"
+    text = ctl.read_text()
+    ver = next(line.split(":", 1)[1].strip() for line in text.splitlines()
+               if line.startswith("Version:"))
+    ctl.write_text(text.replace(f"Version: {ver}", f"Version: {ver}{suffix}"))
+    out = dest_dir / f"flowpacer_{ver}{suffix}_all.deb"
+    debroot.run(["dpkg-deb", "--root-owner-group", "-b", str(work), str(out)], 300, "dpkg-deb -b")
+    shutil.rmtree(work)
+    return out
+
+
+__all__ = ["root_dir", "run", "bumped_deb", "ServerVMError", "PACKAGES", "shlex"]

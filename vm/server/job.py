@@ -1,0 +1,277 @@
+#!/usr/bin/python3
+"""The Debian 13 server VM's job (harness/servervm.py boots it; tests/test_server_vm.py checks
+its result.json). Runs as root under systemd in a trixie guest with no network but a veth pair
+to a client namespace; the root's own python3 and standard library only.
+
+As an admin would: apt-get install the two .debs (DKMS builds sch_psp for the running kernel),
+write the rules, systemctl enable --now, nginx serving IPv4 and IPv6 clients shaped with psp,
+systemctl reload after a rules edit, a long download across systemctl restart and across an
+upgrade of the package (a .deb with a bumped version), systemctl stop leaves nothing. The
+receiver's bytes are read from its interface counter every 20 ms; every phase's peak over
+100 ms windows goes into result.json.
+"""
+import json
+import os
+import subprocess
+import threading
+import time
+
+OUT = "/fp-out"
+SRV, CLI, NS = "fps0", "fpc0", "fpcli"
+V4S, V4C, V6S, V6C = "10.99.0.1", "10.99.0.2", "fd99::1", "fd99::2"
+RATE_MBIT = 20
+result = {"steps": [], "phases": {}}
+T0 = time.monotonic()
+
+
+def log(msg):
+    print(f"[{time.monotonic() - T0:7.1f}] {msg}", flush=True)
+
+
+def sh(cmd, check=True, timeout=900):
+    p = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise RuntimeError(f"{cmd}: exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p
+
+
+def step(name, cmd, **kw):
+    t = time.monotonic()
+    p = sh(cmd, **kw)
+    result["steps"].append({"name": name, "s": round(time.monotonic() - t, 2),
+                            "rc": p.returncode})
+    log(f"{name}: {time.monotonic() - t:.1f} s")
+    return p
+
+
+def wait(cond, timeout, what):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.1)
+    raise RuntimeError(f"timed out after {timeout} s waiting for {what}")
+
+
+def status():
+    p = sh("flowpacer status --json", check=False, timeout=60)
+    if p.returncode != 0:
+        return None
+    try:
+        return json.loads(p.stdout)
+    except ValueError:
+        return None
+
+
+class Sampler(threading.Thread):
+    """The client interface's received bytes, read in the client namespace every 20 ms."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.samples = []
+        self.stop = threading.Event()
+
+    def run(self):
+        fd = os.open(f"/run/netns/{NS}", os.O_RDONLY)
+        os.setns(fd, os.CLONE_NEWNET)       # this thread only
+        while not self.stop.is_set():
+            with open("/proc/thread-self/net/dev") as f:
+                for line in f:
+                    name, _, rest = line.partition(":")
+                    if name.strip() == CLI:
+                        self.samples.append((time.monotonic(), int(rest.split()[0])))
+            self.stop.wait(0.02)
+
+    def peak(self, t_from, t_to, window=0.1):
+        s = [x for x in self.samples if t_from <= x[0] <= t_to]
+        best, j = 0.0, 0
+        for i, (ti, bi) in enumerate(s):
+            j = max(j, i + 1)
+            while j < len(s) and s[j][0] - ti < window:
+                j += 1
+            if j >= len(s):
+                break
+            best = max(best, (s[j][1] - bi) * 8 / (s[j][0] - ti))
+        return best
+
+
+def stop(procs):
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.wait(timeout=30)
+    wait(lambda: (st := status()) is not None and not st["flows"], 60, "ended flows removed")
+
+
+def rules(rate_mbit):
+    with open("/etc/flowpacer/rules.yaml", "w") as f:
+        f.write(f"""interface: {SRV}
+backend: psp
+link_rate: 1gbit
+rules:
+  - name: web
+    match: {{process: nginx, direction: inbound, local_port: 80}}
+    rate: {rate_mbit}mbit
+""")
+    os.chmod("/etc/flowpacer/rules.yaml", 0o644)
+
+
+def downloads(seconds):
+    """Two curl downloads from nginx (IPv4 and IPv6) in the client namespace."""
+    procs = []
+    for host in (V4S, f"[{V6S}]"):
+        procs.append(subprocess.Popen(
+            ["ip", "netns", "exec", NS, "curl", "-s", "-o", "/dev/null", "--max-time", str(seconds),
+             "-w", "%{size_download} %{speed_download}\n", f"http://{host}/big"],
+            stdout=subprocess.PIPE, text=True))
+    return procs
+
+
+def received():
+    """{remote port: bytes received} of the client's connections to nginx (ss -ti: the
+    receiver's own per-flow count)."""
+    out, port = {}, None
+    for line in sh(f"ip netns exec {NS} ss -tinH state established '( dport = :80 )'").stdout.splitlines():
+        toks = line.split()
+        if line and not line[0].isspace():
+            # Recv-Q Send-Q LOCAL PEER (one state asked: no State column): the client's port
+            peer = next((i for i, t in enumerate(toks) if i > 0 and t.endswith(":80")), None)
+            port = toks[peer - 1].rsplit(":", 1)[1] if peer else None
+        for tok in line.split():
+            if tok.startswith("bytes_received:") and port:
+                out[port] = int(tok.split(":")[1])
+    return out
+
+
+def per_flow_rates(seconds=4.0):
+    """bit/s of each download over ``seconds``, from the receiver's counters."""
+    a, t1 = received(), time.monotonic()
+    wait(lambda: time.monotonic() > t1 + seconds, seconds + 5, "a measured interval")
+    b, t2 = received(), time.monotonic()
+    return sorted(round((b[k] - a[k]) * 8 / (t2 - t1)) for k in a if k in b)
+
+
+def shaped_flows(n, timeout=60):
+    return wait(lambda: (st := status()) and len(st.get("flows", [])) >= n and st, timeout,
+                f"{n} flows shaped")
+
+
+def across(name, action, sampler, rate_mbit, before_s=3.0, after_s=4.0):
+    """Two downloads, ``action`` while they run, the peak 100 ms rate before and across."""
+    procs = downloads(300)
+    try:
+        shaped_flows(2)
+        t_shaped = time.monotonic()
+        wait(lambda: time.monotonic() > t_shaped + before_s, before_s + 5, "shaped downloads")
+        t_act = time.monotonic()
+        action()
+        t_done = time.monotonic()
+        wait(lambda: time.monotonic() > t_done + after_s, after_s + 5, "downloads after")
+        t_end = time.monotonic()
+    finally:
+        stop(procs)
+    ph = {"limit_mbit": 2 * rate_mbit,
+          "peak_before_mbit": round(sampler.peak(t_shaped + 0.5, t_act) / 1e6, 2),
+          "peak_across_mbit": round(sampler.peak(t_act - 0.2, t_end) / 1e6, 2),
+          "action_s": round(t_done - t_act, 2)}
+    result["phases"][name] = ph
+    log(f"{name}: {ph}")
+
+
+def leftovers():
+    q = sh(f"tc qdisc show dev {SRV}").stdout
+    links = sh("ip -o link show").stdout
+    return {"qdisc": q.strip(), "f1f0": "f1f0:" in q, "ifb": "fpi-" in links}
+
+
+def main():
+    os.environ["DEBIAN_FRONTEND"] = "noninteractive"      # no terminal under systemd
+    os.makedirs("/run/netns", exist_ok=True)
+    step("kernel", "uname -r")
+    result["kernel"] = sh("uname -r").stdout.strip()
+    result["systemd"] = sh("systemctl --version").stdout.splitlines()[0]
+    result["os"] = sh(". /etc/os-release; echo $PRETTY_NAME").stdout.strip()
+    result["python"] = sh("python3 --version").stdout.strip()
+    step("veth", f"""ip netns add {NS}
+ip link add {SRV} type veth peer name {CLI} netns {NS}
+ip addr add {V4S}/24 dev {SRV}; ip addr add {V6S}/64 dev {SRV} nodad; ip link set {SRV} up
+ip -n {NS} addr add {V4C}/24 dev {CLI}; ip -n {NS} addr add {V6C}/64 dev {CLI} nodad
+ip -n {NS} link set {CLI} up; ip -n {NS} link set lo up""")
+    step("content", "truncate -s 8G /var/www/html/big")
+    step("nginx", "systemctl is-active nginx || systemctl start nginx")
+    wait(lambda: sh(f"ip netns exec {NS} curl -s -o /dev/null -r 0-0 http://{V4S}/big && "
+                    f"ip netns exec {NS} curl -s -o /dev/null -r 0-0 http://[{V6S}]/big",
+                    check=False).returncode == 0, 60, "nginx answering on IPv4 and IPv6")
+    # the guest has no network: every dependency is in the root already, and
+    # the recommendations it lacks (python3-bpfcc) are left out
+    apt = "apt-get install -y --no-install-recommends"
+    p = step("apt install", f"{apt} /fp-out/flowpacer_0.1.0_all.deb /fp-out/sch-psp-dkms_0.1.0_all.deb",
+             timeout=1800)
+    result["dkms"] = sh("dkms status").stdout.strip()
+    result["apt_tail"] = p.stdout[-1500:]
+    rules(RATE_MBIT)
+    step("rules check", "flowpacer rules check /etc/flowpacer/rules.yaml")
+    step("enable --now", "systemctl enable --now flowpacer", timeout=600)
+    st = wait(status, 300, "flowpacer status")
+    result["backend"] = st.get("backend")
+    result["enabled"] = sh("systemctl is-enabled flowpacer").stdout.strip()
+    sampler = Sampler()
+    sampler.start()
+    # shaped at the rule's rate, IPv4 and IPv6
+    t_start = time.monotonic()
+    procs = downloads(300)
+    st = shaped_flows(2)
+    t_shaped = time.monotonic()
+    result["flows"] = [{k: f.get(k) for k in ("family", "remote", "rate_bit", "rule", "classid")}
+                       for f in st["flows"]]
+    # sock_diag polling (no bcc here): a new flow runs unshaped until the next pass finds it
+    result["peak_before_shaped_mbit"] = round(sampler.peak(t_start, t_shaped) / 1e6, 2)
+    wait(lambda: time.monotonic() > t_shaped + 1, 5, "shaped for a second")
+    result["received_bps"] = per_flow_rates()
+    stop(procs)
+    # reload after a rules edit
+    rules(RATE_MBIT // 2)
+    step("reload", "systemctl reload flowpacer")
+    procs = downloads(300)
+    st = shaped_flows(2)
+    result["rates_after_reload_bit"] = sorted({f.get("rate_bit") for f in st["flows"]})
+    t_shaped = time.monotonic()
+    wait(lambda: time.monotonic() > t_shaped + 1, 5, "shaped for a second")
+    result["received_bps_after_reload"] = per_flow_rates()
+    stop(procs)
+    rules(RATE_MBIT)
+    step("reload back", "systemctl reload flowpacer")
+    # a long download across systemctl restart
+    across("restart", lambda: step("restart", "systemctl restart flowpacer", timeout=600),
+           sampler, RATE_MBIT)
+    # and across an upgrade of the package
+    across("upgrade", lambda: step("upgrade", f"{apt} /fp-out/flowpacer_0.1.0+fpupgrade1_all.deb",
+                                   timeout=900),
+           sampler, RATE_MBIT)
+    result["version_after_upgrade"] = sh("dpkg-query -W -f '${Version}' flowpacer").stdout
+    result["active_after_upgrade"] = sh("systemctl is-active flowpacer", check=False).stdout.strip()
+    result["before_stop"] = leftovers()
+    step("stop", "systemctl stop flowpacer", timeout=300)
+    result["after_stop"] = leftovers()
+    result["journal_stop"] = sh("journalctl -u flowpacer --no-pager -n 15 -o cat").stdout[-2500:]
+    sampler.stop.set()
+    result["ok"] = True
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception as e:
+        result["ok"] = False
+        result["error"] = str(e)[-4000:]
+        log(f"FAILED: {e}")
+        try:
+            result["journal"] = sh("journalctl -u flowpacer --no-pager -n 60 -o cat",
+                                   check=False).stdout[-4000:]
+        except Exception:
+            pass
+    result["total_s"] = round(time.monotonic() - T0, 1)
+    with open(os.path.join(OUT, "result.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    raise SystemExit(0 if result.get("ok") else 1)
