@@ -55,7 +55,8 @@ def _filter(port: int, off: int = 0) -> bytes:
 
 
 def _parse(frame: bytes, off: int = 2):
-    """(port at ``off`` in the TCP header, payload bytes) of a captured frame, or None."""
+    """(port at ``off`` in the TCP header, payload bytes, sequence number) of a captured frame, or
+    None."""
     et = struct.unpack_from("!H", frame, 12)[0]
     if et == 0x0800:
         ihl = (frame[14] & 0xF) * 4
@@ -71,7 +72,8 @@ def _parse(frame: bytes, off: int = 2):
         return None
     other = struct.unpack_from("!H", frame, tcp + off)[0]
     doff = (frame[tcp + 12] >> 4) * 4
-    return other, ip_len - doff
+    seq = struct.unpack_from("!I", frame, tcp + 4)[0]
+    return other, ip_len - doff, seq
 
 
 class HeadCapture:
@@ -100,7 +102,10 @@ class HeadCapture:
             s.close()
             raise
         self.sock = s
-        self.packets: Dict[int, List[Tuple[int, int]]] = {}    # other port -> [(t_ns, bytes)]
+        # other port -> [(t_ns, new payload bytes)]: a retransmission counts only the bytes no
+        # earlier segment carried, so "seen" is the flow's payload and never more
+        self.packets: Dict[int, List[Tuple[int, int]]] = {}
+        self._seq: Dict[int, Tuple[int, int]] = {}     # other port -> (first seq, highest end)
 
     def drain(self) -> None:
         while True:
@@ -116,14 +121,23 @@ class HeadCapture:
                     sec, nsec = struct.unpack_from("qq", raw)
                     t_ns = sec * 1_000_000_000 + nsec
             p = _parse(data, 2 - self._off)
-            if p is not None and p[1] > 0:
-                self.packets.setdefault(p[0], []).append((t_ns, p[1]))
+            if p is None or p[1] <= 0:
+                continue
+            other, n, seq = p
+            first, hi = self._seq.get(other, (seq, 0))
+            start = (seq - first) & 0xFFFFFFFF
+            new = start + n - max(start, hi)
+            if start > 0x7FFFFFFF or new <= 0:  # before the first segment seen, or all seen
+                continue
+            self._seq[other] = (first, start + n)
+            self.packets.setdefault(other, []).append((t_ns, new))
 
     def ahead_bytes(self, other_port: int, rate_bps: float) -> Tuple[int, int]:
         """(bytes ahead of the rate line, payload bytes seen) of the flow whose other port is
         ``other_port`` (the client's for side src, the server's for side dst)."""
         self.drain()
         pk = sorted(self.packets.pop(other_port, []))
+        self._seq.pop(other_port, None)
         if not pk:
             return 0, 0
         t0 = pk[0][0]
