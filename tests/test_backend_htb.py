@@ -190,3 +190,50 @@ def test_5000_flows_hashed(testbed):
         r = b.apply([Op(OpKind.REMOVE, k) for k in many + [target]])
     assert r.removed == 5001 and not r.errors
     assert n_filters(testbed) == 0 and classes(testbed) == {"f1f0:1", "f1f0:2"}
+
+
+def test_spare_class_reused_for_new_flow(testbed):
+    """Issue 26: a closed flow's class is kept as a spare and changed for the next new flow (no
+    class made or deleted: each costs the kernel a walk of every class). The reused class shapes
+    the new flow at its own rate, its counters start from zero for it, a restart adopts the
+    spare, and teardown leaves nothing. A: IPv4 to a dual-stack listener (IPv4-mapped at the
+    server), B: IPv6."""
+    testbed.popen(testbed.server_ns, server_argv([9004], "fp-test-srv", v6=True))
+    testbed.wait_listening(9004)
+    b = backend(testbed, spare_max=4, spare_from=0)
+    ka, kb = key(testbed, 9004, 44000), key(testbed, 9004, 44001, v6=True)
+    with in_netns(testbed.server_ns):
+        assert b.apply([Op(OpKind.ADD, ka, Shape("a", 10 * MBIT, 10 * MBIT))]).added == 1
+        cid = b.classid_of(ka)
+    res_a = testbed.fetch(9004, 2, local_port=44000)
+    assert res_a["goodput_bps"] == pytest.approx(10 * MBIT * WIRE, rel=0.03)
+    with in_netns(testbed.server_ns):
+        a_bytes = b.stats()[ka].bytes
+        r = b.apply([Op(OpKind.REMOVE, ka)])
+    assert r.removed == 1 and not r.errors and a_bytes > res_a["bytes"]
+    assert n_filters(testbed) == 0 and len(classes(testbed)) == 3      # the spare stays
+    with in_netns(testbed.server_ns):
+        r = b.apply([Op(OpKind.ADD, kb, Shape("b", 20 * MBIT, 20 * MBIT))])
+        assert r.added == 1 and not r.errors and b.classid_of(kb) == cid   # reused, not made
+        assert b.stats()[kb].bytes == 0 and b.stats()[kb].packets == 0
+    assert len(classes(testbed)) == 3 and n_filters(testbed) == 1
+    res_b = testbed.fetch(9004, 2, v6=True, local_port=44001)
+    assert res_b["goodput_bps"] == pytest.approx(20 * MBIT * traffic.wire(True), rel=0.03)
+    with in_netns(testbed.server_ns):
+        st = b.stats()[kb]
+        raw = b.stats_by_class()[cid]
+    # the flow's own bytes (its payload plus headers), not A's; the class has both
+    assert res_b["bytes"] < st.bytes < res_b["bytes"] * 1.1
+    assert raw.bytes == st.bytes + a_bytes
+    with in_netns(testbed.server_ns):          # a restart adopts the spare and reuses it
+        b.apply([Op(OpKind.REMOVE, kb)])
+        b.close()
+        b2 = tcb.TcBackend(HtbCodec(), testbed.server_if, LINK, spare_max=4, spare_from=0)
+        b2.setup()
+        assert b2.removed_stale == 0 and not b2.installed()
+        assert b2.apply([Op(OpKind.ADD, ka, Shape("a", MBIT, MBIT))]).added == 1
+        assert b2.classid_of(ka) == cid and b2.stats()[ka].bytes == 0
+        b2.teardown()
+        b2.close()
+    assert tcj(testbed, "qdisc")[0]["kind"] != "htb"
+    assert not classes(testbed) and n_filters(testbed) == 0

@@ -4,7 +4,9 @@ Kernel objects (all under handle major ``MAJOR``):
   root qdisc ``f1f0:``      htb or psp (the codec decides)
   class ``f1f0:1``           the link (htb only), rate = link rate
   class ``f1f0:2``           default class: unmatched traffic, unshaped up to the link rate
-  class ``f1f0:10``..        one per shaped flow, or a group class (issue 15)
+  class ``f1f0:10``..        one per shaped flow, or a group class (issue 15), or a spare: the
+                             class of a closed flow, kept (no filter points at it) for the next
+                             new flow (tcflows.py)
   class ``f1f0:c000``..      first-byte pool classes (pool.py)
 Class ids never leave the tc backends: the daemon sees flows by ``FlowKey`` and groups by
 ``GroupKey`` (contract.py).
@@ -14,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from flowpacer.model import FlowKey, Shape, Side
+from flowpacer.model import ClassStats, FlowKey, Shape, Side
 from flowpacer.kernel.tc.nl import tc_handle
 
 MAJOR = 0xF1F0
@@ -23,6 +25,13 @@ LINK_MINOR = 1
 DEFAULT_MINOR = 2
 FIRST_FLOW_MINOR = 0x10
 LAST_FLOW_MINOR = 0xBFFF         # 0xC000..0xFFFF: first-byte pool classes (pool.py)
+# Spare classes (tcflows.py): the kernel walks every class of the qdisc for each class it makes
+# or deletes (tc_bind_tclass), and not for a change, so a closed flow's class is kept and changed
+# for the next flow instead. Kept once the flow and spare classes number SPARE_FROM (below that
+# making and deleting is cheap, and a small setup keeps exactly one class per flow), at most
+# SPARE_MAX of them.
+SPARE_FROM = 256
+SPARE_MAX = 16384
 
 
 @dataclass
@@ -32,6 +41,17 @@ class Installed:
     shape: Shape
     parent: Optional[int] = None     # the minor of its group class (issue 15); None: the link
     kernel: Optional[tuple] = None   # (rate, ceil) in the kernel when it differs from the shape's
+    base: Optional[ClassStats] = None  # a reused spare's counters when the flow got it
+
+
+
+def less(st: ClassStats, base: Optional[ClassStats]) -> ClassStats:
+    """A reused class' counters counted from ``base`` (the previous flows' share taken out)."""
+    if base is None:
+        return st
+    return ClassStats(max(0, st.bytes - base.bytes), max(0, st.packets - base.packets),
+                      max(0, st.drops - base.drops), max(0, st.overlimits - base.overlimits),
+                      st.backlog_bytes, st.qlen, st.rate_est_bps)
 
 
 

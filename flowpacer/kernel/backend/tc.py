@@ -30,8 +30,8 @@ from flowpacer.kernel.backend.filters import (DIVISOR, GUARD, HMASK_LOCAL_PORT, 
                                               LayoutFull, all_tables)
 from flowpacer.kernel.backend.groups import GroupTree
 from flowpacer.kernel.backend.handles import (DEFAULT_MINOR, FIRST_FLOW_MINOR, LAST_FLOW_MINOR,
-                                              LINK_MINOR, MAJOR, QDISC_HANDLE, Installed,
-                                              handle_text, wire_key)
+                                              LINK_MINOR, MAJOR, QDISC_HANDLE, SPARE_FROM,
+                                              Installed, handle_text, wire_key)
 from flowpacer.kernel.backend.pool import Pool
 from flowpacer.kernel.backend.tcflows import FlowClasses
 from flowpacer.kernel.backend.tcgroups import GroupClasses
@@ -86,9 +86,13 @@ class TcBackend(FlowClasses, GroupClasses, ClassCounters):
 
     def __init__(self, codec: Codec, interface: str, link_rate_bps: Optional[int] = None,
                  take_over: bool = False, rtnl: Optional[RtnlSocket] = None,
-                 side: Side = Side.SEND, speed_interface: Optional[str] = None):
+                 side: Side = Side.SEND, speed_interface: Optional[str] = None,
+                 spare_max: int = 0, spare_from: int = SPARE_FROM):
         """``side``: RECEIVE on flowpacer's ifb (issue 17): filters match the reversed tuple;
-        ``speed_interface``: whose speed is the link rate (the ifb has none: its interface's)."""
+        ``speed_interface``: whose speed is the link rate (the ifb has none: its interface's);
+        ``spare_max``: how many closed flows' classes are kept as spares for new flows (0: none,
+        a closed flow's class is deleted), once flows and spares number ``spare_from``
+        (handles.py, tcflows.py)."""
         self.codec = codec
         self.kind = codec.kind
         self.name = codec.kind.value
@@ -105,6 +109,9 @@ class TcBackend(FlowClasses, GroupClasses, ClassCounters):
         self._rtnl = rtnl or RtnlSocket()
         self._flows: Dict[FlowKey, Installed] = {}
         self._free_minors: List[int] = []
+        self._spares: List[int] = []     # minors of spare classes (tcflows.py)
+        self.spare_max = spare_max
+        self.spare_from = spare_from
         self._next_minor = FIRST_FLOW_MINOR
         self._layout = Layout()
         self._options_cache: Dict[tuple, bytes] = {}   # flow class options by rates (tcflows)
@@ -282,6 +289,16 @@ class TcBackend(FlowClasses, GroupClasses, ClassCounters):
             bound.add(minor)
         group_minors = self._adopt_groups(classes, bound)
         used = set(bound) | group_minors
+        # leaf flow classes without a filter (spares, or flows closed while no daemon ran) are
+        # kept as spares rather than deleted: both cost a walk of every class in the kernel
+        parents = {c.parent & 0xFFFF for c in classes.values() if c.parent >> 16 == MAJOR}
+        for m in sorted(classes):
+            if len(self._spares) >= self.spare_max:
+                break
+            if (FIRST_FLOW_MINOR <= m <= LAST_FLOW_MINOR and m not in used and m not in parents
+                    and classes[m].parent == self._parent_handle()):
+                self._spares.append(m)
+        used.update(self._spares)
         self._next_minor = max([FIRST_FLOW_MINOR - 1]
                                + [m for m in classes if m <= LAST_FLOW_MINOR]) + 1
         self._free_minors = [m for m in range(FIRST_FLOW_MINOR, self._next_minor) if m not in used]
@@ -307,8 +324,9 @@ class TcBackend(FlowClasses, GroupClasses, ClassCounters):
                 raise BackendError(str(err))
         self.adopted = len(self._flows)
         self.removed_stale = len(stale_filters) + len(orphans)
-        log.info("%s: adopted flowpacer qdisc with %d flow classes (%d stale objects removed)",
-                 self.interface, self.adopted, self.removed_stale)
+        log.info("%s: adopted flowpacer qdisc with %d flow classes (%d stale objects removed, "
+                 "%d spare classes kept)", self.interface, self.adopted, self.removed_stale,
+                 len(self._spares))
 
     def _parent_handle(self) -> int:
         return tc_handle(MAJOR, self._flow_parent) if self._flow_parent else QDISC_HANDLE
@@ -346,6 +364,7 @@ class TcBackend(FlowClasses, GroupClasses, ClassCounters):
         self._groups = GroupTree()
         self._flows.clear()
         self._free_minors.clear()
+        self._spares.clear()
         self._next_minor = FIRST_FLOW_MINOR
         self._layout = Layout()
         self.pool.forget()
@@ -368,6 +387,7 @@ class TcBackend(FlowClasses, GroupClasses, ClassCounters):
         except NetlinkError as e:
             log.warning("teardown: %s", e)
         self._flows.clear()
+        self._spares.clear()
 
     def close(self) -> None:
         self._rtnl.close()

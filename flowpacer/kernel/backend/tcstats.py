@@ -10,7 +10,7 @@ from flowpacer.model import ClassRole, ClassStats, FlowKey, GroupKey, Shape
 from flowpacer.kernel.tc import nl
 from flowpacer.kernel.tc.nl import RTM_GETTCLASS, RtnlSocket, tc_handle
 from flowpacer.kernel.backend.contract import ClassKey
-from flowpacer.kernel.backend.handles import DEFAULT_MINOR, MAJOR, handle_text
+from flowpacer.kernel.backend.handles import DEFAULT_MINOR, MAJOR, handle_text, less
 
 
 class ClassCounters:
@@ -52,7 +52,7 @@ class ClassCounters:
         for k, v in list(self._flows.items()):
             st = by_class.get(v.classid)
             if st is not None:
-                out[k] = st
+                out[k] = less(st, v.base)     # a reused spare: from the flow's start
         return out
 
     def stats(self) -> Dict[FlowKey, ClassStats]:

@@ -16,7 +16,7 @@ import os
 import socket
 import struct
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 from flowpacer.errors import NetlinkError
 
@@ -28,6 +28,7 @@ NLMSG_DONE = 3
 NLM_F_REQUEST = 0x1
 NLM_F_MULTI = 0x2
 NLM_F_ACK = 0x4
+NLM_F_ECHO = 0x8
 NLM_F_DUMP_INTR = 0x10
 NLM_F_DUMP = 0x300
 NLM_F_REPLACE = 0x100
@@ -155,6 +156,9 @@ class Request:
     flags: int
     body: bytes
     what: object         # "add class f1f0:12 on eth0", or a callable giving it (only on error)
+    # called with (type, body) of the kernel's echo of the request (the request is sent with
+    # NLM_F_ECHO): e.g. a changed class' counters as the change left them
+    echo: Optional[Callable[[int, bytes], None]] = None
 
     def describe(self) -> str:
         return self.what() if callable(self.what) else str(self.what)
@@ -220,18 +224,21 @@ class RtnlSocket:
             index = {}                   # seq -> request index
             parts = []
             size = 0
+            answers = 0                  # messages the chunk may get back (errors, echoes)
             while True:
                 r = requests[i]
                 body = r.body
                 size += hdr + len(body)
                 i += 1
+                answers += 2 if r.echo is not None else 1
                 last_of_chunk = (i == n or size >= self.BATCH_BYTES
-                                 or i - first >= self.max_in_flight)
+                                 or answers >= self.max_in_flight)
                 seq = self._next_seq()
                 index[seq] = i - 1
-                parts.append(pack(hdr + len(body), r.msg_type,
-                                  r.flags | NLM_F_REQUEST | (NLM_F_ACK if last_of_chunk else 0),
-                                  seq, 0))
+                flags = r.flags | NLM_F_REQUEST | (NLM_F_ACK if last_of_chunk else 0)
+                if r.echo is not None:
+                    flags |= NLM_F_ECHO
+                parts.append(pack(hdr + len(body), r.msg_type, flags, seq, 0))
                 parts.append(body)
                 if last_of_chunk:
                     break
@@ -240,10 +247,13 @@ class RtnlSocket:
             done = False
             while not done:
                 for mtype, flags, seq, payload in self._recv():
-                    if mtype != NLMSG_ERROR:
-                        continue
                     idx = index.get(seq)
                     if idx is None:
+                        continue
+                    if mtype != NLMSG_ERROR:
+                        echo = requests[idx].echo
+                        if echo is not None:
+                            echo(mtype, payload)
                         continue
                     err, extack = _parse_error(flags, payload)
                     if err:
