@@ -310,6 +310,7 @@ def burst_curve(tb, sizes=SIZES, mixed=False) -> dict:
                     "time_to_shape_us": st["counters"]["shape_latency_us"],
                     "lost_events": st["tracer"]["lost"], "op_errors": st["counters"]["op_errors"],
                     "polls": polls, "classes_before": classes_before,
+                    "loadavg_1min": os.getloadavg()[0],
                     "classes_after": nclasses()}
             steps.append(step)
             print(json.dumps({k: v for k, v in step.items() if k not in ("apply_us", "time_to_shape_us")}),
