@@ -430,7 +430,8 @@ def report_section(R: ResultIndex) -> str:
            "figures (its main and its branch, now merged), measured 04:32-04:35. " + when + ".\n",
            "N connections at once from one client process (non-blocking connect()s back to back); "
            "*last class in*: from the first connect() to the moment the server interface's class "
-           "count reached N (a netlink dump every 20 ms); *CPU/flow*: the daemon's CPU time (user and "
+           "count reached N (s11; since this branch its filter count grew by N: a flow's filter "
+           "goes in right after its class, in the same batch; a netlink dump every 20 ms); *CPU/flow*: the daemon's CPU time (user and "
            "system, not wall; " + clock + ") for the burst, less its idle rate, per flow; *of which "
            "system*: its kernel time (mostly the classes and filters made in its netlink sendmsg; "
            "/proc/PID/stat, in 10 ms ticks: coarse below 1 000 flows); *removal*: the same when the N connections close "
