@@ -437,9 +437,10 @@ def report_section(R: ResultIndex) -> str:
            "/proc/PID/stat, in 10 ms ticks: coarse below 1 000 flows); *removal*: the same when the N connections close "
            "at once. First-byte shaping off (every class made after the tracer's event); "
            "*mixed*: a third each IPv4, IPv6 and IPv4-mapped (a dual-stack listener). *spares*: one "
-           "daemon through every size in turn, so a size finds the classes the sizes before it "
-           "left as spares (*classes before*: the qdisc's classes at the step's start, 3 of them "
-           "the skeleton); *spares, cold*: a daemon of its own for each size, every class made. "
+           "daemon through 2 000, 2 000, 10 000, 10 000 in turn, so a step finds the classes the "
+           "steps before it left as spares (*classes before*: the qdisc's classes at the step's "
+           "start, 3 of them the skeleton; the first step is cold: every class made); *main now*: "
+           "main's code through 2 000 and 10 000, measured right after *spares*. "
            "The count polled since this branch is the filters' (a reused class is not a new "
            "one); main's code was measured with the same.\n",
            "The system time grows with the number of classes already there: the kernel walks every "
