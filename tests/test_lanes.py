@@ -1,36 +1,40 @@
-"""`make test`'s two lanes (harness/lanes.py): every test file runs in exactly one of them, and
-the VM lane holds the files whose tests are all VM tests."""
-import re
-from pathlib import Path
+"""`make test`'s two lanes (harness/lanes.py): every test runs in exactly one of them, the VM
+lane holds every test that boots the qemu VM, and the host lane yields the CPU to it."""
+import subprocess
+import sys
+
+import pytest
 
 from harness import lanes
 
-TESTS = Path(lanes.REPO) / "tests"
+
+def _collected(args):
+    """The node ids a lane's pytest arguments select (collection only, nothing runs)."""
+    i = args.index("pytest")
+    extra = [a for a in args[i + 1:] if a not in ("-ra",)]
+    p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                        "-p", "no:cacheprovider", *extra], cwd=lanes.REPO,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return {line for line in p.stdout.splitlines() if "::" in line}
 
 
-def _files_of(lane: lanes.Lane):
-    args = lane.args[lane.args.index("pytest") + 1:]
-    ignored = {args[i + 1] for i, a in enumerate(args) if a == "--ignore"}
-    named = [a for a in args if a.startswith("tests/")]
-    named = [a for a in named if a not in ignored]
-    every = sorted(f"tests/{p.name}" for p in TESTS.glob("test_*.py"))
-    return set(named) if named else set(every) - ignored
-
-
-def test_every_test_file_runs_in_exactly_one_lane():
+@pytest.mark.slow          # three collections of the whole suite: ~15 s each
+def test_every_test_runs_in_exactly_one_lane_and_the_vm_lane_boots_the_vm():
     host, vm = lanes.lanes()
-    every = {f"tests/{p.name}" for p in TESTS.glob("test_*.py")}
-    assert _files_of(host) | _files_of(vm) == every
-    assert not _files_of(host) & _files_of(vm)
-    assert _files_of(vm) == set(lanes.VM_FILES)
+    h, v = _collected(host.args), _collected(vm.args)
+    every = _collected([sys.executable, "-m", "pytest"])
+    assert h | v == every and not h & v
+    files = {n.split("::", 1)[0] for n in v}
+    assert {"tests/test_vm.py", "tests/test_server_vm.py", "tests/test_vm_signing.py"} <= files
+    assert "tests/test_deb.py::test_unit_under_systemd_in_the_vm" in v
+    assert not any(n.startswith("tests/test_vm.py") for n in h)
 
 
-def test_the_vm_lane_holds_the_files_marked_vm_as_a_whole():
-    """A file marked vm at module level belongs in the VM lane; one that marks a single case
-    (test_deb's systemd unit in the VM) stays with the host lane on purpose."""
-    whole = {f"tests/{p.name}" for p in TESTS.glob("test_*.py")
-             if re.search(r"^pytestmark = .*pytest\.mark\.vm", p.read_text(), re.M)}
-    assert whole == set(lanes.VM_FILES)
+def test_the_host_lane_runs_niced_and_the_vm_lane_does_not():
+    host, vm = lanes.lanes()
+    assert host.args[:3] == ["nice", "-n", str(lanes.HOST_NICE)] and lanes.HOST_NICE > 0
+    assert "nice" not in vm.args
 
 
 def test_arguments_mean_one_plain_pytest(monkeypatch):
@@ -41,7 +45,6 @@ def test_arguments_mean_one_plain_pytest(monkeypatch):
 
 
 def test_run_lanes_waits_for_both_and_fails_when_one_fails(monkeypatch, tmp_path, capsys):
-    import sys
     ok = [sys.executable, "-c", "print('1 passed in 0.01s')"]
     bad = [sys.executable, "-c",
            "print('=== short test summary info ===');print('FAILED tests/x.py::y');"
