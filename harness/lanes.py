@@ -53,7 +53,8 @@ class Lane:
 
 
 def lanes() -> List[Lane]:
-    py = [sys.executable, "-m", "pytest", "-ra"]
+    # the slowest tests of each lane at the end of its log: where the next minutes go
+    py = [sys.executable, "-m", "pytest", "-ra", "--durations=25"]
     return [
         Lane("host", ["nice", "-n", str(HOST_NICE), *py, "-m", f"not {VM_MARK}"],
              LOG_DIR / "host.log", echo=True),

@@ -11,7 +11,7 @@ from harness import lanes
 def _collected(args):
     """The node ids a lane's pytest arguments select (collection only, nothing runs)."""
     i = args.index("pytest")
-    extra = [a for a in args[i + 1:] if a not in ("-ra",)]
+    extra = [a for a in args[i + 1:] if a != "-ra" and not a.startswith("--durations")]
     p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
                         "-p", "no:cacheprovider", *extra], cwd=lanes.REPO,
                        capture_output=True, text=True, timeout=300)
