@@ -32,7 +32,7 @@ deps-install: .deps-install-stamp
 demo: deps
 	$(PY) -m harness.demo
 
-# Without PYTEST_ARGS: two lanes at once, the qemu VM's tests beside the host's (harness/lanes.py;
+# Without PYTEST_ARGS: two lanes at once, the wall-clock tests beside the untimed ones (harness/lanes.py;
 # logs in build/test-logs/); with them, one plain pytest of what they select.
 test: deps
 	$(PY) -m harness.lanes $(PYTEST_ARGS)

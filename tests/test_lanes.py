@@ -1,5 +1,5 @@
-"""`make test`'s two lanes (harness/lanes.py): every test runs in exactly one of them, the VM
-lane holds every test that boots the qemu VM, and the host lane yields the CPU to it."""
+"""`make test`'s two lanes (harness/lanes.py): every test runs in exactly one of them, the tests
+measured on the wall clock stay in the timed lane, and the untimed lane yields the CPU."""
 import subprocess
 import sys
 
@@ -20,21 +20,29 @@ def _collected(args):
 
 
 @pytest.mark.slow          # three collections of the whole suite: ~15 s each
-def test_every_test_runs_in_exactly_one_lane_and_the_vm_lane_boots_the_vm():
-    host, vm = lanes.lanes()
-    h, v = _collected(host.args), _collected(vm.args)
+def test_every_test_runs_in_exactly_one_lane_and_wall_clock_tests_stay_timed():
+    timed, untimed = lanes.lanes()
+    t, u = _collected(timed.args), _collected(untimed.args)
     every = _collected([sys.executable, "-m", "pytest"])
-    assert h | v == every and not h & v
-    files = {n.split("::", 1)[0] for n in v}
-    assert {"tests/test_vm.py", "tests/test_server_vm.py", "tests/test_vm_signing.py"} <= files
-    assert "tests/test_deb.py::test_unit_under_systemd_in_the_vm" in v
-    assert not any(n.startswith("tests/test_vm.py") for n in h)
+    assert t | u == every and not t & u
+    # the guest's virtual clock apart from its real one (psp and the daemon on 6.1 and 7.3)
+    assert any(n.startswith("tests/test_vm.py::test_guest[") and "test_psp_pacing" in n for n in u)
+    assert not any("test_psp_pacing" in n for n in t)
+    assert any("test_guest[" in n and "test_psp_daemon" in n for n in t)
+    assert any(n.startswith("tests/test_vm.py::test_guest_on_kernel[7.3") for n in t)
+    assert "tests/test_vm.py::test_guest_run_clean[real]" in t
+    assert "tests/test_vm.py::test_guest_run_clean[virtual]" in u
+    # rates within 5 % on a real-clock guest: timed; chroots and the loose server VM: untimed
+    assert "tests/test_deb.py::test_unit_under_systemd_in_the_vm" in t
+    assert "tests/test_vm_signing.py::test_unsigned_module_refused_auto_falls_back_to_htb" in t
+    assert "tests/test_deb.py::test_make_deb_builds_both_packages_lintian_clean" in u
+    assert {n.split("::")[0] for n in u} >= {"tests/test_debian13.py", "tests/test_server_vm.py"}
 
 
-def test_the_host_lane_runs_niced_and_the_vm_lane_does_not():
-    host, vm = lanes.lanes()
-    assert host.args[:3] == ["nice", "-n", str(lanes.HOST_NICE)] and lanes.HOST_NICE > 0
-    assert "nice" not in vm.args
+def test_the_untimed_lane_runs_niced_and_the_timed_lane_does_not():
+    timed, untimed = lanes.lanes()
+    assert untimed.args[:3] == ["nice", "-n", str(lanes.UNTIMED_NICE)] and lanes.UNTIMED_NICE > 0
+    assert "nice" not in timed.args
 
 
 def test_arguments_mean_one_plain_pytest(monkeypatch):
@@ -51,10 +59,10 @@ def test_run_lanes_waits_for_both_and_fails_when_one_fails(monkeypatch, tmp_path
            "raise SystemExit(1)"]
     monkeypatch.setattr(lanes, "LOG_DIR", tmp_path)
     monkeypatch.setattr(lanes, "lanes", lambda: [
-        lanes.Lane("host", ok, tmp_path / "host.log", echo=True),
-        lanes.Lane("vm", bad, tmp_path / "vm.log", echo=False)])
+        lanes.Lane("timed", ok, tmp_path / "timed.log", echo=True),
+        lanes.Lane("untimed", bad, tmp_path / "untimed.log", echo=False)])
     assert lanes.run_lanes() == 1
     out = capsys.readouterr().out
-    assert "lane vm: FAILED (exit 1)" in out and "FAILED tests/x.py::y" in out
-    assert "lane host: passed" in out
-    assert (tmp_path / "vm.log").read_text().endswith("FAILED tests/x.py::y\n")
+    assert "lane untimed: FAILED (exit 1)" in out and "FAILED tests/x.py::y" in out
+    assert "lane timed: passed" in out
+    assert (tmp_path / "untimed.log").read_text().endswith("FAILED tests/x.py::y\n")
