@@ -205,8 +205,13 @@ def across(name, action, sampler, rate_mbit, before_s=3.0, after_s=4.0):
         t_done = time.monotonic()
         wait(lambda: time.monotonic() > t_done + after_s, after_s + 5, "downloads after")
         t_end = time.monotonic()
-    finally:
-        stop(procs)
+    except BaseException as e:
+        # the downloads go, and this error is the one reported (stop()'s wait for the flows'
+        # removal would time out when the action left no daemon, and hide it)
+        for p in procs:
+            p.kill()
+        raise RuntimeError(f"{name}: {e}") from e
+    stop(procs)
     ph = {"limit_mbit": 2 * rate_mbit,
           "peak_before_mbit": round(sampler.peak(t_shaped + 0.5, t_act) / 1e6, 2),
           "peak_across_mbit": round(sampler.peak(t_act - 0.2, t_end) / 1e6, 2),
@@ -246,21 +251,28 @@ def journal_priorities(reload_rate):
 
 
 def module_facts():
-    """The sch_psp that modprobe finds (modinfo) and the one loaded (/sys/module)."""
-    info = {f: sh(f"modinfo -F {f} sch_psp", check=False).stdout.strip()
-            for f in ("vermagic", "srcversion", "signer")}
-    info["filename"] = sh("modinfo -n sch_psp", check=False).stdout.strip()
+    """The sch_psp that modprobe finds: ``modinfo``'s filename, vermagic, srcversion and signer,
+    and the file's sha256."""
+    info = {}
+    for line in sh("modinfo sch_psp", check=False).stdout.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("filename", "vermagic", "srcversion", "signer"):
+            info[key] = value.strip()
     try:
-        with open(info["filename"], "rb") as f:
+        with open(info.get("filename", ""), "rb") as f:
             info["sha256"] = hashlib.sha256(f.read()).hexdigest()
     except OSError:
         info["sha256"] = None
+    return info
+
+
+def loaded_srcversion():
+    """The srcversion of the sch_psp the kernel has loaded (None: not loaded)."""
     try:
         with open("/sys/module/sch_psp/srcversion") as f:
-            info["loaded_srcversion"] = f.read().strip()
+            return f.read().strip()
     except OSError:
-        info["loaded_srcversion"] = None
-    return info
+        return None
 
 
 def leftovers():
@@ -272,13 +284,13 @@ def leftovers():
 def main():
     os.environ["DEBIAN_FRONTEND"] = "noninteractive"      # no terminal under systemd
     os.makedirs("/run/netns", exist_ok=True)
+    with open("/proc/uptime") as f:
+        result["uptime_at_job_s"] = float(f.read().split()[0])     # the boot, on the guest's clock
     step("kernel", "uname -r")
     result["kernel"] = sh("uname -r").stdout.strip()
     result["systemd"] = sh("systemctl --version").stdout.splitlines()[0]
     result["os"] = sh(". /etc/os-release; echo $PRETTY_NAME").stdout.strip()
     result["python"] = sh("python3 --version").stdout.strip()
-    # where the boot's time went (the guest's clock; TCG on a shared host)
-    result["boot_blame"] = sh("systemd-analyze blame --no-pager", check=False).stdout.splitlines()[:12]
     step("veth", f"""ip netns add {NS}
 ip link add {SRV} type veth peer name {CLI} netns {NS}
 ip addr add {V4S}/24 dev {SRV}; ip addr add {V6S}/64 dev {SRV} nodad; ip link set {SRV} up
@@ -313,7 +325,7 @@ ip -n {NS} link set {CLI} up; ip -n {NS} link set lo up""")
     step("enable --now", "systemctl enable --now flowpacer", timeout=600)
     st = wait(cli_status, 300, "flowpacer status")
     result["backend"] = st.get("backend")
-    result["module_loaded"] = module_facts()
+    result["module_loaded_srcversion"] = loaded_srcversion()
     result["qdisc_running"] = sh(f"tc qdisc show dev {SRV}").stdout.strip()
     result["enabled"] = sh("systemctl is-enabled flowpacer").stdout.strip()
     sampler = Sampler()
