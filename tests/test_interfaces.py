@@ -84,6 +84,9 @@ def test_each_flow_is_shaped_on_the_interface_it_leaves_by_and_moves_with_its_ro
         assert st["routed"] and st["unmanaged_interface"]["count"] == 0
         a = parse_status(st)
         assert {f.interface for f in a.flows} == {"fk0", "fk1"} and len(a.interfaces) == 2
+        from flowpacer.surfaces.top import Tracker
+        top = Tracker(d.opts.socket_path, 1.0)
+        assert " on fk0, fk1" in top.update(st, 1.0).header
         # per-flow series (by address prefix) carry the interface, each with its counters
         sent = {(lab["interface"], lab["remote_address"]): v for n, lab, v in samples(d)
                 if n == "flowpacer_flow_sent_bytes_total"}
@@ -115,6 +118,9 @@ def test_a_flow_leaving_by_an_unmanaged_interface_is_counted_not_dropped(tmp_pat
         assert {(f["remote"].rsplit(":", 1)[0], f["interface"]) for f in um["flows"]} == {
             ("[fd00:2::1]", "eth9"), ("10.2.1.1", "")}
         assert parse_status(st).unmanaged == 2
+        why = {u["remote"]: u["reason"] for u in d.status(True)["unshaped"]}
+        assert "leaves by eth9, an interface flowpacer does not shape" in why["[fd00:2::1]:40000"]
+        assert "no route" in why["10.2.1.1:41000"]
         gauge = [v for n, _lab, v in samples(d) if n == "flowpacer_flows_unmanaged_interface"]
         assert gauge == [2]
         # its route comes to a managed interface: shaped at the next pass, no longer counted

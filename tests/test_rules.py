@@ -235,11 +235,11 @@ def test_duplicate_keys():
 
 def test_document_shape_errors():
     assert err("") == "r.yaml:1:1: the file is empty: expected a mapping with interface, " \
-                      "backend, link_rate, rules"
+                      "backend, link_rate, interfaces, rules"
     assert err("# only a comment\n") == "r.yaml:1:1: the file is empty: expected a mapping " \
                                         "with interface, backend, link_rate, interfaces, rules"
     assert err("- a\n") == "r.yaml:1:1: the rules file must be a mapping with interface, " \
-                           "backend, link_rate, rules, found a list"
+                           "backend, link_rate, interfaces, rules, found a list"
     assert err("rules: {}\n") == "r.yaml:1:8: rules: expected a list of rules, found a mapping"
     assert err("rules:\n") == "r.yaml:1:7: rules: expected a list of rules, found nothing"
     assert err("rules: [42]\n") == \
@@ -653,7 +653,7 @@ def test_field_table_is_documented():
     for section, name, default, text, example in rules.field_docs():
         assert f"`{name}`" in doc, name
         seen.add(name)
-    assert {"interface", "backend", "link_rate", "rules", "name", "match", "rate", "ceil",
+    assert {"interface", "backend", "link_rate", "interfaces", "rules", "name", "match", "rate", "ceil",
             "process", "exe", "user", "direction", "local_port", "remote_port",
             "remote", "client_rate", "total_rate", "client_prefix", "ipv4", "ipv6", "protocol",
             "idle_timeout", "receive_rate", "receive_ceil"} == seen

@@ -136,7 +136,10 @@ class InterfaceSet:
                 names = [spec.name]
             else:
                 if links is None:
-                    links = sorted(self._router_().links())
+                    try:
+                        links = sorted(self._router_().links())
+                    except OSError as e:
+                        raise BackendError(f"interfaces: cannot list the devices: {e}") from None
                 names = [n for n in links if fnmatch.fnmatchcase(n, spec.name)]
             out.extend(n for n in names if n not in out)
         return out
@@ -248,8 +251,8 @@ class InterfaceSet:
     def _add_new_matches(self) -> bool:
         try:
             names = self.wanted(self._rules)
-        except OSError as e:
-            log.debug("interfaces: cannot list devices: %s", e)
+        except FlowpacerError as e:
+            log.debug("%s", e)
             return False
         added = False
         for n in names:

@@ -175,7 +175,7 @@ def status(socket_path, as_json, all_flows):
         click.echo("interfaces: " + ", ".join(
             f"{printable(n)} {printable(b or '-')} {printable(st)}" for n, b, st in a.interfaces))
         click.echo(f"unmanaged: {a.unmanaged} flows a rule shapes leave by an interface not "
-                   "shaped (status --json lists them)")
+                   "shaped (status --all says which)")
     click.echo(f"flows:     {a.shaped_flows} shaped of {a.live_flows} live; "
                f"source: {printable(a.flow_source)}")
     fb = a.first_byte
