@@ -125,8 +125,11 @@ def test_debian13_server_enable_reload_restart_upgrade_stop(root, debs, tmp_path
     for bps in r["received_bps_after_reload"]:
         assert 0.4 * RATE_MBIT // 2 * 1e6 <= bps <= 1.1 * RATE_MBIT // 2 * 1e6, r
     # the instrument sees a gap: before the first sock_diag pass shapes a new flow (no bcc in
-    # the guest) the pair runs unshaped (386 Mbit/s in 100 ms windows in one run)
-    assert r["peak_before_shaped_mbit"] >= 4 * 2 * RATE_MBIT, r["peak_before_shaped_mbit"]
+    # the guest) the pair runs unshaped, above the bound the restart and upgrade checks below
+    # allow (2 x the rules' sum), so those checks can fail. How far above depends on the CPU
+    # TCG gets: 386 Mbit/s in 100 ms windows on a quiet host, 127.6 in make test's niced
+    # untimed lane beside a real-clock guest
+    assert r["peak_before_shaped_mbit"] > 2 * 2 * RATE_MBIT, r["peak_before_shaped_mbit"]
     # across systemctl restart and a package upgrade: never unshaped. The guest's clock is the
     # host's (TCG in real time on a busy host): a stalled vCPU makes the paced pair catch up in a
     # burst, so single 100 ms windows of a shaped pair reach 1.2-1.45 times the rules' sum (57.3
