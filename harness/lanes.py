@@ -82,6 +82,8 @@ def _pump(lane: Lane) -> None:
                 lane.tail = []
             lane.tail.append(line)
             del lane.tail[:-400]
+    lane.rc = lane.proc.wait()          # its own end, not when the other lane's wait returned
+    lane.seconds = time.monotonic() - lane.started
 
 
 def _summary(lane: Lane) -> str:
@@ -115,9 +117,7 @@ def run_lanes() -> int:
     old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         for lane, t in zip(ls, pumps):
-            lane.rc = lane.proc.wait()
             t.join()
-            lane.seconds = time.monotonic() - lane.started
             print(f"[lanes] {lane.name} finished: exit {lane.rc} after {lane.seconds:.0f} s",
                   flush=True)
     finally:

@@ -53,7 +53,7 @@ def test_arguments_mean_one_plain_pytest(monkeypatch):
 
 
 def test_run_lanes_waits_for_both_and_fails_when_one_fails(monkeypatch, tmp_path, capsys):
-    ok = [sys.executable, "-c", "print('1 passed in 0.01s')"]
+    ok = [sys.executable, "-c", "import time; time.sleep(1.5); print('1 passed in 1.5s')"]
     bad = [sys.executable, "-c",
            "print('=== short test summary info ===');print('FAILED tests/x.py::y');"
            "raise SystemExit(1)"]
@@ -65,4 +65,6 @@ def test_run_lanes_waits_for_both_and_fails_when_one_fails(monkeypatch, tmp_path
     out = capsys.readouterr().out
     assert "lane untimed: FAILED (exit 1)" in out and "FAILED tests/x.py::y" in out
     assert "lane timed: passed" in out
+    # each lane's time is its own: the failing one ended at once, not after the other
+    assert "lane untimed: FAILED (exit 1) in 0 s" in out and "lane timed: passed in 2 s" in out
     assert (tmp_path / "untimed.log").read_text().endswith("FAILED tests/x.py::y\n")
