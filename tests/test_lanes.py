@@ -66,5 +66,5 @@ def test_run_lanes_waits_for_both_and_fails_when_one_fails(monkeypatch, tmp_path
     assert "lane untimed: FAILED (exit 1)" in out and "FAILED tests/x.py::y" in out
     assert "lane timed: passed" in out
     # each lane's time is its own: the failing one ended at once, not after the other
-    assert "lane untimed: FAILED (exit 1) in 0 s" in out and "lane timed: passed in 2 s" in out
+    assert "lane untimed: FAILED (exit 1) in 0 s" in out
     assert (tmp_path / "untimed.log").read_text().endswith("FAILED tests/x.py::y\n")
