@@ -102,18 +102,23 @@ class Testbed:
             sh("ip", "netns", "del", ns, check=False)
             sh("ip", "netns", "add", ns)
             sh("ip", "-n", ns, "link", "set", "lo", "up")
-        sh("ip", "-n", self.server_ns, "link", "add", self.server_if, "type", "veth",
-           "peer", "name", self.client_if, "netns", self.client_ns)
-        for ns, ifn, v4, v6 in ((self.server_ns, self.server_if, self.server_v4, self.server_v6),
-                                (self.client_ns, self.client_if, self.client_v4, self.client_v6)):
+        self._veth((self.server_ns, self.server_if, self.server_v4, self.server_v6),
+                   (self.client_ns, self.client_if, self.client_v4, self.client_v6), self.gso)
+
+    def _veth(self, server, client, gso: bool = True) -> None:
+        """A veth pair between two namespaces, each end (ns, ifname, v4, v6) addressed (/24,
+        /64) and up; ``gso`` False: one segment per packet. Returns once the carrier is up."""
+        sh("ip", "-n", server[0], "link", "add", server[1], "type", "veth",
+           "peer", "name", client[1], "netns", client[0])
+        for ns, ifn, v4, v6 in (server, client):
             sh("ip", "-n", ns, "addr", "add", f"{v4}/24", "dev", ifn)
             sh("ip", "-n", ns, "addr", "add", f"{v6}/64", "dev", ifn, "nodad")
             sh("ip", "-n", ns, "link", "set", ifn, "up")
-            if not self.gso:
+            if not gso:
                 sh("ip", "-n", ns, "link", "set", ifn, "gso_max_segs", "1", check=False)
         # the kernel only passes traffic once both ends are up: wait for the carrier
-        wait_for(lambda: "LOWER_UP" in sh("ip", "-n", self.server_ns, "-o", "link", "show",
-                                          self.server_if).stdout, 10, 0.02, "veth carrier")
+        wait_for(lambda: "LOWER_UP" in sh("ip", "-n", server[0], "-o", "link", "show",
+                                          server[1]).stdout, 10, 0.02, "veth carrier")
 
     def destroy(self) -> None:
         for p in self._procs:
@@ -151,15 +156,8 @@ class Testbed:
         sh("ip", "netns", "del", c.ns, check=False)
         sh("ip", "netns", "add", c.ns)
         sh("ip", "-n", c.ns, "link", "set", "lo", "up")
-        sh("ip", "-n", self.server_ns, "link", "add", c.server_if, "type", "veth",
-           "peer", "name", c.client_if, "netns", c.ns)
-        for ns, ifn, v4, v6 in ((self.server_ns, c.server_if, c.server_v4, c.server_v6),
-                                (c.ns, c.client_if, c.client_v4, c.client_v6)):
-            sh("ip", "-n", ns, "addr", "add", f"{v4}/24", "dev", ifn)
-            sh("ip", "-n", ns, "addr", "add", f"{v6}/64", "dev", ifn, "nodad")
-            sh("ip", "-n", ns, "link", "set", ifn, "up")
-        wait_for(lambda: "LOWER_UP" in sh("ip", "-n", self.server_ns, "-o", "link", "show",
-                                          c.server_if).stdout, 10, 0.02, "veth carrier")
+        self._veth((self.server_ns, c.server_if, c.server_v4, c.server_v6),
+                   (c.ns, c.client_if, c.client_v4, c.client_v6))
         return c
 
     # ------------------------------------------- the pacing tools' names: sender = server
