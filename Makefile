@@ -32,8 +32,10 @@ deps-install: .deps-install-stamp
 demo: deps
 	$(PY) -m harness.demo
 
+# Without PYTEST_ARGS: two lanes at once, the wall-clock tests beside the untimed ones (harness/lanes.py;
+# logs in build/test-logs/); with them, one plain pytest of what they select.
 test: deps
-	$(PY) -m pytest -ra $(PYTEST_ARGS)
+	$(PY) -m harness.lanes $(PYTEST_ARGS)
 
 # The tests that need no root, no VM and no Debian root, in a few minutes: what carries none of
 # the markers of pyproject.toml. FLOWPACER_CHECK=1 turns on the guard of harness/checkmode.py: a

@@ -325,6 +325,18 @@ class BackendKind(str, enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class InterfaceSpec:
+    """One entry of the rules' ``interfaces:`` (issue 29): a device name or a glob (``eth*``)
+    and its own link rate (None: the top-level ``link_rate``, else the device's speed)."""
+    name: str
+    link_rate_bps: Optional[int] = None
+
+    @property
+    def is_glob(self) -> bool:
+        return any(c in self.name for c in "*?[")
+
+
+@dataclass(frozen=True, slots=True)
 class RuleSet:
     interface: str
     backend: BackendKind = BackendKind.AUTO
@@ -334,6 +346,9 @@ class RuleSet:
     # problems that do not stop the file from loading (e.g. total rates oversubscribing the link),
     # as errors.RuleProblem: FILE:LINE:COL lines like the errors
     warnings: tuple = field(default=(), compare=False)
+    # issue 29: several interfaces (``interfaces:``), each flow shaped on the one it leaves by;
+    # empty: the single ``interface`` (or the CLI's --interface) shapes every flow, as before
+    interfaces: Tuple[InterfaceSpec, ...] = ()
 
     @property
     def receives(self) -> bool:
@@ -592,10 +607,23 @@ class FlowView:
     source: Optional[FlowSource] = None
     groups: Tuple[Group, ...] = ()       # its rule and client groups (issue 15), outermost first
     side: Side = Side.SEND               # which way its class shapes (issue 17)
+    interface: str = ""                  # the interface it is shaped on (issue 29)
 
-    def stats_key(self, interface: str) -> StatsKey:
-        """Its class's key in a statistics map of the daemon shaping ``interface``."""
-        return StatsKey(interface, self.side, self.key)
+    def stats_key(self, interface: str = "") -> StatsKey:
+        """Its class's key in a statistics map: on its own interface, else on ``interface``
+        (the daemon's one interface)."""
+        return StatsKey(self.interface or interface, self.side, self.key)
+
+
+@dataclass(frozen=True, slots=True)
+class InterfaceView:
+    """One shaped interface's backend as status shows it (issue 29)."""
+    name: str
+    backend: str
+    health: BackendHealth
+    problem: str
+    link_rate_bps: int
+    flows: int                           # flow classes on it (send side)
 
 
 @dataclass(frozen=True, slots=True)
@@ -856,6 +884,11 @@ class DaemonView:
     # kind is not the one in use (e.g. the kernel refused the unsigned module), "" when it is
     backend_wanted: str = ""
     backend_fallback: str = ""
+    # issue 29: every shaped interface (the first is ``interface`` above), and the flows a rule
+    # shapes that leave by an interface not managed (or by none), by that interface's name
+    interfaces: Tuple["InterfaceView", ...] = ()
+    unmanaged: Tuple[Tuple[FlowKey, str], ...] = ()
+    routed: bool = False                 # flows are shaped on the interface they leave by
 
     @property
     def healthy(self) -> bool:

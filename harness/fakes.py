@@ -218,6 +218,35 @@ class FakeFactory:
         self.rx_cleanups.append(interface)
 
 
+class FakeRouter:
+    """Route lookups and the device list for several interfaces (issue 29) without a kernel:
+    ``routes`` maps a remote network (text, e.g. "10.2.0.0/16") to an interface name (None: no
+    route), the longest prefix wins; ``devices`` is what globs are matched against."""
+
+    def __init__(self, routes: Optional[Dict[str, Optional[str]]] = None,
+                 devices: Optional[List[str]] = None):
+        self.routes: Dict[str, Optional[str]] = dict(routes or {})
+        self.devices: List[str] = list(devices or [])
+        self.lookups = 0
+
+    def egress(self, items):
+        import ipaddress
+        out = {}
+        nets = sorted(((ipaddress.ip_network(n), i) for n, i in self.routes.items()),
+                      key=lambda x: -x[0].prefixlen)
+        for key, _uid in items:
+            self.lookups += 1
+            out[key] = next((i for n, i in nets if n.version == key.remote_addr.version
+                             and key.remote_addr in n), None)
+        return out
+
+    def links(self):
+        return list(self.devices)
+
+    def close(self):
+        pass
+
+
 class FakeSockDiag:
     """A snapshot source whose answer the test sets (``flows``), or that raises (``error``)."""
 
@@ -387,17 +416,20 @@ class FakeFirstByte(FirstByte):
 @contextlib.contextmanager
 def inprocess_daemon(tmp_path, ruleset, *, factory=None, sockdiag=None, tracer=None,
                      notify=None, tracer_enabled: bool = True, rescan_s: float = 0.05,
-                     backoff_s=(0.01, 0.05), firstbyte=None):
+                     backoff_s=(0.01, 0.05), firstbyte=None, router=None,
+                     interface=None):
     """A real ``Daemon`` wired to fakes, its main loop in a thread; stopped and shut down on
     exit. Yields the daemon (``d.supervisor.backend`` is the FakeBackend)."""
     from flowpacer.daemon.app import Daemon, Options
     opts = Options(rules_path=str(tmp_path / "rules.yaml"), socket_path=str(tmp_path / "ctl.sock"),
-                   rescan_s=rescan_s, tracer=tracer_enabled, metrics_listen=None)
+                   rescan_s=rescan_s, tracer=tracer_enabled, metrics_listen=None,
+                   interface=interface)
     d = Daemon(opts, backend_factory=factory or FakeFactory(),
                sockdiag=sockdiag or FakeSockDiag(), tracer_factory=lambda: tracer or FakeTracer(),
                load=lambda path: ruleset() if callable(ruleset) else ruleset,
                notify=notify or (lambda s: None), stage_backoff_s=backoff_s,
-               firstbyte_factory=(lambda: firstbyte) if firstbyte is not None else None)
+               firstbyte_factory=(lambda: firstbyte) if firstbyte is not None else None,
+               router=router)
     d.start()
     t = threading.Thread(target=d.run, name="test-main", daemon=True)
     t.start()

@@ -10,15 +10,25 @@ loads virtio/9p/overlay from the root's own modules, mounts the root read-only o
 tmpfs overlay, adds the job's unit, and hands over to ``/sbin/init`` (systemd). The job
 (``vm/server/job.py``, the root's python3) runs as a oneshot service once multi-user.target is
 reached, writes its results into the shared directory and powers the guest off.
+
+sch_psp is not compiled in the guest (DKMS under TCG took 266-332 s of the case): ``dkms_tarball``
+installs the sch-psp-dkms .deb in a throwaway overlay of the same root on the host (chrooted,
+native speed), where the package's own postinst has DKMS build the module for the root's kernel
+with that kernel's headers, the package's dkms.conf and Makefile and trixie's gcc-14, and packs
+the result with ``dkms mktarball --binaries-only``. The guest's apt then loads that tarball
+instead of building (see vm/server/job.py).
 """
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
 import shlex
 import shutil
 import signal
 import subprocess
+import tarfile
 import time
 from pathlib import Path
 from typing import List, Optional, Tuple
@@ -59,6 +69,10 @@ ln -sf /etc/systemd/system/fp-job.service $N/etc/systemd/system/multi-user.targe
 echo fp-server > $N/etc/hostname
 # not a first boot (no firstboot prompts on the console): a fixed machine id
 echo 0f1f0f1f0f1f0f1f0f1f0f1f0f1f0f1f > $N/etc/machine-id
+# /etc and /var are up to date with /usr (mmdebstrap ran every trigger), as systemd-update-done
+# records after a first boot: without it ConditionNeedsUpdate= reruns ldconfig, hwdb and the
+# journal catalog under TCG at every boot
+touch $N/etc/.updated $N/var/.updated
 umount /proc /sys /dev 2>/dev/null
 exec switch_root $N /sbin/init
 fail "switch_root"
@@ -96,6 +110,88 @@ def root_dir() -> Path:
     (d / "etc/dpkg/dpkg.cfg.d/test-unsafe-io").write_text("force-unsafe-io\n")
     stamp.touch()
     return d
+
+
+# The host side of dkms_tarball: $1 (the root) as the lower layer of an overlay mounted on $4,
+# the changes in $2 (work dir $3), then debroot.IN_ROOT's chroot of $4 with its own mounts. All in
+# new mount and pid namespaces: the overlay and every process go when the script ends.
+ON_OVERLAY = r"""
+L=$1; U=$2; W=$3; shift 3
+mount -t overlay -o "lowerdir=$L,upperdir=$U,workdir=$W" overlay "$1"
+""" + debroot.IN_ROOT
+
+BUILD_MODULE = r"""
+dpkg -i /root/fp-build/{deb}
+kver={kver}
+src=$(ls -d /usr/src/sch_psp-*)
+ver=${{src#/usr/src/sch_psp-}}
+dkms status -m sch_psp -v "$ver" -k "$kver" | grep -q ': installed' || {{
+    dkms status; cat /var/lib/dkms/sch_psp/"$ver"/build/make.log 2>/dev/null; exit 1; }}
+dkms mktarball -m sch_psp -v "$ver" -k "$kver" --binaries-only \
+    --archive "/root/fp-build/sch_psp-$ver.dkms.tar.gz"
+"""
+
+
+def module_key(root: Path, psp_deb: Path) -> str:
+    """What a DKMS build of the package in ``root`` depends on: the root as unpacked (its kernel
+    and headers; remade when its tar is) and the module's source files in the .deb."""
+    h = hashlib.sha256()
+    stamp = root / ".fp-unpacked"
+    h.update(f"{kernel_of(root).version} {stamp.stat().st_mtime_ns if stamp.exists() else 0}\n".encode())
+    data = subprocess.run(["dpkg-deb", "--fsys-tarfile", str(psp_deb)], capture_output=True,
+                          check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(data)) as t:
+        for m in sorted(t.getmembers(), key=lambda m: m.name):
+            if m.isfile() and m.name.lstrip("./").startswith("usr/src/"):
+                h.update(m.name.encode() + b"\0" + t.extractfile(m).read() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def dkms_tarball(root: Path, psp_deb: Path, work: Path, cache: Optional[Path] = None) -> Path:
+    """sch_psp built by DKMS for the root's kernel on the host, in an overlay of ``root`` (which
+    stays as it is): the sch-psp-dkms .deb installed there with dpkg (its postinst builds the
+    module for every kernel with headers in the root, as in tests/test_deb.py), then ``dkms
+    mktarball --binaries-only``. Returns SCH_PSP-VERSION.dkms.tar.gz, the name the package's
+    postinst looks for (dkms's common.postinst: /usr/share/sch_psp-dkms/), in ``work``.
+
+    With ``cache`` (a directory; hold debroot.cache_lock): the tarball of an earlier build with
+    the same ``module_key`` is reused, and a new one is kept there (the last one only)."""
+    key = module_key(root, psp_deb)
+    if cache is not None:
+        kept = sorted(cache.glob(f"dkms-{key}-sch_psp-*.dkms.tar.gz"))
+        if kept:
+            work.mkdir(parents=True, exist_ok=True)
+            out = work / kept[0].name[len(f"dkms-{key}-"):]
+            shutil.copy(kept[0], out)
+            return out
+    out = _dkms_build(root, psp_deb, work)
+    if cache is not None:
+        for old in cache.glob("dkms-*-sch_psp-*.dkms.tar.gz"):
+            old.unlink()
+        shutil.copy(out, cache / f"dkms-{key}-{out.name}")
+    return out
+
+
+def _dkms_build(root: Path, psp_deb: Path, work: Path) -> Path:
+    k = kernel_of(root)
+    shutil.rmtree(work, ignore_errors=True)
+    upper, wdir, merged, cache = (work / n for n in ("upper", "work", "merged", "archives"))
+    for d in (upper / "root" / "fp-build", wdir, merged, cache):
+        d.mkdir(parents=True)
+    shutil.copy(psp_deb, upper / "root" / "fp-build" / psp_deb.name)
+    script = BUILD_MODULE.format(deb=shlex.quote(psp_deb.name), kver=shlex.quote(k.version))
+    argv = ["unshare", "--mount", "--pid", "--fork", "--propagation", "private", "--",
+            "sh", "-ec", ON_OVERLAY, "sh", str(root), str(upper), str(wdir), str(merged),
+            str(cache), "sh", "-ec", script]
+    p = debroot.run(argv, 600, f"DKMS build of sch_psp for {k.version} in an overlay of {root}")
+    found = sorted((upper / "root" / "fp-build").glob("sch_psp-*.dkms.tar.gz"))
+    if len(found) != 1:
+        raise ServerVMError(f"no DKMS tarball made: {found}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    out = work / found[0].name
+    shutil.move(str(found[0]), out)
+    shutil.rmtree(upper, ignore_errors=True)
+    shutil.rmtree(wdir, ignore_errors=True)
+    return out
 
 
 def kernel_of(root: Path) -> vmbuild.Kernel:
@@ -222,4 +318,4 @@ def bumped_deb(deb: Path, dest_dir: Path, suffix: str = "+fpupgrade1") -> Path:
     return out
 
 
-__all__ = ["root_dir", "run", "bumped_deb", "ServerVMError", "PACKAGES", "shlex"]
+__all__ = ["root_dir", "run", "bumped_deb", "dkms_tarball", "ServerVMError", "PACKAGES", "shlex"]

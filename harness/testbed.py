@@ -24,6 +24,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
@@ -80,6 +81,8 @@ class Testbed:
         self.client_v6 = ipaddress.IPv6Address(f"fd77:{n:x}::2")
         self.gso = gso
         self._procs: List[subprocess.Popen] = []
+        self._n = n
+        self.clients: List["ClientLink"] = []      # add_client's further client namespaces
 
     # ------------------------------------------------------------ lifecycle
     def __enter__(self) -> "Testbed":
@@ -99,18 +102,23 @@ class Testbed:
             sh("ip", "netns", "del", ns, check=False)
             sh("ip", "netns", "add", ns)
             sh("ip", "-n", ns, "link", "set", "lo", "up")
-        sh("ip", "-n", self.server_ns, "link", "add", self.server_if, "type", "veth",
-           "peer", "name", self.client_if, "netns", self.client_ns)
-        for ns, ifn, v4, v6 in ((self.server_ns, self.server_if, self.server_v4, self.server_v6),
-                                (self.client_ns, self.client_if, self.client_v4, self.client_v6)):
+        self._veth((self.server_ns, self.server_if, self.server_v4, self.server_v6),
+                   (self.client_ns, self.client_if, self.client_v4, self.client_v6), self.gso)
+
+    def _veth(self, server, client, gso: bool = True) -> None:
+        """A veth pair between two namespaces, each end (ns, ifname, v4, v6) addressed (/24,
+        /64) and up; ``gso`` False: one segment per packet. Returns once the carrier is up."""
+        sh("ip", "-n", server[0], "link", "add", server[1], "type", "veth",
+           "peer", "name", client[1], "netns", client[0])
+        for ns, ifn, v4, v6 in (server, client):
             sh("ip", "-n", ns, "addr", "add", f"{v4}/24", "dev", ifn)
             sh("ip", "-n", ns, "addr", "add", f"{v6}/64", "dev", ifn, "nodad")
             sh("ip", "-n", ns, "link", "set", ifn, "up")
-            if not self.gso:
+            if not gso:
                 sh("ip", "-n", ns, "link", "set", ifn, "gso_max_segs", "1", check=False)
         # the kernel only passes traffic once both ends are up: wait for the carrier
-        wait_for(lambda: "LOWER_UP" in sh("ip", "-n", self.server_ns, "-o", "link", "show",
-                                          self.server_if).stdout, 10, 0.02, "veth carrier")
+        wait_for(lambda: "LOWER_UP" in sh("ip", "-n", server[0], "-o", "link", "show",
+                                          server[1]).stdout, 10, 0.02, "veth carrier")
 
     def destroy(self) -> None:
         for p in self._procs:
@@ -129,10 +137,28 @@ class Testbed:
                     pass
                 p.wait(timeout=5)
         self._procs.clear()
-        for ns in (self.server_ns, self.client_ns):
+        for ns in (self.server_ns, self.client_ns, *(c.ns for c in self.clients)):
             sh("ip", "netns", "del", ns, check=False)
 
     close = destroy
+
+    def add_client(self, i: int = 2) -> "ClientLink":
+        """A further client namespace ``fp-TAG-cI`` on a veth pair of its own: the server's
+        ``fpTAGsI`` with 10.(76+I).x.1/24 and fd(76+I):x::1/64, the client's ``fpTAGcI`` with
+        .2 and ::2, each family routed by its connected subnet (issue 29: several
+        interfaces). Deleted with the testbed."""
+        c = ClientLink(f"fp-{self.tag}-c{i}", f"fp{self.tag}s{i}"[:15], f"fp{self.tag}c{i}"[:15],
+                       ipaddress.IPv4Address(f"10.{76 + i}.{self._n}.1"),
+                       ipaddress.IPv4Address(f"10.{76 + i}.{self._n}.2"),
+                       ipaddress.IPv6Address(f"fd{76 + i}:{self._n:x}::1"),
+                       ipaddress.IPv6Address(f"fd{76 + i}:{self._n:x}::2"))
+        self.clients.append(c)
+        sh("ip", "netns", "del", c.ns, check=False)
+        sh("ip", "netns", "add", c.ns)
+        sh("ip", "-n", c.ns, "link", "set", "lo", "up")
+        self._veth((self.server_ns, c.server_if, c.server_v4, c.server_v6),
+                   (c.ns, c.client_if, c.client_v4, c.client_v6))
+        return c
 
     # ------------------------------------------- the pacing tools' names: sender = server
     @property
@@ -221,6 +247,18 @@ class Testbed:
         ns = ns or self.server_ns
         wait_for(lambda: self.run(ns, ["ss", "-Hltn", f"sport = :{port}"]).stdout.strip(),
                  timeout, 0.05, f"a listener on port {port}")
+
+
+@dataclass(frozen=True)
+class ClientLink:
+    """One more client namespace and its veth pair (``Testbed.add_client``)."""
+    ns: str
+    server_if: str
+    client_if: str
+    server_v4: ipaddress.IPv4Address
+    client_v4: ipaddress.IPv4Address
+    server_v6: ipaddress.IPv6Address
+    client_v6: ipaddress.IPv6Address
 
 
 PY = sys.executable

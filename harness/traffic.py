@@ -44,14 +44,16 @@ def url(host, port: int, path: str = "/") -> str:
 # ------------------------------------------------------------------ blaster fetch
 
 def fetch(tb, host, port: int, seconds: float, warmup: float = 1.0, path: Optional[str] = None,
-          name: str = "fp-client", local_port: int = 0, interval: float = 0.0) -> subprocess.Popen:
-    """Start a measuring download in the client namespace (``fetch_result`` reads it)."""
+          name: str = "fp-client", local_port: int = 0, interval: float = 0.0,
+          ns: Optional[str] = None) -> subprocess.Popen:
+    """Start a measuring download in the client namespace (``ns``: another one, e.g. of
+    ``Testbed.add_client``; ``fetch_result`` reads it)."""
     argv = client_argv(str(host), port, seconds, warmup, name, local_port)
     if path:
         argv += ["--path", path]
     if interval:
         argv += ["--interval", str(interval)]
-    return tb.popen(tb.client_ns, argv, stdout=subprocess.PIPE, text=True)
+    return tb.popen(ns or tb.client_ns, argv, stdout=subprocess.PIPE, text=True)
 
 
 def fetch_result(p: subprocess.Popen, timeout: float = 60) -> dict:

@@ -9,6 +9,8 @@ everybody on the machine: hold ``vm.LOCK`` (``flock /tmp/flowpacer-vm.lock ...``
 """
 from __future__ import annotations
 
+import shutil
+import subprocess
 from pathlib import Path
 
 from vm.kmod import KmodError, build_psp
@@ -25,5 +27,28 @@ def in_vm() -> bool:
     return os.environ.get("FLOWPACER_IN_VM") == "1"
 
 
+def module_index(ko: Path, kver: str, tmp: Path) -> Path:
+    """depmod's indexes of the guest kernel's modules with ``ko`` in updates/dkms/ (where DKMS
+    puts it), made here on a hard-linked copy of the tree: the guest copies them into its
+    overlay (depmod there reads every module over 9p under TCG, minutes)."""
+    base = tmp / "modroot"
+    tree = base / "lib/modules" / kver
+    tree.parent.mkdir(parents=True)
+    subprocess.run(["cp", "-al", f"/lib/modules/{kver}", str(tree)], check=True, timeout=120)
+    for f in tree.glob("modules.*"):   # hard links to the host's files: copies instead
+        data = f.read_bytes()
+        f.unlink()
+        f.write_bytes(data)
+    (tree / "updates/dkms").mkdir(parents=True, exist_ok=True)
+    shutil.copy(ko, tree / "updates/dkms/sch_psp.ko")
+    subprocess.run(["depmod", "-b", str(base), kver], check=True, timeout=300)
+    out = tmp / "modindex"
+    out.mkdir()
+    for f in tree.glob("modules.*"):
+        shutil.copy(f, out / f.name)
+    shutil.rmtree(base)
+    return out
+
+
 __all__ = ["run", "VMError", "VMResult", "dmesg_problems", "build_psp", "KmodError", "REPO",
-           "LOCK", "GUEST_TESTS", "in_vm"]
+           "LOCK", "GUEST_TESTS", "in_vm", "module_index"]

@@ -463,7 +463,9 @@ def test_daemon_crash_under_load_keeps_the_groups(site):
     the client stays at its cap all along."""
     from harness.daemon import Daemon
     tb, d = site.tb, site.daemon
-    p = iperf(site, site.v4[0], 5301, 4, seconds=10)
+    # long enough to outlive the restart: the new daemon compiles its BPF before it is ready
+    # (~8 s on a quiet machine, 24 s measured on a loaded one, when 10 s streams had ended)
+    p = iperf(site, site.v4[0], 5301, 4, seconds=25)
     wait_for(lambda: sum(1 for f in d.status()["flows"] if f["rule"] == "capped") == 5, 8, 0.1,
              "the 5 flows of the client (4 streams and the control connection)")
     # link, default, the client, its flows (an earlier case's classes may still be going)

@@ -177,6 +177,7 @@ def mok_serial(root: Path) -> str:
 
 # ------------------------------------------------------------------ the build
 
+@pytest.mark.untimed
 def test_make_deb_builds_both_packages_lintian_clean(debs):
     fp, psp, out = debs
     lint = [line for line in out.splitlines() if re.match(r"^[EW]: ", line)]
@@ -233,6 +234,7 @@ def test_make_deb_builds_both_packages_lintian_clean(debs):
 
 # ------------------------------------------------------------------ installed in Debian 13 and 12
 
+@pytest.mark.untimed
 def test_apt_resolves_every_dependency_from_the_archive(installed):
     sim, out, _ = installed
     inst = set(re.findall(r"^Inst (\S+)", sim, re.M))
@@ -246,6 +248,7 @@ def test_apt_resolves_every_dependency_from_the_archive(installed):
     assert re.search(r"^0 upgraded, 2 newly installed, 0 to remove", out, re.M), out[-3000:]
 
 
+@pytest.mark.untimed
 @pytest.mark.parametrize("which", ["default", "backports"])
 def test_dkms_built_sch_psp_without_warnings(installed, chroot, which):
     """For the release's kernel (bookworm 6.1, trixie 6.12) and its backports' (bookworm 6.12,
@@ -267,6 +270,7 @@ def test_dkms_built_sch_psp_without_warnings(installed, chroot, which):
     assert not bad, f"the {kver} build is not clean:\n" + log
 
 
+@pytest.mark.untimed
 @pytest.mark.parametrize("which", ["default", "backports"])
 def test_dkms_signs_sch_psp_with_the_mok_key(installed, chroot, which):
     """With a MOK key pair in /var/lib/dkms (mok.key, mok.pub), DKMS signs the module it builds
@@ -283,6 +287,7 @@ def test_dkms_signs_sch_psp_with_the_mok_key(installed, chroot, which):
     assert sig_key.replace(":", "").upper().lstrip("0") == mok_serial(chroot.path), sig_key
 
 
+@pytest.mark.untimed
 def test_unit_installed_disabled_and_verified(installed, chroot):
     unit = (chroot.path / "lib/systemd/system/flowpacer.service").read_text()
     assert re.search(r"^ExecStart=/usr/bin/flowpacer run --rules /etc/flowpacer/rules.yaml$", unit, re.M)
@@ -294,6 +299,7 @@ def test_unit_installed_disabled_and_verified(installed, chroot):
     assert p.stdout.strip() == "disabled", p.stdout
 
 
+@pytest.mark.untimed
 def test_rules_check_and_man_pages(installed, chroot):
     p = chroot.sh("flowpacer rules check /etc/flowpacer/rules.yaml")
     assert "streaming" in p.stdout and "mirror-sync" in p.stdout, p.stdout
@@ -305,6 +311,7 @@ def test_rules_check_and_man_pages(installed, chroot):
               "flowpacer.kernel.tc.register()'")
 
 
+@pytest.mark.untimed
 def test_purge_removes_what_the_packages_added(installed, chroot):
     _, _, before = installed
     # as an admin would: edit the rules (no daemon runs: the file is saved, not reloaded)
@@ -323,16 +330,24 @@ def test_purge_removes_what_the_packages_added(installed, chroot):
 
 # ------------------------------------------------------------------ under a real systemd (VM)
 
-@pytest.mark.vm
+@pytest.mark.vm          # not untimed: the guest's real clock measures a rate within 5 %
 def test_unit_under_systemd_in_the_vm(debs, root, tmp_path, monkeypatch):
     """The VM booted with systemd as PID 1 (vm/guest/stage2.sh, fp.init=systemd); there
-    tests/deb_guest.py installs the packages (DKMS builds sch_psp for the guest's kernel) and
-    drives the unit: start (ready after the first apply), reload with a changed rate, kill -9,
-    a hung main loop (watchdog), stop. Its steps' results are in deb_guest.json."""
+    tests/deb_guest.py installs the packages (DKMS registers sch_psp; the module built here for
+    the guest's kernel stands in for DKMS's build, which test_dkms_built_sch_psp_without_warnings
+    checks for every kernel: compiled under TCG it took minutes) and drives the unit: start
+    (ready after the first apply), reload with a changed rate, kill -9, a hung main loop
+    (watchdog), stop. Its steps' results are in deb_guest.json."""
     import json
     from harness import vm
     fp, psp, _ = debs
     out = tmp_path / "vm"          # the job share, at the same path in the guest
+    from vm import build as vmbuild
+    try:
+        ko = vm.build_psp(tmp_path / "kmod")
+    except vm.KmodError as e:
+        pytest.fail(f"sch_psp for the VM's kernel: {e}")
+    index = vm.module_index(ko, vmbuild.find_kernel().version, tmp_path)
     d = out / "debs"
     (d / "deps").mkdir(parents=True)
     for f in (fp, psp):
@@ -351,7 +366,8 @@ def test_unit_under_systemd_in_the_vm(debs, root, tmp_path, monkeypatch):
     try:
         # systemd's own start (sysinit) under TCG: 30 s here, several times that on a busy host
         res = vm.run([str(ROOT / ".venv/bin/python"), str(ROOT / "tests/deb_guest.py"), str(d)],
-                     cwd=str(ROOT), timeout=1500, out_dir=out, boot_timeout=300)
+                     cwd=str(ROOT), timeout=1500, out_dir=out, boot_timeout=300,
+                     env={"FLOWPACER_PSP_KO": str(ko), "FLOWPACER_MODULE_INDEX": str(index)})
     except vm.VMError as e:
         pytest.fail(f"the VM: {e.details()[-4000:]}")
     results = json.loads((out / "deb_guest.json").read_text()) if (out / "deb_guest.json").exists() else {}

@@ -29,7 +29,7 @@ import pytest
 
 from harness.debroot import Root, base_tar, cache_lock, mounts_under, run
 
-pytestmark = pytest.mark.deb
+pytestmark = [pytest.mark.deb, pytest.mark.untimed]
 
 ROOT = Path(__file__).resolve().parent.parent
 # what the set-up installs from trixie's archive for the unit tests and the demo

@@ -173,7 +173,8 @@ def test_daemon_endpoint_serves_flows_and_only_metrics(testbed, tmp_path):
         assert s.labels == {"rule": "slow", "process": "fp-test-srv", "direction": "inbound",
                             "local_address": str(testbed.server_v4), "local_port": "9101",
                             "remote_address": str(testbed.client_v4), "remote_port": "46001",
-                            "protocol": "tcp", "side": "send"}
+                            "protocol": "tcp", "side": "send",
+                            "interface": testbed.server_if}
         for bad in ("/", "/admin", "/metrics/../etc/passwd"):
             with pytest.raises(urllib.error.HTTPError) as e:
                 get(bad)

@@ -79,16 +79,16 @@ def _key(i, remote="10.0.0.2"):
 def test_flow_labels_drop_ports_with_addresses():
     k = _key(1, "10.9.8.7")
     assert flow_labels("r", "p", "inbound", k, AddressLabels.FULL) == \
-        ("r", "p", "inbound", "10.0.0.1", "80", "10.9.8.7", "1001", "tcp", "send")
-    assert flow_labels("r", "p", "inbound", k, AddressLabels.PREFIX) == \
-        ("r", "p", "inbound", "10.0.0.0/24", "80", "10.9.8.0/24", "", "tcp", "send")
+        ("r", "p", "inbound", "10.0.0.1", "80", "10.9.8.7", "1001", "tcp", "send", "")
+    assert flow_labels("r", "p", "inbound", k, AddressLabels.PREFIX, "send", "eth1") == \
+        ("r", "p", "inbound", "10.0.0.0/24", "80", "10.9.8.0/24", "", "tcp", "send", "eth1")
     # prefix keeps the service's port only: the remote one of an outbound flow, none unknown
     assert flow_labels("r", "p", "outbound", k, AddressLabels.PREFIX)[4:7] == ("", "10.9.8.0/24", "1001")
     assert flow_labels("r", "p", "", k, AddressLabels.PREFIX)[4:7] == ("", "10.9.8.0/24", "")
     assert flow_labels("r", "p", "inbound", k, AddressLabels.NONE, "receive") == \
-        ("r", "p", "inbound", "", "", "", "", "tcp", "receive")     # the side stays (issue 17)
+        ("r", "p", "inbound", "", "", "", "", "tcp", "receive", "")   # the side stays (17)
     u = dataclasses.replace(k, protocol=Protocol.UDP)      # issue 17: the protocol label
-    assert flow_labels("r", "p", "inbound", u, AddressLabels.NONE)[-2] == "udp"
+    assert flow_labels("r", "p", "inbound", u, AddressLabels.NONE)[-3] == "udp"
 
 
 def test_merged_series_never_go_backwards():

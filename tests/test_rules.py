@@ -219,9 +219,9 @@ def test_link_rate_errors():
 def test_unknown_top_keys():
     assert err("intreface: eth0\n") == "r.yaml:1:1: intreface: unknown key; did you mean 'interface'?"
     assert err("speed: 1\n") == \
-        "r.yaml:1:1: speed: unknown key; valid keys: interface, backend, link_rate, rules"
+        "r.yaml:1:1: speed: unknown key; valid keys: interface, backend, link_rate, interfaces, rules"
     assert err("'a b': 1\n") == \
-        "r.yaml:1:1: 'a b': unknown key; valid keys: interface, backend, link_rate, rules"
+        "r.yaml:1:1: 'a b': unknown key; valid keys: interface, backend, link_rate, interfaces, rules"
 
 
 def test_duplicate_keys():
@@ -235,11 +235,11 @@ def test_duplicate_keys():
 
 def test_document_shape_errors():
     assert err("") == "r.yaml:1:1: the file is empty: expected a mapping with interface, " \
-                      "backend, link_rate, rules"
+                      "backend, link_rate, interfaces, rules"
     assert err("# only a comment\n") == "r.yaml:1:1: the file is empty: expected a mapping " \
-                                        "with interface, backend, link_rate, rules"
+                                        "with interface, backend, link_rate, interfaces, rules"
     assert err("- a\n") == "r.yaml:1:1: the rules file must be a mapping with interface, " \
-                           "backend, link_rate, rules, found a list"
+                           "backend, link_rate, interfaces, rules, found a list"
     assert err("rules: {}\n") == "r.yaml:1:8: rules: expected a list of rules, found a mapping"
     assert err("rules:\n") == "r.yaml:1:7: rules: expected a list of rules, found nothing"
     assert err("rules: [42]\n") == \
@@ -412,7 +412,7 @@ def test_all_problems_at_once():
         "r.yaml:1:12: interface: 'eth0/x': an interface name cannot contain '/' (no '/', ':', "
         "whitespace)",
         "r.yaml:2:10: backend: 'htbb' is not a backend: use auto, psp or htb; did you mean 'htb'?",
-        "r.yaml:4:1: bogus: unknown key; valid keys: interface, backend, link_rate, rules",
+        "r.yaml:4:1: bogus: unknown key; valid keys: interface, backend, link_rate, interfaces, rules",
         "r.yaml:7:22: rule 'streaming': match.process: 'a-very-long-process-name' is 24 "
         "characters but the kernel's comm is at most 15: it can never match; use "
         "'a-very-long-pro' or match exe",
@@ -484,7 +484,7 @@ def test_tags():
     assert err("interface: !custom eth0\n") == "r.yaml:1:12: interface: unsupported YAML tag " \
                                                "'!custom'"
     assert err("!!python/object:os.system x\n").startswith(
-        "r.yaml:1:1: the rules file must be a mapping with interface, backend, link_rate, rules, "
+        "r.yaml:1:1: the rules file must be a mapping with interface, backend, link_rate, interfaces, rules, "
         "found a value tagged 'tag:yaml.org,2002:python/object")
     assert err("<<: {interface: a}\n") == \
         "r.yaml:1:1: keys must be plain names, found a merge key '<<' (not supported: write the " \
@@ -653,7 +653,7 @@ def test_field_table_is_documented():
     for section, name, default, text, example in rules.field_docs():
         assert f"`{name}`" in doc, name
         seen.add(name)
-    assert {"interface", "backend", "link_rate", "rules", "name", "match", "rate", "ceil",
+    assert {"interface", "backend", "link_rate", "interfaces", "rules", "name", "match", "rate", "ceil",
             "process", "exe", "user", "direction", "local_port", "remote_port",
             "remote", "client_rate", "total_rate", "client_prefix", "ipv4", "ipv6", "protocol",
             "idle_timeout", "receive_rate", "receive_ceil"} == seen
@@ -1026,3 +1026,54 @@ def test_idle_timeout_on_udp_or_any_is_not_ignored():
           - {name: a, match: {process: y, protocol: any}, rate: 8mbit, idle_timeout: 5s}
     """)
     assert rs.warnings == ()
+
+
+# ------------------------------------------------------ several interfaces (issue 29)
+
+def test_interfaces_take_names_globs_and_mappings():
+    from flowpacer.model import InterfaceSpec
+    rs = ok("""\
+        link_rate: 100mbit
+        interfaces:
+          - eth0
+          - {name: eth1, link_rate: 10gbit}
+          - "bond0.*"
+        rules: [{name: a, match: {local_port: 80}, rate: 10%}]
+        """)
+    assert rs.interface == "" and rs.interfaces == (
+        InterfaceSpec("eth0"), InterfaceSpec("eth1", 1_250_000_000), InterfaceSpec("bond0.*"))
+    assert [i.is_glob for i in rs.interfaces] == [False, False, True]
+    assert rs.rules[0].rate_bps == 1_250_000          # % stays of the top-level link_rate
+    assert rules.without_provenance(rules.loads(rules.dump(rs), F)) == \
+        rules.without_provenance(rs)
+    assert rules.describe(rs)[0] == \
+        "interfaces: eth0, eth1 (10 Gbit/s), bond0.* (each flow on the interface it leaves by)"
+    assert ok("interfaces: eth3\n").interfaces == (InterfaceSpec("eth3"),)
+    assert ok("interface: eth0\n").interfaces == ()       # the single interface, as before
+
+
+def test_interfaces_errors_are_placed():
+    assert errs("""\
+        interfaces:
+          - eth0
+          - {name: eth1, link_rate: 10%, speed: 3}
+          - eth0
+          - [x]
+          - "a/b"
+          - {link_rate: 1gbit}
+        """) == [
+        "r.yaml:3:29: interfaces: link_rate: '10%': link_rate cannot be a percentage "
+        "(give e.g. '1gbit')",
+        "r.yaml:3:34: interfaces: speed: unknown key; valid keys: name, link_rate",
+        "r.yaml:4:5: interfaces: 'eth0' is listed twice (first at line 2)",
+        "r.yaml:5:5: interfaces: expected an interface name, a glob or a mapping "
+        "{name: ..., link_rate: ...}, found a list",
+        "r.yaml:6:5: interfaces: 'a/b': an interface name cannot contain '/' "
+        "(no '/', ':', whitespace)",
+        "r.yaml:7:5: interfaces: name: missing (required: the interface's name or a glob "
+        "like 'eth*')"]
+    assert err("interface: eth0\ninterfaces: [eth1]\n") == \
+        "r.yaml:2:13: interfaces: give either 'interface' or 'interfaces', not both"
+    assert err("interfaces: []\n").startswith("r.yaml:1:13: interfaces: empty list")
+    assert err("interfaces: {name: eth0}\n") == \
+        "r.yaml:1:13: interfaces: expected a list of interfaces, found a mapping"

@@ -2,27 +2,46 @@
 upgrades without a gap measured there (issue 28 item 4).
 
 One boot of qemu (TCG) with trixie's root, kernel and systemd as PID 1 (``harness/servervm.py``);
-inside, ``vm/server/job.py``: the two .debs of ``make deb`` installed with apt (DKMS builds
-sch_psp in the guest for its kernel), ``systemctl enable --now flowpacer``, nginx serving an IPv4
-and an IPv6 client through a veth, shaped with psp at the rule's rate, ``systemctl reload``
-after a rules edit, a long download of both across ``systemctl restart`` and across an upgrade
-of the package (the same .deb with a bumped version: apt runs prerm upgrade, postinst configure
-OLD, which restarts the service), then ``systemctl stop``: no qdisc, class, filter or ifb left.
-The receiver's bytes are read from its interface counter every 20 ms in the guest; the peak in
-any 100 ms window across a restart or upgrade must stay near the rules' sum.
+inside, ``vm/server/job.py``: the two .debs of ``make deb`` installed with apt, ``systemctl
+enable --now flowpacer``, nginx serving an IPv4 and an IPv6 client through a veth, shaped with
+psp at the rule's rate, ``systemctl reload`` after a rules edit, a long download of both across
+``systemctl restart`` and across an upgrade of the package (the same .deb with a bumped version:
+apt runs prerm upgrade, postinst configure OLD, which restarts the service), then ``systemctl
+stop``: no qdisc, class, filter or ifb left. The receiver's bytes are read from its interface
+counter every 20 ms in the guest; the peak in any 100 ms window across a restart or upgrade must
+stay near the rules' sum.
+
+sch_psp is built by DKMS on the host, not under TCG in the guest (that took 266-332 s of this
+case): ``servervm.dkms_tarball`` installs the sch-psp-dkms .deb in an overlay of the same trixie
+root (its postinst has DKMS build the module for the root's kernel with its headers and gcc-14,
+as tests/test_deb.py proves for trixie's kernels) and packs it with ``dkms mktarball
+--binaries-only``; in the guest that tarball lies where the package's postinst (dkms's
+common.postinst) loads one from, so apt's configure runs ``dkms ldtarball`` and ``dkms install``,
+not ``dkms build``, although the headers are installed. Checked: the postinst loaded the tarball
+and built nothing, ``dkms status`` says installed, modprobe's file is that module (same sha256)
+with the guest kernel's vermagic, and the module the service loaded is it (srcversion).
+
+The reload's rules file gives the rate in tc's byte unit (``1250kbps``): the daemon's warning
+about it is read back from journald (issue 28 item 5) with ``journalctl -u flowpacer -o json``:
+PRIORITY 4 with its structured fields (FLOWPACER_RULES_FILE, FLOWPACER_LINE, LOGGER, CODE_*),
+in ``journalctl -p warning``; the reload's info line at PRIORITY 6, not in ``-p warning``.
 
 Holds the VM lock and the heavy lock (``flock /tmp/flowpacer-vm.lock flock /tmp/fp-heavy.lock``
 around the pytest run, as tests/test_vm.py's callers do) and the Debian root cache's lock while
 the root is made.
 """
+import hashlib
 import shutil
+import subprocess
 import sys
+import time
 
 import pytest
 
 from harness import debroot, servervm
 
-pytestmark = [pytest.mark.vm, pytest.mark.deb, pytest.mark.heavy]
+# untimed: the rates it checks are loose (0.4-1.1 x the rule), its waits generous
+pytestmark = [pytest.mark.vm, pytest.mark.deb, pytest.mark.heavy, pytest.mark.untimed]
 
 RATE_MBIT = 20
 
@@ -41,23 +60,41 @@ def test_debian13_server_enable_reload_restart_upgrade_stop(root, debs, tmp_path
     fp, psp = debs
     with debroot.cache_lock(wait_s=1800):
         rootdir = servervm.root_dir()
+        t = time.monotonic()
+        tarball = servervm.dkms_tarball(rootdir, psp, tmp_path / "dkms", cache=debroot.CACHE)
+        host_build_s = time.monotonic() - t
     upgraded = servervm.bumped_deb(fp, tmp_path)
-    files = {fp.name: fp, psp.name: psp, upgraded.name: upgraded}
+    built = _module_in(tarball, tmp_path / "dkms" / "x")
+    files = {fp.name: fp, psp.name: psp, upgraded.name: upgraded, tarball.name: tarball}
     if fp.name != "flowpacer_0.1.0_all.deb":
         pytest.fail(f"vm/server/job.py installs flowpacer_0.1.0_all.deb, make deb made {fp.name}")
     res = servervm.run(rootdir, tmp_path / "out", files, timeout=2400)
     r = res["result"]
     diag = f"rc {res['rc']}\n--- output\n{res['output']}\n--- console\n{res['console']}"
     assert r is not None, diag
-    print(f"server VM: {res['wall_s']:.0f} s wall, {r.get('total_s')} s job, steps "
-          f"{[(s['name'], s['s']) for s in r.get('steps', [])]}, phases {r.get('phases')}",
+    print(f"server VM: sch_psp from the host's DKMS in {host_build_s:.1f} s; "
+          f"{res['wall_s']:.0f} s wall, {r.get('total_s')} s job, steps "
+          f"{[(s['name'], s['s']) for s in r.get('steps', [])]}, phases {r.get('phases')}, "
+          f"job started at guest uptime {r.get('uptime_at_job_s')} s",
           file=sys.stderr)
-    assert r.get("ok"), f"{r.get('error')}\n{r.get('journal', '')}\n{diag}"
+    assert r.get("ok"), f"{r.get('error')}\n{r.get('journal_tail', '')}\n{diag}"
     assert r["os"].startswith("Debian GNU/Linux 13"), r["os"]
     assert "+deb13-" in r["kernel"] and r["systemd"].startswith("systemd 25"), r
     assert r["python"].startswith("Python 3.13"), r["python"]
     assert "sch_psp" in r["dkms"] and r["kernel"] in r["dkms"] and "installed" in r["dkms"], r["dkms"]
+    # DKMS's postinst loaded the host's build and compiled nothing, with the headers there
+    assert r["headers_installed"], r
+    assert any("Loading tarball for sch_psp/" in line for line in r["apt_dkms"]), r["apt_dkms"]
+    assert not any("Building initial module" in line or "Building module" in line
+                   for line in r["apt_dkms"]), r["apt_dkms"]
+    mod = r["module_file"]
+    assert mod["filename"].startswith(f"/lib/modules/{r['kernel']}/updates/dkms/sch_psp.ko"), mod
+    assert mod["vermagic"].split()[0] == r["kernel"] == built["vermagic"].split()[0], (mod, built)
+    assert mod["sha256"] == built["sha256"] and mod["srcversion"] == built["srcversion"], (mod, built)
     assert r["enabled"] == "enabled" and r["backend"] == "psp", r
+    # the module the service uses is that one
+    assert r["module_loaded_srcversion"] == built["srcversion"], r
+    assert "qdisc psp f1f0:" in r["qdisc_running"], r["qdisc_running"]
     # nginx's IPv4 and IPv6 clients, each shaped at the rule's rate
     assert sorted(f["family"] for f in r["flows"]) == [4, 6], r["flows"]
     assert {f["rate_bit"] for f in r["flows"]} == {RATE_MBIT * 1_000_000}, r["flows"]
@@ -68,12 +105,31 @@ def test_debian13_server_enable_reload_restart_upgrade_stop(root, debs, tmp_path
         assert 0.4 * RATE_MBIT * 1e6 <= bps <= 1.1 * RATE_MBIT * 1e6, r["received_bps"]
     # systemctl reload after the edit: new flows at the new rate
     assert r["rates_after_reload_bit"] == [RATE_MBIT // 2 * 1_000_000], r
+    # ... written as 1250kbps: the loader's warning in journald at PRIORITY 4 with its fields,
+    # shown by journalctl -p warning; the reload's info line at 6, shown only without -p
+    j = r["journal"]
+    w, i = j["warning"], j["info"]
+    assert w["PRIORITY"] == "4" and w["_TRANSPORT"] == "journal", w
+    assert w["SYSLOG_IDENTIFIER"] == "flowpacer" and w["_SYSTEMD_UNIT"] == "flowpacer.service", w
+    assert w["MESSAGE"].startswith("/etc/flowpacer/rules.yaml:7:") and "1250 kilobits/s" in w["MESSAGE"], w
+    assert w["FLOWPACER_RULES_FILE"] == "/etc/flowpacer/rules.yaml" and w["FLOWPACER_LINE"] == "7", w
+    assert w["LOGGER"] == "flowpacer.policy.rules" and w["CODE_FUNC"] == "load_checked", w
+    assert w["CODE_FILE"].endswith("/flowpacer/policy/rules.py") and int(w["CODE_LINE"]) > 0, w
+    assert i["PRIORITY"] == "6" and i["MESSAGE"].startswith("reloaded /etc/flowpacer/rules.yaml"), i
+    assert i["_SYSTEMD_UNIT"] == "flowpacer.service", i
+    assert any("'1250kbps' uses tc's byte unit" in m for m in j["p_warning_messages"]), j
+    assert not any(m.startswith("reloaded ") for m in j["p_warning_messages"]), j
+    assert set(j["p_warning_priorities"]) <= {"0", "1", "2", "3", "4"}, j
+    assert "6" in j["priorities_all"], j
     assert len(r["received_bps_after_reload"]) == 2, r
     for bps in r["received_bps_after_reload"]:
         assert 0.4 * RATE_MBIT // 2 * 1e6 <= bps <= 1.1 * RATE_MBIT // 2 * 1e6, r
     # the instrument sees a gap: before the first sock_diag pass shapes a new flow (no bcc in
-    # the guest) the pair runs unshaped (386 Mbit/s in 100 ms windows in one run)
-    assert r["peak_before_shaped_mbit"] >= 4 * 2 * RATE_MBIT, r["peak_before_shaped_mbit"]
+    # the guest) the pair runs unshaped, above the bound the restart and upgrade checks below
+    # allow (2 x the rules' sum), so those checks can fail. How far above depends on the CPU
+    # TCG gets: 386 Mbit/s in 100 ms windows on a quiet host, 127.6 in make test's niced
+    # untimed lane beside a real-clock guest
+    assert r["peak_before_shaped_mbit"] > 2 * 2 * RATE_MBIT, r["peak_before_shaped_mbit"]
     # across systemctl restart and a package upgrade: never unshaped. The guest's clock is the
     # host's (TCG in real time on a busy host): a stalled vCPU makes the paced pair catch up in a
     # burst, so single 100 ms windows of a shaped pair reach 1.2-1.45 times the rules' sum (57.3
@@ -87,3 +143,15 @@ def test_debian13_server_enable_reload_restart_upgrade_stop(root, debs, tmp_path
     assert r["before_stop"]["f1f0"], r["before_stop"]
     assert not r["after_stop"]["f1f0"] and not r["after_stop"]["ifb"], r["after_stop"]
     shutil.rmtree(tmp_path / "out", ignore_errors=True)
+
+
+def _module_in(tarball, work):
+    """sha256, vermagic and srcversion of the one sch_psp.ko* in a DKMS tarball."""
+    work.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["tar", "-C", str(work), "-xf", str(tarball)], check=True)
+    kos = sorted(work.rglob("sch_psp.ko*"))
+    assert len(kos) == 1, kos
+    info = {f: subprocess.run(["modinfo", "-F", f, str(kos[0])], capture_output=True, text=True,
+                              check=True).stdout.strip() for f in ("vermagic", "srcversion")}
+    info["sha256"] = hashlib.sha256(kos[0].read_bytes()).hexdigest()
+    return info

@@ -74,7 +74,9 @@ def host_import_s(runs: int = 3) -> float:
                        timeout=120)
         best = min(best, time.monotonic() - t)
     return best
-BOOT_LIMIT_S = 30.0
+# a boot that hangs or regresses badly, not a speed target (bench/ has those): the virtual-clock
+# boot runs in make test's low-priority lane, where a busy host may slow it a few times
+BOOT_LIMIT_S = 90.0
 
 
 def _collect_guest_ids():
@@ -304,7 +306,15 @@ def _check_entry(ent: dict) -> None:
     assert ent["outcome"] == "passed"
 
 
-@pytest.mark.parametrize("guest_id", [i[len(GUEST_REL) + 1:] for i in GUEST_IDS] or ["collection"])
+def _guest_param(guest_id: str):
+    """A guest test's id; on the virtual clock its figures do not depend on the host's load."""
+    if guest_id != "collection" and clock_of(guest_id) is vmrun.Clock.VIRTUAL:
+        return pytest.param(guest_id, marks=pytest.mark.untimed)
+    return guest_id
+
+
+@pytest.mark.parametrize("guest_id", [_guest_param(i[len(GUEST_REL) + 1:]) for i in GUEST_IDS]
+                         or ["collection"])
 def test_guest(guest_runs, guest_id):
     if COLLECT_ERROR:
         pytest.fail(COLLECT_ERROR, pytrace=False)
@@ -341,6 +351,7 @@ def test_guest_run_clean_on_kernel(guest_runs, series, record_property):
                      f"vm_{series}_real")
 
 
+@pytest.mark.untimed
 @pytest.mark.parametrize("series", vmbuild.KERNEL_SERIES)
 def test_psp_module_builds_without_warnings(series, tmp_path):
     """The module builds at W=1 without a warning against each kernel the project supports
@@ -363,7 +374,9 @@ def test_xmitstamp_object_builds(guest_runs):
     assert guest_runs.xmitstamp_build_error is None, guest_runs.xmitstamp_build_error
 
 
-@pytest.mark.parametrize("clock", list(vmrun.Clock), ids=[c.value for c in vmrun.Clock])
+@pytest.mark.parametrize("clock", [pytest.param(c, marks=pytest.mark.untimed)
+                                   if c is vmrun.Clock.VIRTUAL else c for c in vmrun.Clock],
+                         ids=[c.value for c in vmrun.Clock])
 def test_guest_run_clean(guest_runs, clock, record_property):
     """Each VM boot (one per clock) started in time, its pytest ran to the end, and the whole
     kernel log of the run (boot, tests, module unloads after the tests) has no

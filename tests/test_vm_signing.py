@@ -11,8 +11,6 @@ CONFIG_MODULE_SIG=y (not _FORCE): the parameter makes them enforce.
 """
 import json
 import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,32 +22,9 @@ from vm import build as vmbuild
 pytestmark = pytest.mark.vm
 
 
-def module_index(ko: Path, kver: str, tmp: Path) -> Path:
-    """depmod's indexes of the guest kernel's modules with ``ko`` in updates/dkms/ (where DKMS
-    puts it), made here on a hard-linked copy of the tree: the guest copies them into its
-    overlay (depmod there reads every module over 9p under TCG, minutes)."""
-    base = tmp / "modroot"
-    tree = base / "lib/modules" / kver
-    tree.parent.mkdir(parents=True)
-    subprocess.run(["cp", "-al", f"/lib/modules/{kver}", str(tree)], check=True, timeout=120)
-    for f in tree.glob("modules.*"):   # hard links to the host's files: copies instead
-        data = f.read_bytes()
-        f.unlink()
-        f.write_bytes(data)
-    (tree / "updates/dkms").mkdir(parents=True, exist_ok=True)
-    shutil.copy(ko, tree / "updates/dkms/sch_psp.ko")
-    subprocess.run(["depmod", "-b", str(base), kver], check=True, timeout=300)
-    out = tmp / "modindex"
-    out.mkdir()
-    for f in tree.glob("modules.*"):
-        shutil.copy(f, out / f.name)
-    shutil.rmtree(base)
-    return out
-
-
 def test_unsigned_module_refused_auto_falls_back_to_htb(tmp_path, monkeypatch):
     ko = vm.build_psp(tmp_path / "kmod")
-    index = module_index(ko, vmbuild.find_kernel().version, tmp_path)
+    index = vm.module_index(ko, vmbuild.find_kernel().version, tmp_path)
     monkeypatch.setenv("FLOWPACER_VM_APPEND",
                        (os.environ.get("FLOWPACER_VM_APPEND", "") + " module.sig_enforce=1").strip())
     out = tmp_path / "vm"

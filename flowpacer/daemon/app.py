@@ -4,7 +4,8 @@
     first-byte stage ──────┤ (claims)
     main stage: sock_diag ─┴─> Reconciler (FlowTable -> engine -> backend) ─> kernel
      (mainloop.py: signals, reconcile pass, watchdog)      ^
-    control stage ─── status / reload ─────────────────────┤ BackendSupervisor (health, rebuild,
+    control stage ─── status / reload ─────────────────────┤ InterfaceSet: a BackendSupervisor
+                                                           │  per interface (health, rebuild,
     metrics stage ─── scrape ──────────────────────────────┘  fall-back, switch)
 
 Each long-running loop is a supervised ``Stage`` (``stages.py``): a failure is logged with its
@@ -39,7 +40,8 @@ from flowpacer.model import (BackendKind, DaemonView, FlowSourceMode, FlowSource
                              ReloadResult, RuleSet, TracerStats)
 from flowpacer.daemon.reconciler import Reconciler
 from flowpacer.daemon.stages import GiveUp, Stage, StageContext
-from flowpacer.daemon.supervisor import BackendSupervisor, TcBackendFactory
+from flowpacer.daemon.interfaces import InterfaceSet
+from flowpacer.daemon.supervisor import TcBackendFactory
 
 log = logging.getLogger(__name__)
 
@@ -99,15 +101,18 @@ class Daemon:
                  notify: Callable[[str], None] = sd_notify,
                  clock: Callable[[], float] = time.monotonic,
                  stage_backoff_s=(0.2, 10.0),
-                 firstbyte_factory: Optional[Callable[[], object]] = None):
+                 firstbyte_factory: Optional[Callable[[], object]] = None,
+                 router=None):
         self.opts = opts
         self._load = load or (lambda path: rules_loader.load_checked(path, opts.strict_units))
         self.notify = notify
         self.clock = clock
         self._backoff = stage_backoff_s
-        self.supervisor = BackendSupervisor(backend_factory or TcBackendFactory(opts.take_over),
-                                            interface=opts.interface, kind=opts.backend,
-                                            clock=clock)
+        # issue 29: a backend per interface the rules name (one without ``interfaces:``);
+        # ``router``: route lookups and the device list (None: the kernel's, when needed)
+        self.supervisor = InterfaceSet(backend_factory or TcBackendFactory(opts.take_over),
+                                       interface=opts.interface, kind=opts.backend,
+                                       clock=clock, router=router)
         if sockdiag is None:
             from flowpacer.sources.sockdiag import SockDiagSource
             sockdiag = SockDiagSource()
@@ -175,9 +180,13 @@ class Daemon:
         import gc
         gc.collect()
         gc.freeze()     # start-up objects (bcc, rules) stay out of later collections' work
-        self.notify("READY=1\nSTATUS=shaping flows on " + self.supervisor.backend.interface)
+        self.notify("READY=1\nSTATUS=shaping flows on " + ", ".join(
+            b.interface for b in self._send_backends()))
         log.info("ready: %d flows shaped, flow source: %s",
-                 len(self.supervisor.backend.installed()), self.flow_source.text)
+                 sum(len(b.installed()) for b in self._send_backends()), self.flow_source.text)
+
+    def _send_backends(self) -> list:
+        return [p.backend for p in self.supervisor.ports() if p.backend is not None]
 
     def _stage(self, name, run, give_up: GiveUp, stall_s: float = 30.0,
                on_degrade: Optional[Callable[[Stage, str], None]] = None) -> Stage:
@@ -385,11 +394,12 @@ class Daemon:
                 log.debug("tracer close: %s", e)
         if self.firstbyte is not None:
             self._close_first_byte(self.firstbyte)
-        keep = self.opts.keep_on_exit and self.supervisor.backend is not None
+        sends = self._send_backends()
+        keep = self.opts.keep_on_exit and bool(sends)
         if keep:
             log.info("exiting with %d flow classes left on %s for the next start to adopt "
                      "(flowpacer cleanup removes them)",
-                     len(self.supervisor.backend.installed()), self.supervisor.backend.interface)
+                     sum(len(b.installed()) for b in sends), ", ".join(b.interface for b in sends))
         self.supervisor.shutdown(keep=keep)
         if self._control is not None:
             self._control.close()

@@ -82,7 +82,10 @@ class Reconciler:
         with self.lock:
             sup = self.supervisor
             b = sup.backend
-            if b is None or not sup.usable or not b.capabilities.pools:
+            # several interfaces (issue 29): a class claimed at the handshake is on the first
+            # interface's qdisc, the flow may leave by another: no pools, flows get their
+            # class after the handshake
+            if b is None or not sup.usable or not b.capabilities.pools or sup.routed:
                 return PoolGrant(False, report.epoch, self.rules)
             pool = b.pool
             flows = self.table.flows
@@ -108,8 +111,12 @@ class Reconciler:
 
     def reconcile(self, snap, started_ns: int) -> None:
         """One reconcile pass: the backend's health, the sock_diag snapshot (None when the scan
-        failed), the keys to retry, then one apply."""
+        failed), every shaped flow's route (issue 29: looked up outside the lock), the keys to
+        retry, then one apply."""
+        fresh = self._fresh_routes()
         with self.lock:
+            if fresh is not None:
+                self.table.dirty.update(self.supervisor.moved(fresh, self.table.flows.keys()))
             r = self.supervisor.check()
             if r.gone:
                 self.counters.op_errors += len(r.gone)
@@ -149,28 +156,47 @@ class Reconciler:
             raise
 
     def _apply(self, keys, before=(), after=(), rebind=()):
-        """The send side's plan, then the receive side's (issue 17), each on its backend."""
+        """Per interface (issue 29: each flow on the one it leaves by), the send side's plan,
+        then the receive side's (issue 17), each on its backend."""
         sup = self.supervisor
-        b = sup.backend
-        if b is None or not sup.usable:
-            self.table.dirty.update(keys)
-            return None
         flows = self.table.flows
         live = {k: flows[k] for k in keys if k in flows}
+        ports = sup.ports()
+        if not sup.routed:               # one interface shapes every flow
+            return self._apply_port(ports[0], keys, live, flows, before, after, rebind)
+        want = engine.desired(live, self.rules)
+        where = sup.egress({k: live[k] for k in want})
+        names = {p.interface_of(self.rules) for p in ports}
+        for k in keys:
+            name = where.get(k, "")
+            if k in want and name not in names:
+                sup.unmanaged[k] = name or ""
+            else:
+                sup.unmanaged.pop(k, None)
+        res = None
+        for i, p in enumerate(ports):
+            ifname = p.interface_of(self.rules)
+            mine = {k: f for k, f in live.items() if where.get(k) == ifname}
+            pres = self._apply_port(p, keys, mine, flows, *((before, after, rebind) if i == 0
+                                                            else ((), (), ())),
+                                    requeue=[k for k in keys if where.get(k) == ifname])
+            res = _merge(res, pres)
+        return res
+
+    def _apply_port(self, sup, keys, live, flows, before, after, rebind, requeue=None):
+        """One interface's backends: ``live`` the flows that leave by it, ``keys`` every key
+        planned (one that left for another interface has its class here removed);
+        ``requeue``: the keys kept dirty while this backend is not usable (default all)."""
+        b = sup.backend
+        if b is None or not sup.usable:
+            self.table.dirty.update(keys if requeue is None else requeue)
+            return None
         res = self._apply_side(b, engine.desired(live, self.rules), keys, flows,
                                before=before, after=after, rebind=rebind)
         rx = sup.rx
         if rx is not None and sup.rx_usable:
-            rres = self._apply_side(rx, engine.desired_receive(live, self.rules), keys, flows,
-                                    latency=False)
-            if rres is not None:
-                if res is None:
-                    res = rres
-                else:
-                    res.added += rres.added
-                    res.changed += rres.changed
-                    res.removed += rres.removed
-                    res.errors.extend(rres.errors)
+            res = _merge(res, self._apply_side(rx, engine.desired_receive(live, self.rules),
+                                               keys, flows, latency=False))
         return res
 
     def _apply_side(self, b, want, keys, flows, latency: bool = True, before=(), after=(),
@@ -264,6 +290,29 @@ class Reconciler:
                                 changed=res.changed if res else 0,
                                 removed=res.removed if res else 0)
 
+    def _fresh_routes(self):
+        """Issue 29: the route of every flow whose interface matters, looked up again (called
+        without the lock; None with a single interface). A flow that now leaves by another
+        interface is re-planned by the pass: its class moves."""
+        sup = self.supervisor
+        if not sup.routed:
+            return None
+        with self.lock:
+            flows = sup.routed_flows(self.table.flows)
+        return sup.reroute(flows)
+
     def mark_all(self, keys: Iterable[FlowKey] = ()) -> None:
         with self.lock:
             self.table.mark_all(keys)
+
+
+def _merge(a, b):
+    """Two ApplyResults as one (either may be None)."""
+    if a is None:
+        return b
+    if b is not None:
+        a.added += b.added
+        a.changed += b.changed
+        a.removed += b.removed
+        a.errors.extend(b.errors)
+    return a

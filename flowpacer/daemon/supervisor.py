@@ -11,6 +11,7 @@ in-process against an in-memory backend (tests/fakes).
 """
 from __future__ import annotations
 
+import fnmatch
 import logging
 import time
 from dataclasses import dataclass, field
@@ -113,10 +114,16 @@ class Recheck:
 
 
 class BackendSupervisor:
+    # one supervisor shapes every flow (no route lookups): see InterfaceSet (interfaces.py)
+    routed = False
+
     def __init__(self, factory: BackendFactory, *, interface: Optional[str] = None,
-                 kind: Optional[BackendKind] = None, clock: Callable[[], float] = time.monotonic):
+                 kind: Optional[BackendKind] = None, clock: Callable[[], float] = time.monotonic,
+                 receive: bool = True):
         self.factory = factory
         self.interface_override = interface
+        # issue 29: only the first of several interfaces has a receive side for now
+        self.receive = receive
         self.kind_override = kind
         self.clock = clock
         self.backend = None
@@ -146,10 +153,26 @@ class BackendSupervisor:
     def kind_of(self, rs: RuleSet) -> BackendKind:
         return self.kind_override or rs.backend
 
+    def link_rate_of(self, rs: RuleSet) -> Optional[int]:
+        """The link rate for this interface: its own entry's in ``interfaces:`` (issue 29; the
+        first entry, name or glob, that names it and gives one), else the top-level one."""
+        if rs.interfaces:
+            name = self.interface_override or rs.interface
+            for spec in rs.interfaces:
+                if spec.link_rate_bps is not None and name and (
+                        spec.name == name or (spec.is_glob and fnmatch.fnmatchcase(name,
+                                                                                   spec.name))):
+                    return spec.link_rate_bps
+        return rs.link_rate_bps
+
+    def ports(self) -> list:
+        """The per-interface supervisors (one here; several in an InterfaceSet)."""
+        return [self]
+
     def start(self, rs: RuleSet) -> None:
         """Set up the backend for ``rs``. Raises FlowpacerError."""
         self.backend, self.reason = self.factory.make(self.kind_of(rs), self.interface_of(rs),
-                                                      rs.link_rate_bps)
+                                                      self.link_rate_of(rs))
         self._rules = rs
         self.health = BackendHealth.OK
         self.fell_back = False
@@ -188,10 +211,10 @@ class BackendSupervisor:
     def _sync_receive(self, rs: RuleSet, at_start: bool = False) -> bool:
         """Have a receive side exactly while some rule of ``rs`` receives. True when one was
         made now (the caller re-plans every flow)."""
-        if not rs.receives:
+        if not rs.receives or not self.receive:
             if self.rx is not None:
                 self._drop_receive()
-            elif at_start:
+            elif at_start and self.receive:
                 try:
                     self.factory.cleanup_receive(self.backend.interface)
                 except (OSError, FlowpacerError) as e:
@@ -203,7 +226,7 @@ class BackendSupervisor:
             return False
         try:
             self.rx = self.factory.make_receive(self.backend, self.backend.interface,
-                                                rs.link_rate_bps)
+                                                self.link_rate_of(rs))
         except (OSError, FlowpacerError) as e:
             self._rx_failed(f"cannot set up the receive side: {e}")
             return False
@@ -236,7 +259,8 @@ class BackendSupervisor:
     def _check_receive(self, out: "Recheck") -> None:
         """The receive side's health, as ``check`` does for the send side: audit while OK,
         rebuild when LOST/SPEED, wait while GONE/FOREIGN, (re)make when missing."""
-        if self._rules is None or not self._rules.receives or self.health is not BackendHealth.OK:
+        if (self._rules is None or not self._rules.receives or not self.receive
+                or self.health is not BackendHealth.OK):
             return
         rx = self.rx
         if rx is None:
@@ -369,7 +393,8 @@ class BackendSupervisor:
     def _fall_back(self, b, why: str, reason: str) -> bool:
         rs = self._rules
         try:
-            alt = self.factory.fallback(self.kind_of(rs), b.kind, b.interface, rs.link_rate_bps)
+            alt = self.factory.fallback(self.kind_of(rs), b.kind, b.interface,
+                                        self.link_rate_of(rs))
         except (OSError, FlowpacerError) as e:
             if self.problem != reason:
                 log.warning("%s: cannot fall back either: %s", b.interface, e)
@@ -397,7 +422,7 @@ class BackendSupervisor:
         old = self._rules
         return (self.interface_of(new) != self.backend.interface
                 or self.kind_of(new) != self.kind_of(old)
-                or new.link_rate_bps != old.link_rate_bps
+                or self.link_rate_of(new) != self.link_rate_of(old)
                 # auto fell back to htb after psp was lost: back to psp when it can be had
                 or (self.fell_back and self.factory.preferred_available()))
 
@@ -429,7 +454,8 @@ class BackendSupervisor:
         the caller."""
         return StatsChannels()
 
-    def class_stats(self, channels: "StatsChannels") -> Dict[StatsKey, ClassStats]:
+    def class_stats(self, channels: "StatsChannels",
+                    retain: bool = True) -> Dict[StatsKey, ClassStats]:
         """The counters of every class of the backends in use, by (interface, side, what it
         shapes): the send side's and, on the same interface's key, the receive side's. Read
         without the reconciler's lock, each backend over the caller's own channel."""
@@ -449,7 +475,8 @@ class BackendSupervisor:
                 log.debug("receive side class statistics: %s", e)
                 continue
             out.update((StatsKey(ifname, side, k), st) for k, st in got.items())
-        channels.retain(self.backends())
+        if retain:
+            channels.retain(self.backends())
         return out
 
     def shutdown(self, keep: bool = False) -> None:

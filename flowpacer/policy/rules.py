@@ -45,8 +45,8 @@ except ImportError:  # pragma: no cover
 from flowpacer import units
 from flowpacer.kernel.backend import registry as backend_registry
 from flowpacer.errors import FlowpacerError, RuleProblem, RulesError
-from flowpacer.model import (DEFAULT_IDLE_TIMEOUT_NS, BackendKind, Direction, Match, PortSet,
-                             Protocol, Rule, RuleSet)
+from flowpacer.model import (DEFAULT_IDLE_TIMEOUT_NS, BackendKind, Direction, InterfaceSpec,
+                             Match, PortSet, Protocol, Rule, RuleSet)
 from flowpacer.text import quoted as _show
 
 log = logging.getLogger(__name__)
@@ -206,6 +206,64 @@ def _p_ifname(node: Node, env: _Env, name: str) -> str:
         raise _Invalid(node, f"{_show(s)}: an interface name cannot contain {_show(bad[0])} "
                              "(no '/', ':', whitespace)")
     return s
+
+
+def _p_if_link_rate(node: Node, env: _Env, name: str) -> int:
+    """An interface's own link_rate (issue 29): like the top-level one, but the rules'
+    percentages keep meaning the top-level link_rate."""
+    s = _rate_text(node)
+    if s.strip().endswith("%"):
+        raise _Invalid(node, f"{_show(s)}: link_rate cannot be a percentage (give e.g. '1gbit')")
+    try:
+        value = units.parse_rate(s)
+    except ValueError as e:
+        raise _Invalid(node, str(e)) from None
+    _byte_units(node, env, name, s)
+    return value
+
+
+def _p_interfaces(node: Node, env: _Env, name: str) -> Tuple[InterfaceSpec, ...]:
+    """``interfaces:`` (issue 29): a list of names, globs (``eth*``) and mappings
+    ``{name: eth1, link_rate: 10gbit}``; every bad entry is reported at its own place."""
+    items = node.value if isinstance(node, SequenceNode) and node.tag == _T + "seq" else None
+    if items is None:
+        if isinstance(node, ScalarNode):
+            items = [node]
+        else:
+            raise _Invalid(node, f"expected a list of interfaces, found {_kind(node)}")
+    if not items:
+        raise _Invalid(node, "empty list (expected interface names, globs like 'eth*' or "
+                             "mappings {name: eth1, link_rate: 10gbit}); remove the key to "
+                             "use 'interface'")
+    out: List[InterfaceSpec] = []
+    seen: Dict[str, Node] = {}
+    bad = False
+    for item in items:
+        try:
+            if isinstance(item, MappingNode):
+                sub = _Env(col=env.col, label=env.where(name), strict_units=env.strict_units)
+                values, ok = _mapping(item, IFACE_FIELDS, sub)
+                if not ok:
+                    bad = True
+                    continue
+                spec, at = InterfaceSpec(values["name"], values["link_rate"]), \
+                    _lookup(item, "name")
+            elif isinstance(item, ScalarNode):
+                spec, at = InterfaceSpec(_p_ifname(item, env, name)), item
+            else:
+                raise _Invalid(item, f"expected an interface name, a glob or a mapping "
+                                     f"{{name: ..., link_rate: ...}}, found {_kind(item)}")
+            if spec.name in seen:
+                raise _Invalid(at, f"{_show(spec.name)} is listed twice (first at line "
+                                   f"{seen[spec.name].start_mark.line + 1})")
+            seen[spec.name] = at
+            out.append(spec)
+        except _Invalid as e:
+            env.report(e.node, name, e.message)
+            bad = True
+    if bad:
+        raise _Reported()
+    return tuple(out)
 
 
 def _choice(node: Node, kind, what: str, choices: str):
@@ -769,9 +827,23 @@ TOP_FIELDS: Tuple[Field, ...] = (
     Field("link_rate", _p_link_rate, None, False,
           "the link's rate in tc units; optional when the interface reports its speed, "
           "required for veth and for NN% rates", "1gbit", "the interface's speed"),
+    Field("interfaces", _p_interfaces, (), False,
+          "several interfaces (issue 29): a list of names, globs ('eth*', resolved at start, "
+          "on reload and at every reconcile pass) and mappings {name: eth1, link_rate: "
+          "10gbit}; each flow is shaped on the interface its packets leave by (a route "
+          "lookup); instead of 'interface'", "[eth0, {name: eth1, link_rate: 10gbit}]",
+          "only 'interface'"),
     Field("rules", _p_rules, (), False,
           "the list of rules; the first rule that matches a flow wins, a flow that matches "
           "none is not shaped", "[...]", "[] (shape nothing)"),
+)
+
+
+IFACE_FIELDS = (
+    Field("name", _p_ifname, None, True, "the interface's name or a glob like 'eth*'", "eth1"),
+    Field("link_rate", _p_if_link_rate, None, False,
+          "this interface's link rate (default: the top-level link_rate, else its speed)",
+          "10gbit"),
 )
 
 
@@ -975,10 +1047,14 @@ def _build(text: str, path: str, strict_units: bool = False) -> RuleSet:
     values, ok = _mapping(root, TOP_FIELDS, env)
     if not ok or col.problems:
         raise RulesError(_capped(col.problems))
+    if values["interface"] and values["interfaces"]:
+        col.at(_lookup(root, "interfaces"), "interfaces",
+               "give either 'interface' or 'interfaces', not both")
+        raise RulesError(_capped(col.problems))
     warnings = tuple(_capped(col.warnings)) if col.warnings else ()
     return RuleSet(interface=values["interface"], backend=values["backend"],
                    link_rate_bps=values["link_rate"], rules=values["rules"], path=path,
-                   warnings=warnings)
+                   warnings=warnings, interfaces=values["interfaces"])
 
 
 # ------------------------------------------------------------------- the API
@@ -1095,6 +1171,10 @@ def dump(rs: RuleSet) -> str:
     doc["backend"] = BackendKind(rs.backend).value
     if rs.link_rate_bps is not None:
         doc["link_rate"] = units.format_rate(rs.link_rate_bps)
+    if rs.interfaces:
+        doc["interfaces"] = [i.name if i.link_rate_bps is None else
+                             {"name": i.name, "link_rate": units.format_rate(i.link_rate_bps)}
+                             for i in rs.interfaces]
     rules = []
     for r in rs.rules:
         d: Dict[str, Any] = {"name": r.name, "match": _match_out(r.match)}
@@ -1168,7 +1248,10 @@ def describe(rs: RuleSet) -> List[str]:
     """Lines for ``flowpacer rules check FILE``: the settings, then each rule with
     its resolved per-flow rate and ceil in bit/s and what it matches."""
     lines = [
-        f"interface: {rs.interface or '(not set: give --interface)'}",
+        (f"interface: {rs.interface or '(not set: give --interface)'}" if not rs.interfaces
+         else "interfaces: " + ", ".join(
+             i.name + (f" ({units.format_bits(i.link_rate_bps)})" if i.link_rate_bps else "")
+             for i in rs.interfaces) + " (each flow on the interface it leaves by)"),
         f"backend: {BackendKind(rs.backend).value}",
         "link_rate: " + (units.format_bits(rs.link_rate_bps) if rs.link_rate_bps is not None
                          else "(from the interface's speed)"),

@@ -171,6 +171,11 @@ def status(socket_path, as_json, all_flows):
         ifb, state, problem = a.receive
         click.echo(f"receive:   {printable(ifb or '-')} {printable(state)}"
                    + (f" ({printable(problem)})" if problem else ""))
+    if len(a.interfaces) > 1 or a.unmanaged:    # issue 29: several interfaces
+        click.echo("interfaces: " + ", ".join(
+            f"{printable(n)} {printable(b or '-')} {printable(st)}" for n, b, st in a.interfaces))
+        click.echo(f"unmanaged: {a.unmanaged} flows a rule shapes leave by an interface not "
+                   "shaped (status --all says which)")
     click.echo(f"flows:     {a.shaped_flows} shaped of {a.live_flows} live; "
                f"source: {printable(a.flow_source)}")
     fb = a.first_byte
@@ -213,13 +218,16 @@ def _table(rows) -> None:
 def _shaped_table(a) -> None:
     if not a.flows:
         return
-    rows = [("RULE", "PID", "PROCESS", "PROTO", "LOCAL", "REMOTE", "CLASS", "RATE", "SENT",
-             "SOURCE")]
+    several = len(a.interfaces) > 1          # issue 29: the interface column
+    rows = [("RULE", "PID", "PROCESS", "PROTO", "LOCAL", "REMOTE") + (("IF",) if several else ())
+            + ("CLASS", "RATE", "SENT", "SOURCE")]
     for f in a.flows:
         rule = f.rule + (" (receive)" if f.side is Side.RECEIVE else "")
         rows.append((printable(rule), str(f.pid), printable(f.process), f.key.protocol.value,
-                     f.key.local_endpoint, f.key.remote_endpoint, printable(f.classid),
-                     format_bit_rate(f.rate_bit), format_bytes(f.bytes), printable(f.source)))
+                     f.key.local_endpoint, f.key.remote_endpoint)
+                    + ((printable(f.interface),) if several else ())
+                    + (printable(f.classid), format_bit_rate(f.rate_bit), format_bytes(f.bytes),
+                       printable(f.source)))
     _table(rows)
 
 

@@ -45,17 +45,31 @@ def flow_filter(req: dict) -> Callable[[FlowKey], bool]:
     return test
 
 
+def _classed(supervisor, key: FlowKey) -> bool:
+    """Whether ``key`` has a send class on one of the interfaces (issue 29)."""
+    return any(p.backend is not None and p.backend.shape_of(key) is not None
+               for p in supervisor.ports())
+
+
+def _why(supervisor, key: FlowKey, e, ok: bool, health: str) -> str:
+    unmanaged = getattr(supervisor, "unmanaged", {})
+    if key in unmanaged:
+        name = unmanaged[key]
+        return (f"it leaves by {name}, an interface flowpacer does not shape" if name
+                else "it has no route (no interface to shape it on)")
+    return views.why_unshaped(e, ok, health)
+
+
 def unshaped(lock, reconciler, supervisor) -> list:
     """Each live flow without a send class and why (the engine's walk, ``engine.explain``)."""
     with lock:
         rs = reconciler.rules
-        b = supervisor.backend
         ok, health = supervisor.usable, supervisor.health.value
         out = []
         for key, flow in sorted(reconciler.table.flows.items()):
-            if b is not None and b.shape_of(key) is not None:
+            if _classed(supervisor, key):
                 continue
-            why = views.why_unshaped(engine.explain(rs.rules, flow), ok, health)
+            why = _why(supervisor, key, engine.explain(rs.rules, flow), ok, health)
             out.append(views.unshaped_json(flow, why))
         return out
 
@@ -68,9 +82,10 @@ def live(req: dict, lock, reconciler, supervisor, status: Callable[[], dict]) ->
     with lock:
         rs = reconciler.rules
         found = [f for k, f in sorted(reconciler.table.flows.items()) if wanted(k)]
-        b = supervisor.backend
-        classed = {f.key for f in found if b is not None and b.shape_of(f.key) is not None}
+        classed = {f.key for f in found if _classed(supervisor, f.key)}
         ok, health = supervisor.usable, supervisor.health.value
+        whys = {f.key: _why(supervisor, f.key, engine.explain(rs.rules, f), ok, health)
+                for f in found[:MAX_EXPLAIN] if f.key not in classed}
     shown = found[:MAX_EXPLAIN]
     compiled = handshake.compile_rules(rs) if shown else None
     classes: dict = {}
@@ -83,6 +98,6 @@ def live(req: dict, lock, reconciler, supervisor, status: Callable[[], dict]) ->
         mine = classes.get((endpoint(f.key.local_addr, f.key.local_port),
                             endpoint(f.key.remote_addr, f.key.remote_port),
                             f.key.protocol.value), [])
-        why = "" if f.key in classed else views.why_unshaped(e, ok, health)
+        why = whys.get(f.key, "")
         out.append(views.explain_json(e, handshake.first_byte(rs, f, compiled), mine, why))
     return {"flows": out, "matched": len(found)}

@@ -42,7 +42,7 @@ DEFAULT_LISTEN = "127.0.0.1:9717"
 DEFAULT_MAX_FLOW_SERIES = 10_000
 DEFAULT_ADDRESSES = "prefix"          # --metrics-addresses (AddressLabels)
 FLOW_LABELS = ["rule", "process", "direction", "local_address", "local_port", "remote_address",
-               "remote_port", "protocol", "side"]
+               "remote_port", "protocol", "side", "interface"]
 
 # apply latency buckets, seconds
 APPLY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -161,9 +161,9 @@ def address_label(addr, mode: AddressLabels) -> str:
 
 
 def flow_labels(rule: str, process: str, direction: str, key, mode: AddressLabels,
-                side: str = "send") -> tuple:
+                side: str = "send", interface: str = "") -> tuple:
     """The per-flow series' label values, in ``FLOW_LABELS`` order (``side``: send, or receive
-    for a class on the receive side, issue 17). ``prefix`` keeps the service's port only: the
+    for a class on the receive side, issue 17; ``interface``: the one it is shaped on, 29). ``prefix`` keeps the service's port only: the
     local one of an inbound flow, the remote one of an outbound flow (neither when the direction
     is unknown), so a new connection from a known network adds no series."""
     if mode is AddressLabels.NONE:
@@ -174,7 +174,7 @@ def flow_labels(rule: str, process: str, direction: str, key, mode: AddressLabel
     else:
         ports = (str(key.local_port), str(key.remote_port))
     return (rule, process, direction, address_label(key.local_addr, mode), ports[0],
-            address_label(key.remote_addr, mode), ports[1], key.protocol.value, side)
+            address_label(key.remote_addr, mode), ports[1], key.protocol.value, side, interface)
 
 
 class FlowSeries:
@@ -283,7 +283,9 @@ class FlowpacerCollector:
             r[2] += d - base[2]
             rows.append((key, flow_labels(f.rule, f.process,
                                           f.direction.value if f.direction else "", f.key,
-                                          self.addresses, f.side.value), b, p, d, f.rate_bps))
+                                          self.addresses, f.side.value,
+                                          f.interface or v.interface or ""),
+                         b, p, d, f.rate_bps))
         # the busiest flows (most bytes sent) get series; the rest are counted as overflow
         rows.sort(key=lambda r: -r[2])
         overflow = max(0, len(rows) - self.max_flow_series)
@@ -309,6 +311,12 @@ class FlowpacerCollector:
                                  labels=["backend", "interface", "flow_source"])
         info.add_metric([v.backend or "", v.interface or "", v.flow_source.text], 1)
         yield info
+        um = GaugeMetricFamily("flowpacer_flows_unmanaged_interface",
+                               "Live flows a rule shapes whose packets leave by an interface "
+                               "flowpacer does not shape (or by no route): not shaped, listed "
+                               "in status' unmanaged_interface (issue 29).")
+        um.add_metric([], len(v.unmanaged))
+        yield um
         fb = GaugeMetricFamily("flowpacer_backend_fallback",
                                "1 while backend auto runs another kind than the one it wants "
                                "(psp), with why in one line (e.g. the kernel refused the unsigned "

@@ -109,7 +109,8 @@ class Tracker:
         totals_cap: Dict[str, int] = {}
         hist: Dict[tuple, Deque[Tuple[float, int]]] = {}
         for f in st.flows:
-            key = (f.key, f.classid, f.side)         # a flow may have a class on each side
+            # a flow may have a class on each side, and move to another interface (issue 29)
+            key = (f.key, f.interface, f.classid, f.side)
             nbytes = f.bytes
             h = self._hist.get(key)
             if h is None or nbytes < h[-1][1] or now <= h[-1][0]:
@@ -143,10 +144,13 @@ class Tracker:
             t.bytes += r.bytes
             t.total_rate_bit = totals_cap.get(r.rule, 0)
         link = format_bit_rate(st.link_rate_bit)
-        header = (f"{self._title()} - backend {ascii_only(st.backend)} on "
-                  f"{ascii_only(st.interface)} (link {link})")
+        where = (", ".join(ascii_only(n) for n, _b, _s in st.interfaces)
+                 if len(st.interfaces) > 1 else f"{ascii_only(st.interface)} (link {link})")
+        header = f"{self._title()} - backend {ascii_only(st.backend)} on {where}"
         status = (f"{st.shaped_flows} flows shaped of {st.live_flows} live - flow source: "
-                  f"{ascii_only(st.flow_source)}")
+                  f"{ascii_only(st.flow_source)}"
+                  + (f" - {st.unmanaged} leave by an unmanaged interface" if st.unmanaged
+                     else ""))
         return View(header=header, status=status, rows=rows,
                     totals=sorted(totals.values(), key=lambda t: (-t.actual_bit, t.rule)))
 

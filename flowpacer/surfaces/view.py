@@ -13,9 +13,11 @@ from typing import Dict, Iterable, Optional, Tuple
 
 from flowpacer.model import (ClassStats, DaemonCounters, DaemonView, EventCounts, FirstByteView,
                              FlowKey, FlowSourceStatus, FlowView, GroupKind, Histogram,
+                             InterfaceView,
                              Percentiles, ReloadResult, Side, StatsKey, TracerStats, endpoint)
 
 
+UNMANAGED_SHOWN = 100       # flows listed under unmanaged_interface (all are counted)
 _COUNTS = tuple(f.name for f in dataclasses.fields(DaemonCounters) if f.type == "int")
 
 
@@ -27,16 +29,26 @@ def build(rec, sup, stages: Iterable, *, rules_path: str, flow_source: FlowSourc
     rx = sup.rx
     flows = []
     table = rec.table.flows
-    for side, be in ((Side.SEND, b), (Side.RECEIVE, rx)):
-        for key, handle, shape in (be.flows_snapshot() if be else ()):
-            f = table.get(key)
-            if f is None:
-                flows.append(FlowView(key, handle, shape.rule, shape.rate_bps, shape.ceil_bps,
-                                      groups=shape.groups, side=side))
-            else:
-                flows.append(FlowView(key, handle, shape.rule, shape.rate_bps, shape.ceil_bps,
-                                      f.proc.pid, f.proc.comm, f.proc.uid, f.direction, f.source,
-                                      shape.groups, side))
+    ifaces = []
+    for port in sup.ports():
+        pb = port.backend
+        ifname = pb.interface if pb is not None else (port.interface_override or "")
+        sides = ((Side.SEND, pb), (Side.RECEIVE, port.rx))
+        n = 0
+        for side, be in sides:
+            for key, handle, shape in (be.flows_snapshot() if be else ()):
+                n += side is Side.SEND
+                f = table.get(key)
+                if f is None:
+                    flows.append(FlowView(key, handle, shape.rule, shape.rate_bps,
+                                          shape.ceil_bps, groups=shape.groups, side=side,
+                                          interface=ifname))
+                else:
+                    flows.append(FlowView(key, handle, shape.rule, shape.rate_bps,
+                                          shape.ceil_bps, f.proc.pid, f.proc.comm, f.proc.uid,
+                                          f.direction, f.source, shape.groups, side, ifname))
+        ifaces.append(InterfaceView(ifname, pb.name if pb is not None else "", port.health,
+                                    port.problem, pb.link_rate_bps if pb is not None else 0, n))
     c = rec.counters
     return DaemonView(
         backend=b.name if b else None,
@@ -69,6 +81,9 @@ def build(rec, sup, stages: Iterable, *, rules_path: str, flow_source: FlowSourc
         first_byte=first_byte,
         backend_wanted=(sup.kind_of(sup._rules).value if sup._rules is not None else ""),
         backend_fallback=sup.fallback,
+        interfaces=tuple(ifaces),
+        unmanaged=tuple(sorted(getattr(sup, "unmanaged", {}).items())),
+        routed=bool(getattr(sup, "routed", False)),
     )
 
 
@@ -115,6 +130,7 @@ def to_json(v: DaemonView, stats: Dict[StatsKey, ClassStats]) -> dict:
         st = stats.get(f.stats_key(v.interface or ""))
         flows.append({
             "rule": f.rule, "side": f.side.value, "pid": f.pid, "process": f.process,
+            "interface": f.interface or v.interface,
             "uid": f.uid,
             "direction": f.direction.value if f.direction else "",
             "source": f.source.value if f.source else "",
@@ -153,6 +169,17 @@ def to_json(v: DaemonView, stats: Dict[StatsKey, ClassStats]) -> dict:
             "interface": v.receive_interface, "state": v.receive_health.value,
             "problem": v.receive_problem},
         "first_byte": _first_byte_json(v.first_byte),
+        # issue 29: every shaped interface, and the flows a rule shapes that leave by another
+        "interfaces": [{"name": i.name, "backend": i.backend, "state": i.health.value,
+                        "problem": i.problem, "link_rate_bit": i.link_rate_bps * 8,
+                        "flows": i.flows} for i in v.interfaces],
+        "routed": v.routed,
+        "unmanaged_interface": {
+            "count": len(v.unmanaged),
+            "flows": [{"local": endpoint(k.local_addr, k.local_port),
+                       "remote": endpoint(k.remote_addr, k.remote_port),
+                       "protocol": k.protocol.value, "interface": name}
+                      for k, name in v.unmanaged[:UNMANAGED_SHOWN]]},
     }
 
 
@@ -258,6 +285,7 @@ class StatusFlow:
     client: str = ""                     # its client group (issue 15), "" without client_rate
     client_rate_bit: int = 0
     total_rate_bit: int = 0              # its rule's total_rate, 0 without one
+    interface: str = ""                  # the interface it is shaped on (issue 29)
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,6 +323,8 @@ class StatusAnswer:
     stages: Tuple[StatusStage, ...] = ()
     receive: Optional[Tuple[str, str, str]] = None    # (ifb, state, problem), issue 17
     first_byte: Optional[StatusFirstByte] = None
+    interfaces: Tuple[Tuple[str, str, str], ...] = ()   # (name, backend, state), issue 29
+    unmanaged: int = 0                   # flows a rule shapes leaving by an unmanaged interface
 
 
 def _int(value) -> int:
@@ -323,7 +353,8 @@ def _flow(f: dict) -> StatusFlow:
         ceil_bit=_int(f.get("ceil_bit") or rate), bytes=_int(f.get("bytes", 0)),
         packets=_int(f.get("packets", 0)), drops=_int(f.get("drops", 0)),
         client=_str(f.get("client")), client_rate_bit=_int(f.get("client_rate_bit") or 0),
-        total_rate_bit=_int(f.get("total_rate_bit") or 0))
+        total_rate_bit=_int(f.get("total_rate_bit") or 0),
+        interface=_str(f.get("interface")))
 
 
 def parse_status(st: dict) -> StatusAnswer:
@@ -352,6 +383,9 @@ def parse_status(st: dict) -> StatusAnswer:
             flows=flows, stages=stages,
             receive=None if not rx else (_str(rx.get("interface")), _str(rx.get("state")),
                                          _str(rx.get("problem"))),
+            interfaces=tuple((_str(i["name"]), _str(i.get("backend")), _str(i.get("state")))
+                             for i in st.get("interfaces") or ()),
+            unmanaged=_int((st.get("unmanaged_interface") or {}).get("count", 0)),
             first_byte=None if not fb else StatusFirstByte(
                 tuple((_str(p["rule"]), _int(p["ready"])) for p in fb.get("pools") or ()),
                 tuple((_str(k), _int(n)) for k, n in (fb.get("counters") or {}).items())))

@@ -3,15 +3,28 @@
 its result.json). Runs as root under systemd in a trixie guest with no network but a veth pair
 to a client namespace; the root's own python3 and standard library only.
 
-As an admin would: apt-get install the two .debs (DKMS builds sch_psp for the running kernel),
-write the rules, systemctl enable --now, nginx serving IPv4 and IPv6 clients shaped with psp,
-systemctl reload after a rules edit, a long download across systemctl restart and across an
-upgrade of the package (a .deb with a bumped version), systemctl stop leaves nothing. The
-receiver's bytes are read from its interface counter every 20 ms; every phase's peak over
-100 ms windows goes into result.json.
+As an admin would: apt-get install the two .debs, write the rules, systemctl enable --now,
+nginx serving IPv4 and IPv6 clients shaped with psp, systemctl reload after a rules edit (its
+rate in tc's byte unit, which the daemon warns about: the warning read back from journald at
+its syslog priority), a long download across systemctl restart and across an upgrade of the
+package (a .deb with a bumped version), systemctl stop leaves nothing. The receiver's bytes are
+read from its interface counter every 20 ms; every phase's peak over 100 ms windows goes into
+result.json.
+
+sch_psp is not compiled here (DKMS under TCG took 4.5-5.5 min): the host built it with DKMS for
+this kernel in the same root (harness/servervm.py: dkms_tarball), and the binaries-only tarball
+of ``dkms mktarball`` is put where the package's postinst (dkms's common.postinst) looks for one,
+/usr/share/sch_psp-dkms/sch_psp-VERSION.dkms.tar.gz: apt's configure step then runs ``dkms
+ldtarball`` and ``dkms install`` instead of ``dkms build``. The headers stay installed: the
+postinst still would build for a kernel the tarball lacks.
 """
+import glob
+import hashlib
 import json
 import os
+import re
+import shutil
+import socket
 import subprocess
 import threading
 import time
@@ -20,6 +33,7 @@ OUT = "/fp-out"
 SRV, CLI, NS = "fps0", "fpc0", "fpcli"
 V4S, V4C, V6S, V6C = "10.99.0.1", "10.99.0.2", "fd99::1", "fd99::2"
 RATE_MBIT = 20
+CONTROL = "/run/flowpacer/control.sock"
 result = {"steps": [], "phases": {}}
 T0 = time.monotonic()
 
@@ -54,7 +68,8 @@ def wait(cond, timeout, what):
     raise RuntimeError(f"timed out after {timeout} s waiting for {what}")
 
 
-def status():
+def cli_status():
+    """``flowpacer status --json``, as an admin asks."""
     p = sh("flowpacer status --json", check=False, timeout=60)
     if p.returncode != 0:
         return None
@@ -62,6 +77,24 @@ def status():
         return json.loads(p.stdout)
     except ValueError:
         return None
+
+
+def status():
+    """The same answer for the job's polls, asked on the control socket directly (one JSON
+    request per connection, surfaces/control.py): a poll then costs no Python start and imports,
+    seconds each under TCG, so that a wait ends when its condition holds."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(30)
+            s.connect(CONTROL)
+            s.sendall(b'{"cmd": "status"}\n')
+            data = b""
+            while chunk := s.recv(1 << 16):
+                data += chunk
+        st = json.loads(data)
+    except (OSError, ValueError):
+        return None
+    return st if isinstance(st, dict) and "error" not in st else None
 
 
 class Sampler(threading.Thread):
@@ -104,7 +137,10 @@ def stop(procs):
     wait(lambda: (st := status()) is not None and not st["flows"], 60, "ended flows removed")
 
 
-def rules(rate_mbit):
+def rules(rate_mbit, byte_unit=False):
+    """The rules file: nginx's downloads at ``rate_mbit``; ``byte_unit``: written in tc's byte
+    unit (20 Mbit/s as "2500kbps"), which the loader accepts with a warning (issue 28 item 2)."""
+    rate = f"{rate_mbit * 125}kbps" if byte_unit else f"{rate_mbit}mbit"
     with open("/etc/flowpacer/rules.yaml", "w") as f:
         f.write(f"""interface: {SRV}
 backend: psp
@@ -112,7 +148,7 @@ link_rate: 1gbit
 rules:
   - name: web
     match: {{process: nginx, direction: inbound, local_port: 80}}
-    rate: {rate_mbit}mbit
+    rate: {rate}
 """)
     os.chmod("/etc/flowpacer/rules.yaml", 0o644)
 
@@ -169,14 +205,74 @@ def across(name, action, sampler, rate_mbit, before_s=3.0, after_s=4.0):
         t_done = time.monotonic()
         wait(lambda: time.monotonic() > t_done + after_s, after_s + 5, "downloads after")
         t_end = time.monotonic()
-    finally:
-        stop(procs)
+    except BaseException as e:
+        # the downloads go, and this error is the one reported (stop()'s wait for the flows'
+        # removal would time out when the action left no daemon, and hide it)
+        for p in procs:
+            p.kill()
+        raise RuntimeError(f"{name}: {e}") from e
+    stop(procs)
     ph = {"limit_mbit": 2 * rate_mbit,
           "peak_before_mbit": round(sampler.peak(t_shaped + 0.5, t_act) / 1e6, 2),
           "peak_across_mbit": round(sampler.peak(t_act - 0.2, t_end) / 1e6, 2),
           "action_s": round(t_done - t_act, 2)}
     result["phases"][name] = ph
     log(f"{name}: {ph}")
+
+
+def journal(*args):
+    """flowpacer's journal entries (``journalctl -o json``) since this boot."""
+    out = sh("journalctl -u flowpacer -b --no-pager -o json " + " ".join(args), timeout=120).stdout
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def journal_priorities(reload_rate):
+    """What journald stored for the daemon's records around the reload (issue 28 item 5): the
+    loader's warning about the byte unit at PRIORITY 4 with its structured fields, the reload's
+    info line at PRIORITY 6, and which of them ``journalctl -p warning`` shows."""
+    unit = f"'{reload_rate}'"
+
+    def entries():
+        full = journal()
+        warn = [e for e in full if unit in str(e.get("MESSAGE", "")) and "kbps" in str(e.get("MESSAGE", ""))]
+        info = [e for e in full if str(e.get("MESSAGE", "")).startswith("reloaded ")]
+        return (full, warn, info) if warn and info else None
+
+    full, warn, info = wait(entries, 60, "the reload's warning and info line in the journal")
+    keep = ("MESSAGE", "PRIORITY", "SYSLOG_IDENTIFIER", "LOGGER", "CODE_FILE", "CODE_LINE",
+            "CODE_FUNC", "FLOWPACER_RULES_FILE", "FLOWPACER_LINE", "_TRANSPORT", "_SYSTEMD_UNIT")
+    p_warning = journal("-p", "warning")
+    return {"warning": {k: warn[-1].get(k) for k in keep},
+            "info": {k: info[-1].get(k) for k in keep},
+            "p_warning_messages": [str(e.get("MESSAGE", ""))[:300] for e in p_warning],
+            "p_warning_priorities": sorted({str(e.get("PRIORITY")) for e in p_warning}),
+            "priorities_all": sorted({str(e.get("PRIORITY")) for e in full}),
+            "entries_all": len(full)}
+
+
+def module_facts():
+    """The sch_psp that modprobe finds: ``modinfo``'s filename, vermagic, srcversion and signer,
+    and the file's sha256."""
+    info = {}
+    for line in sh("modinfo sch_psp", check=False).stdout.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("filename", "vermagic", "srcversion", "signer"):
+            info[key] = value.strip()
+    try:
+        with open(info.get("filename", ""), "rb") as f:
+            info["sha256"] = hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        info["sha256"] = None
+    return info
+
+
+def loaded_srcversion():
+    """The srcversion of the sch_psp the kernel has loaded (None: not loaded)."""
+    try:
+        with open("/sys/module/sch_psp/srcversion") as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 def leftovers():
@@ -188,6 +284,8 @@ def leftovers():
 def main():
     os.environ["DEBIAN_FRONTEND"] = "noninteractive"      # no terminal under systemd
     os.makedirs("/run/netns", exist_ok=True)
+    with open("/proc/uptime") as f:
+        result["uptime_at_job_s"] = float(f.read().split()[0])     # the boot, on the guest's clock
     step("kernel", "uname -r")
     result["kernel"] = sh("uname -r").stdout.strip()
     result["systemd"] = sh("systemctl --version").stdout.splitlines()[0]
@@ -203,6 +301,14 @@ ip -n {NS} link set {CLI} up; ip -n {NS} link set lo up""")
     wait(lambda: sh(f"ip netns exec {NS} curl -s -o /dev/null -r 0-0 http://{V4S}/big && "
                     f"ip netns exec {NS} curl -s -o /dev/null -r 0-0 http://[{V6S}]/big",
                     check=False).returncode == 0, 60, "nginx answering on IPv4 and IPv6")
+    # sch_psp as built by DKMS on the host for this kernel: where the package's postinst loads
+    # a binaries-only tarball from instead of building (module docstring)
+    tarballs = glob.glob("/fp-out/sch_psp-*.dkms.tar.gz")
+    if len(tarballs) != 1:
+        raise RuntimeError(f"want one DKMS tarball in /fp-out, found {tarballs}")
+    os.makedirs("/usr/share/sch_psp-dkms", exist_ok=True)
+    shutil.copy(tarballs[0], "/usr/share/sch_psp-dkms/")
+    result["headers_installed"] = os.path.exists(f"/lib/modules/{result['kernel']}/build/include")
     # the guest has no network: every dependency is in the root already, and
     # the recommendations it lacks (python3-bpfcc) are left out
     apt = "apt-get install -y --no-install-recommends"
@@ -210,11 +316,17 @@ ip -n {NS} link set {CLI} up; ip -n {NS} link set lo up""")
              timeout=1800)
     result["dkms"] = sh("dkms status").stdout.strip()
     result["apt_tail"] = p.stdout[-1500:]
+    # what DKMS's postinst did, in its own words
+    result["apt_dkms"] = [line for line in p.stdout.splitlines()
+                          if re.search(r"(?i)dkms|sch_psp|building|loading|installing|module", line)][-25:]
+    result["module_file"] = module_facts()
     rules(RATE_MBIT)
     step("rules check", "flowpacer rules check /etc/flowpacer/rules.yaml")
     step("enable --now", "systemctl enable --now flowpacer", timeout=600)
-    st = wait(status, 300, "flowpacer status")
+    st = wait(cli_status, 300, "flowpacer status")
     result["backend"] = st.get("backend")
+    result["module_loaded_srcversion"] = loaded_srcversion()
+    result["qdisc_running"] = sh(f"tc qdisc show dev {SRV}").stdout.strip()
     result["enabled"] = sh("systemctl is-enabled flowpacer").stdout.strip()
     sampler = Sampler()
     sampler.start()
@@ -230,9 +342,10 @@ ip -n {NS} link set {CLI} up; ip -n {NS} link set lo up""")
     wait(lambda: time.monotonic() > t_shaped + 1, 5, "shaped for a second")
     result["received_bps"] = per_flow_rates()
     stop(procs)
-    # reload after a rules edit
-    rules(RATE_MBIT // 2)
+    # reload after a rules edit, the new rate in tc's byte unit (a warning in the log)
+    rules(RATE_MBIT // 2, byte_unit=True)
     step("reload", "systemctl reload flowpacer")
+    result["journal"] = journal_priorities(f"{RATE_MBIT // 2 * 125}kbps")
     procs = downloads(300)
     st = shaped_flows(2)
     result["rates_after_reload_bit"] = sorted({f.get("rate_bit") for f in st["flows"]})
@@ -267,7 +380,7 @@ if __name__ == "__main__":
         result["error"] = str(e)[-4000:]
         log(f"FAILED: {e}")
         try:
-            result["journal"] = sh("journalctl -u flowpacer --no-pager -n 60 -o cat",
+            result["journal_tail"] = sh("journalctl -u flowpacer --no-pager -n 60 -o cat",
                                    check=False).stdout[-4000:]
         except Exception:
             pass

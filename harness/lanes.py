@@ -1,0 +1,147 @@
+"""`make test` in two lanes at once, by what a test's outcome depends on.
+
+- **timed** (normal CPU priority): every test whose figures or waits run on the host's wall
+  clock: real traffic at shaped rates, the daemon's reaction times, the guest's real-clock tests
+  (psp and the daemon on 6.1 and on 7.3, measured within 2-5 %). It runs as the whole suite did,
+  one test after another.
+- **untimed** (``nice`` 10): the tests marked ``untimed``: the guest's virtual-clock suite (its
+  time is the instructions it runs, independent of the host), the Debian roots' package builds,
+  DKMS, lintian and ``make check`` in trixie, the module's W=1 builds, the Debian 13 server VM
+  (loose bounds, generous waits). They take the CPU the timed lane leaves (a real-clock guest
+  keeps about one core of the two busy) and yield it when the timed lane wants it.
+
+One after the other they took ~60 min on the project's 2-core machine. A first try split by
+"boots the VM or not" and niced the host lane: both halves measure on the wall clock, and each
+starved the other into failures (a real-clock guest's psp rate at 87 % of its rule; the host
+daemon's crash-adoption waits). So the split is by clock, not by kind.
+
+    python -m harness.lanes                 # both lanes; exit 1 when either fails
+    python -m harness.lanes tests/test_x.py -k y    # any arguments: one plain pytest, as before
+
+Each lane's pytest writes its whole output to ``build/test-logs/<lane>.log``. The timed lane's
+goes to the terminal as it runs; the untimed lane's is printed when both have finished, followed
+by both lanes' summaries and failures, so the end of the output says what failed where. SIGINT
+or SIGTERM stops both lanes (their process groups).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+LOG_DIR = REPO / "build" / "test-logs"
+
+UNTIMED = "untimed"
+UNTIMED_NICE = 10
+
+
+@dataclass
+class Lane:
+    name: str
+    args: List[str]
+    log: Path
+    echo: bool                       # copy its output to the terminal as it comes
+    proc: Optional[subprocess.Popen] = None
+    rc: Optional[int] = None
+    started: float = 0.0
+    seconds: float = 0.0
+    tail: List[str] = field(default_factory=list)
+
+
+def lanes() -> List[Lane]:
+    # the slowest tests of each lane at the end of its log: where the next minutes go
+    py = [sys.executable, "-m", "pytest", "-ra", "--durations=25"]
+    return [
+        Lane("timed", [*py, "-m", f"not {UNTIMED}"], LOG_DIR / "timed.log", echo=True),
+        # its own cache provider off: two sessions writing one .pytest_cache would race
+        Lane("untimed", ["nice", "-n", str(UNTIMED_NICE), *py, "-p", "no:cacheprovider",
+                         "-m", UNTIMED], LOG_DIR / "untimed.log", echo=False),
+    ]
+
+
+def _pump(lane: Lane) -> None:
+    """Copy the lane's output to its log (and the terminal), keep the lines after its last
+    '=====' rule (pytest's summary) for the end."""
+    assert lane.proc is not None and lane.proc.stdout is not None
+    with lane.log.open("w", encoding="utf-8", errors="replace") as f:
+        for raw in lane.proc.stdout:
+            line = raw.decode("utf-8", "replace")
+            f.write(line)
+            f.flush()
+            if lane.echo:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+            if "short test summary info" in line or " FAILURES " in line:
+                lane.tail = []
+            lane.tail.append(line)
+            del lane.tail[:-400]
+    lane.rc = lane.proc.wait()          # its own end, not when the other lane's wait returned
+    lane.seconds = time.monotonic() - lane.started
+
+
+def _summary(lane: Lane) -> str:
+    """The lane's failures section and summary, or its last lines."""
+    text = "".join(lane.tail)
+    return text if text.strip() else "(no output)\n"
+
+
+def run_lanes() -> int:
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    ls = lanes()
+    pumps = []
+    for lane in ls:
+        lane.started = time.monotonic()
+        lane.proc = subprocess.Popen(lane.args, cwd=REPO, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        t = threading.Thread(target=_pump, args=(lane,), name=f"lane-{lane.name}", daemon=True)
+        t.start()
+        pumps.append(t)
+        print(f"[lanes] {lane.name}: {' '.join(lane.args)} -> {lane.log}", flush=True)
+
+    def stop(signum, _frame):
+        for lane in ls:
+            if lane.proc is not None and lane.proc.poll() is None:
+                try:
+                    os.killpg(lane.proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        raise SystemExit(128 + signum)
+
+    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for lane, t in zip(ls, pumps):
+            t.join()
+            print(f"[lanes] {lane.name} finished: exit {lane.rc} after {lane.seconds:.0f} s",
+                  flush=True)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+    for lane in ls:
+        if not lane.echo:
+            print(f"\n{'#' * 30} lane {lane.name}: {lane.log} {'#' * 30}", flush=True)
+            sys.stdout.write(lane.log.read_text(encoding="utf-8", errors="replace"))
+    print(f"\n{'#' * 30} lanes: summaries {'#' * 30}")
+    for lane in ls:
+        state = "passed" if lane.rc == 0 else f"FAILED (exit {lane.rc})"
+        print(f"--- lane {lane.name}: {state} in {lane.seconds:.0f} s ---")
+        sys.stdout.write(_summary(lane))
+    sys.stdout.flush()
+    return 0 if all(lane.rc == 0 for lane in ls) else 1
+
+
+def main(argv: List[str]) -> int:
+    if argv:
+        return subprocess.call([sys.executable, "-m", "pytest", "-ra", *argv], cwd=REPO)
+    return run_lanes()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

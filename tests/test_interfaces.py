@@ -1,0 +1,226 @@
+"""Several interfaces (issue 29) in-process: a real Daemon with a backend per interface (fakes)
+and a fake route table. Each flow is shaped on the interface its route leaves by; a route change
+moves it (class removed on the old interface, made on the new); a flow leaving by an interface
+not managed is counted in status and metrics; globs pick up a device that appears; one
+interface's health does not disturb another's; a reload changes the set. The real route lookup
+and real qdiscs are in tests/test_interfaces_host.py."""
+import ipaddress
+import time
+
+from flowpacer.surfaces.control import call
+from flowpacer.surfaces.metrics import FlowpacerCollector
+from flowpacer.surfaces.view import parse_status
+from flowpacer.model import (BackendHealth, BackendKind, Direction, EventKind, Flow, FlowEvent,
+                             FlowKey, FlowSource, InterfaceSpec, Match, OpKind, ProcessInfo, Rule,
+                             RuleSet)
+from harness.testbed import wait_for
+from harness.fakes import FakeFactory, FakeRouter, FakeSockDiag, FakeTracer, inprocess_daemon
+
+RATE = 5_000_000
+RULE = Rule("web", Match(process=("nginx",)), RATE)
+
+
+def rules(*ifaces, link=125_000_000) -> RuleSet:
+    return RuleSet("", BackendKind.HTB, link, (RULE,),
+                   interfaces=tuple(i if isinstance(i, InterfaceSpec) else InterfaceSpec(i)
+                                    for i in ifaces))
+
+
+def v4(i):
+    return FlowKey(ipaddress.ip_address("10.1.0.1"), 80, ipaddress.ip_address(f"10.2.0.{i + 1}"),
+                   40000 + i)
+
+
+def v6(i):
+    return FlowKey(ipaddress.ip_address("fd00:1::1"), 80, ipaddress.ip_address(f"fd00:2::{i + 1}"),
+                   40000 + i)
+
+
+def mapped(i):     # a dual-stack socket talking IPv4: v4-mapped addresses, IPv4 on the wire
+    return FlowKey.wire(ipaddress.ip_address("::ffff:10.1.0.1"), 8080,
+                        ipaddress.ip_address(f"::ffff:10.2.1.{i + 1}"), 41000 + i)
+
+
+def flow(k, comm="nginx"):
+    return Flow(k, Direction.INBOUND, ProcessInfo(pid=100, comm=comm), FlowSource.TRACER,
+                seen_ns=time.monotonic_ns())
+
+
+def on(d, ifname):
+    p = d.supervisor.port(ifname)
+    return set(p.backend.installed()) if p is not None and p.backend is not None else set()
+
+
+def samples(d):
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.exposition import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(FlowpacerCollector(d.view, d._class_stats))
+    for fam in text_string_to_metric_families(generate_latest(reg).decode()):
+        for s in fam.samples:
+            yield s.name, s.labels, s.value
+
+
+def test_each_flow_is_shaped_on_the_interface_it_leaves_by_and_moves_with_its_route(tmp_path):
+    router = FakeRouter({"10.2.0.0/24": "fk0", "10.2.1.0/24": "fk0", "fd00:2::/64": "fk1"})
+    sd, tr = FakeSockDiag(), FakeTracer()
+    flows = [flow(k(i)) for i in range(3) for k in (v4, v6, mapped)]
+    sd.flows = {f.key: f for f in flows}
+    rs = rules("fk0", InterfaceSpec("fk1", 1_250_000_000))
+    fac = FakeFactory()
+    with inprocess_daemon(tmp_path, rs, factory=fac, sockdiag=sd, tracer=tr,
+                          router=router) as d:
+        tr.push([FlowEvent(EventKind.OPEN, f) for f in flows])      # one mixed batch
+        want0 = {f.key for f in flows if f.key.remote_addr.version == 4}
+        want1 = {f.key for f in flows if f.key.remote_addr.version == 6}
+        wait_for(lambda: on(d, "fk0") == want0 and on(d, "fk1") == want1, 5,
+                 what="v4 and v4-mapped flows on fk0, v6 on fk1")
+        b0, b1 = d.supervisor.port("fk0").backend, d.supervisor.port("fk1").backend
+        assert (b0.link_rate_bps, b1.link_rate_bps) == (125_000_000, 1_250_000_000)
+        st = call(d.opts.socket_path, {"cmd": "status"}, timeout=5)
+        assert {(f["interface"], f["family"]) for f in st["flows"]} == {("fk0", 4), ("fk1", 6)}
+        assert [(i["name"], i["flows"]) for i in st["interfaces"]] == [("fk0", 6), ("fk1", 3)]
+        assert st["routed"] and st["unmanaged_interface"]["count"] == 0
+        a = parse_status(st)
+        assert {f.interface for f in a.flows} == {"fk0", "fk1"} and len(a.interfaces) == 2
+        from flowpacer.surfaces.top import Tracker
+        top = Tracker(d.opts.socket_path, 1.0)
+        assert " on fk0, fk1" in top.update(st, 1.0).header
+        # per-flow series (by address prefix) carry the interface, each with its counters
+        sent = {(lab["interface"], lab["remote_address"]): v for n, lab, v in samples(d)
+                if n == "flowpacer_flow_sent_bytes_total"}
+        assert sent == {("fk0", "10.2.0.0/24"): 3000, ("fk0", "10.2.1.0/24"): 3000,
+                        ("fk1", "fd00:2::/48"): 3000}
+        # the route of one v4 flow changes: the next pass moves its class to fk1
+        moving = v4(1)
+        router.routes["10.2.0.2/32"] = "fk1"
+        wait_for(lambda: moving in on(d, "fk1") and moving not in on(d, "fk0"), 5,
+                 what="the flow moved to fk1")
+        assert [op.kind for op in b0.applied if op.key == moving] == [OpKind.ADD, OpKind.REMOVE]
+        assert on(d, "fk0") == want0 - {moving} and on(d, "fk1") == want1 | {moving}
+        assert d.supervisor.route_moves == 1
+        assert d.supervisor.primary.rx is None and len(fac.made) == 2
+
+
+def test_a_flow_leaving_by_an_unmanaged_interface_is_counted_not_dropped(tmp_path):
+    router = FakeRouter({"10.2.0.0/24": "fk0", "fd00:2::/64": "eth9"})   # no route for 10.2.1.x
+    sd = FakeSockDiag()
+    shaped, off, noroute = v4(0), v6(0), mapped(0)
+    other = flow(v6(5), comm="sshd")         # no rule shapes it: not counted anywhere
+    sd.flows = {f.key: f for f in (flow(shaped), flow(off), flow(noroute), other)}
+    with inprocess_daemon(tmp_path, rules("fk0"), sockdiag=sd, tracer_enabled=False,
+                          router=router) as d:
+        wait_for(lambda: on(d, "fk0") == {shaped}, 5, what="the managed flow shaped")
+        st = d.status()
+        um = st["unmanaged_interface"]
+        assert um["count"] == 2
+        assert {(f["remote"].rsplit(":", 1)[0], f["interface"]) for f in um["flows"]} == {
+            ("[fd00:2::1]", "eth9"), ("10.2.1.1", "")}
+        assert parse_status(st).unmanaged == 2
+        why = {u["remote"]: u["reason"] for u in d.status(True)["unshaped"]}
+        assert "leaves by eth9, an interface flowpacer does not shape" in why["[fd00:2::1]:40000"]
+        assert "no route" in why["10.2.1.1:41000"]
+        gauge = [v for n, _lab, v in samples(d) if n == "flowpacer_flows_unmanaged_interface"]
+        assert gauge == [2]
+        # its route comes to a managed interface: shaped at the next pass, no longer counted
+        router.routes["fd00:2::/64"] = "fk0"
+        wait_for(lambda: on(d, "fk0") == {shaped, off}, 5, what="shaped once routed to fk0")
+        wait_for(lambda: d.status()["unmanaged_interface"]["count"] == 1, 5,
+                 what="only the unrouted flow counted")
+        del sd.flows[noroute]                 # it ends: nothing left counted
+        wait_for(lambda: d.status()["unmanaged_interface"]["count"] == 0, 5,
+                 what="an ended flow leaves the count")
+
+
+def test_a_glob_picks_up_a_device_that_appears(tmp_path):
+    router = FakeRouter({"10.2.0.0/24": "vs0", "fd00:2::/64": "vs1"}, devices=["lo", "vs0"])
+    sd = FakeSockDiag()
+    a, b = v4(0), v6(0)
+    sd.flows = {a: flow(a), b: flow(b)}
+    with inprocess_daemon(tmp_path, rules("vs*"), sockdiag=sd, tracer_enabled=False,
+                          router=router) as d:
+        wait_for(lambda: on(d, "vs0") == {a}, 5, what="shaped on vs0")
+        assert d.status()["unmanaged_interface"]["count"] == 1      # vs1 is not there yet
+        router.devices.append("vs1")
+        wait_for(lambda: on(d, "vs1") == {b}, 5, what="vs1 appeared and shapes its flow")
+        assert [p.interface_of(d.reconciler.rules) for p in d.supervisor.ports()] == ["vs0",
+                                                                                      "vs1"]
+        wait_for(lambda: d.status()["unmanaged_interface"]["count"] == 0, 5, what="none left")
+
+
+def test_one_interfaces_health_does_not_disturb_the_others(tmp_path):
+    router = FakeRouter({"10.2.0.0/16": "fk0", "fd00:2::/64": "fk1"})
+    sd = FakeSockDiag()
+    a, b = v4(0), v6(0)
+    sd.flows = {a: flow(a), b: flow(b)}
+    with inprocess_daemon(tmp_path, rules("fk0", "fk1"), sockdiag=sd, tracer_enabled=False,
+                          router=router) as d:
+        wait_for(lambda: on(d, "fk0") == {a} and on(d, "fk1") == {b}, 5, what="both shaped")
+        p0, p1 = d.supervisor.port("fk0"), d.supervisor.port("fk1")
+        p1.backend.health = BackendHealth.GONE          # fk1 unplugged
+        wait_for(lambda: p1.health is BackendHealth.GONE, 5, what="fk1 seen gone")
+        c = v4(7)                                        # fk0 keeps shaping new flows
+        sd.flows[c] = flow(c)
+        wait_for(lambda: on(d, "fk0") == {a, c}, 5, what="a new flow on fk0")
+        assert p0.health is BackendHealth.OK
+        st = d.status()
+        assert [(i["name"], i["state"]) for i in st["interfaces"]] == [("fk0", "ok"),
+                                                                        ("fk1", "gone")]
+        p1.backend.health = BackendHealth.LOST           # back, qdisc missing: rebuilt
+        wait_for(lambda: on(d, "fk1") == {b} and p1.health is BackendHealth.OK, 5,
+                 what="fk1 rebuilt with its flow")
+        assert on(d, "fk0") == {a, c}
+
+
+def test_a_reload_changes_the_interfaces(tmp_path):
+    router = FakeRouter({"10.2.0.0/16": "fk0", "fd00:2::/64": "fk1"})
+    sd = FakeSockDiag()
+    a, b = v4(0), v6(0)
+    sd.flows = {a: flow(a), b: flow(b)}
+    state = {"rs": rules("fk0", "fk1")}
+    fac = FakeFactory()
+    with inprocess_daemon(tmp_path, lambda: state["rs"], factory=fac, sockdiag=sd,
+                          tracer_enabled=False, router=router) as d:
+        wait_for(lambda: on(d, "fk0") == {a} and on(d, "fk1") == {b}, 5, what="both shaped")
+        old1 = d.supervisor.port("fk1").backend
+        state["rs"] = rules("fk0")
+        assert d.reload().ok
+        assert old1.torn_down and old1.closed and d.supervisor.port("fk1") is None
+        assert d.status()["unmanaged_interface"]["count"] == 1
+        state["rs"] = rules("fk0", InterfaceSpec("fk1", 2_500_000))
+        r = d.reload()
+        assert r.ok and r.switched_backend and r.added == 1
+        assert on(d, "fk1") == {b} and d.supervisor.port("fk1").backend.link_rate_bps == 2_500_000
+        # back to one interface (no 'interfaces:'): every flow on it, no more lookups
+        state["rs"] = RuleSet("fk0", BackendKind.HTB, 125_000_000, (RULE,))
+        assert d.reload().ok
+        assert on(d, "fk0") == {a, b} and not d.supervisor.routed
+        n = router.lookups
+        c = v6(3)
+        sd.flows[c] = flow(c)
+        wait_for(lambda: on(d, "fk0") == {a, b, c}, 5, what="shaped without a lookup")
+        assert router.lookups == n
+        assert d.status()["unmanaged_interface"]["count"] == 0
+
+
+def test_the_command_line_interface_overrides_the_rules_interfaces(tmp_path):
+    router = FakeRouter({"10.2.0.0/16": "fk0", "fd00:2::/64": "fk1"})
+    sd = FakeSockDiag()
+    a, b = v4(0), v6(0)
+    sd.flows = {a: flow(a), b: flow(b)}
+    with inprocess_daemon(tmp_path, rules("fk0", "fk1"), sockdiag=sd, tracer_enabled=False,
+                          router=router, interface="cli0") as d:
+        wait_for(lambda: set(d.supervisor.backend.installed()) == {a, b}, 5,
+                 what="every flow on --interface")
+        assert d.supervisor.backend.interface == "cli0" and not d.supervisor.routed
+        assert router.lookups == 0 and len(d.supervisor.ports()) == 1
+
+
+def test_nothing_matching_the_interfaces_is_an_error_at_start(tmp_path):
+    import pytest
+    from flowpacer.errors import FlowpacerError
+    router = FakeRouter(devices=["lo"])
+    with pytest.raises(FlowpacerError, match="no device matches 'vs\\*'"):
+        with inprocess_daemon(tmp_path, rules("vs*"), tracer_enabled=False, router=router):
+            pass

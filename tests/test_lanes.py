@@ -1,0 +1,70 @@
+"""`make test`'s two lanes (harness/lanes.py): every test runs in exactly one of them, the tests
+measured on the wall clock stay in the timed lane, and the untimed lane yields the CPU."""
+import subprocess
+import sys
+
+import pytest
+
+from harness import lanes
+
+
+def _collected(args):
+    """The node ids a lane's pytest arguments select (collection only, nothing runs)."""
+    i = args.index("pytest")
+    extra = [a for a in args[i + 1:] if a != "-ra" and not a.startswith("--durations")]
+    p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                        "-p", "no:cacheprovider", *extra], cwd=lanes.REPO,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return {line for line in p.stdout.splitlines() if "::" in line}
+
+
+@pytest.mark.slow          # three collections of the whole suite: ~15 s each
+def test_every_test_runs_in_exactly_one_lane_and_wall_clock_tests_stay_timed():
+    timed, untimed = lanes.lanes()
+    t, u = _collected(timed.args), _collected(untimed.args)
+    every = _collected([sys.executable, "-m", "pytest"])
+    assert t | u == every and not t & u
+    # the guest's virtual clock apart from its real one (psp and the daemon on 6.1 and 7.3)
+    assert any(n.startswith("tests/test_vm.py::test_guest[") and "test_psp_pacing" in n for n in u)
+    assert not any("test_psp_pacing" in n for n in t)
+    assert any("test_guest[" in n and "test_psp_daemon" in n for n in t)
+    assert any(n.startswith("tests/test_vm.py::test_guest_on_kernel[7.3") for n in t)
+    assert "tests/test_vm.py::test_guest_run_clean[real]" in t
+    assert "tests/test_vm.py::test_guest_run_clean[virtual]" in u
+    # rates within 5 % on a real-clock guest: timed; chroots and the loose server VM: untimed
+    assert "tests/test_deb.py::test_unit_under_systemd_in_the_vm" in t
+    assert "tests/test_vm_signing.py::test_unsigned_module_refused_auto_falls_back_to_htb" in t
+    assert "tests/test_deb.py::test_make_deb_builds_both_packages_lintian_clean" in u
+    assert {n.split("::")[0] for n in u} >= {"tests/test_debian13.py", "tests/test_server_vm.py"}
+
+
+def test_the_untimed_lane_runs_niced_and_the_timed_lane_does_not():
+    timed, untimed = lanes.lanes()
+    assert untimed.args[:3] == ["nice", "-n", str(lanes.UNTIMED_NICE)] and lanes.UNTIMED_NICE > 0
+    assert "nice" not in timed.args
+
+
+def test_arguments_mean_one_plain_pytest(monkeypatch):
+    calls = []
+    monkeypatch.setattr(lanes.subprocess, "call", lambda cmd, cwd: calls.append(cmd) or 3)
+    assert lanes.main(["tests/test_units.py", "-k", "rate"]) == 3
+    assert calls[0][1:] == ["-m", "pytest", "-ra", "tests/test_units.py", "-k", "rate"]
+
+
+def test_run_lanes_waits_for_both_and_fails_when_one_fails(monkeypatch, tmp_path, capsys):
+    ok = [sys.executable, "-c", "import time; time.sleep(1.5); print('1 passed in 1.5s')"]
+    bad = [sys.executable, "-c",
+           "print('=== short test summary info ===');print('FAILED tests/x.py::y');"
+           "raise SystemExit(1)"]
+    monkeypatch.setattr(lanes, "LOG_DIR", tmp_path)
+    timed = lanes.Lane("timed", ok, tmp_path / "timed.log", echo=True)
+    untimed = lanes.Lane("untimed", bad, tmp_path / "untimed.log", echo=False)
+    monkeypatch.setattr(lanes, "lanes", lambda: [timed, untimed])
+    assert lanes.run_lanes() == 1
+    out = capsys.readouterr().out
+    assert "lane untimed: FAILED (exit 1)" in out and "FAILED tests/x.py::y" in out
+    assert "lane timed: passed" in out
+    assert (tmp_path / "untimed.log").read_text().endswith("FAILED tests/x.py::y\n")
+    # each lane's time is its own: the failing one ended first, not when the other's wait returned
+    assert untimed.seconds < timed.seconds and timed.seconds >= 1.5
