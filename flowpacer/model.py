@@ -624,6 +624,7 @@ class InterfaceView:
     problem: str
     link_rate_bps: int
     flows: int                           # flow classes on it (send side)
+    spares: int = 0                      # spare classes kept for new flows (htb, issue 26)
 
 
 @dataclass(frozen=True, slots=True)

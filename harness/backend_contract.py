@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from flowpacer.kernel.backend.contract import Backend, Pools, missing_members
 from flowpacer.model import (ClassRole, ClassStats, FlowKey, Group, GroupKey, GroupKind, Op,
@@ -33,12 +33,14 @@ RULE = "contract"
 # ------------------------------------------------------------------------------ beds
 
 class FakeBed:
-    """FakeBackends; the "kernel" that a new instance adopts is what the last one had."""
+    """FakeBackends; the "kernel" that a new instance adopts is what the last one had (its flows
+    and spares). ``spare_max``: spare classes kept, as htb's (issue 26)."""
     name = "fake"
 
-    def __init__(self):
+    def __init__(self, spare_max: int = 0):
         from harness.fakes import FakeBackend
         self._cls = FakeBackend
+        self.spare_max = spare_max
         self.last = None
         self.local = ipaddress.ip_address("10.0.0.1")
         self.remote = ipaddress.ip_address("10.0.0.2")
@@ -49,16 +51,22 @@ class FakeBed:
         return contextlib.nullcontext()
 
     def make(self) -> Backend:
-        left = self.last.installed() if self.last is not None and not self.last.torn_down \
-            else None
-        b = self._cls("htb", "fake0", LINK_RATE_BPS, installed=left)
+        alive = self.last is not None and not self.last.torn_down
+        left = self.last.installed() if alive else None
+        b = self._cls("htb", "fake0", LINK_RATE_BPS, installed=left, spare_max=self.spare_max,
+                      spares=self.last.spares if alive else ())
         b.setup()
         self.last = b
         return b
 
     def leftovers(self) -> List[str]:
         b = self.last
-        return [] if b is None or b.torn_down else [f"flow {k}" for k in b.flows]
+        return [] if b is None or b.torn_down else \
+            [f"flow {k}" for k in b.flows] + [f"spare {c:x}" for c in b.spares]
+
+    def objects(self, b) -> Tuple[int, int]:
+        """(flow classes, filters) as ``harness.capture.kernel_objects`` counts them."""
+        return len(b.flows), len(b.flows)
 
     def refuse(self, b, key: FlowKey) -> str:
         b.refuse.add(key)
@@ -81,10 +89,16 @@ class FakeBed:
 class TcBed:
     """``TcBackend``s of one codec on a testbed's server interface (host: htb; VM: psp)."""
 
-    def __init__(self, tb, codec_factory: Callable[[], object], name: str):
+    def __init__(self, tb, codec_factory: Callable[[], object], name: str, spare_max: int = 0,
+                 spare_from: Optional[int] = None):
+        """``spare_max``/``spare_from``: TcBackend's spare classes (issue 26): at most
+        ``spare_max``, kept once flows and spares number ``spare_from``."""
+        from flowpacer.kernel.backend.handles import SPARE_FROM
         self.tb = tb
         self.codec_factory = codec_factory
         self.name = name
+        self.spare_max = spare_max
+        self.spare_from = SPARE_FROM if spare_from is None else spare_from
         self.local, self.remote = tb.server_v4, tb.client_v4
         self.local_v6, self.remote_v6 = tb.server_v6, tb.client_v6
         self.made: List[Backend] = []
@@ -96,7 +110,8 @@ class TcBed:
     def make(self) -> Backend:
         from flowpacer.kernel.backend.tc import TcBackend
         with self.ctx():
-            b = TcBackend(self.codec_factory(), self.tb.server_if, LINK_RATE_BPS)
+            b = TcBackend(self.codec_factory(), self.tb.server_if, LINK_RATE_BPS,
+                          spare_max=self.spare_max, spare_from=self.spare_from)
             b.setup()
         self.made.append(b)
         return b
@@ -112,11 +127,20 @@ class TcBed:
         out += [ln for ln in self._tc("filter").splitlines() if "flowid f1f0:" in ln]
         return out
 
+    def objects(self, b) -> Tuple[int, int]:
+        """(flow classes, filters) in the kernel; a class without a filter counts unless ``b``
+        keeps it as a spare (harness/capture.py)."""
+        from harness.capture import kernel_objects
+        with self.ctx():
+            spares = b.spare_handles()
+        return kernel_objects(self.tb, spares=spares)
+
     def refuse(self, b, key: FlowKey) -> str:
         """A class of someone else's at the id the backend gives ``key``'s class next: the
         kernel refuses the add (EEXIST, the generic layer gives no extack: its strerror is the
         kernel's text). Knows the tc backend's ids: this is the tc bed."""
         from flowpacer.kernel.backend.handles import MAJOR
+        assert not b.spare_count(), "refuse: the next flow would get a spare, not a new id"
         minor = b._free_minors[-1] if b._free_minors else b._next_minor
         kind = self.codec_factory().qdisc_kind
         if kind == "htb":
@@ -381,11 +405,57 @@ def case_a_refused_remove_carries_the_kernels_extack(bed):
     _agree(bed, b, {k: shape(3) for k in ks[2:]})
 
 
+def case_closed_flows_classes_are_spares_or_gone(bed):
+    """A closed flow's class is deleted or kept as a spare (issue 26), never left otherwise: the
+    kernel holds a class per installed flow plus the spares the backend lists, which new flows
+    get; a new instance adopts the spares; teardown leaves nothing."""
+    b = bed.make()
+    ks = keys(bed, 10)
+    assert run(bed, b, [Op(OpKind.ADD, k, shape(2)) for k in ks[:6]]).errors == []
+    with bed.ctx():
+        before = {h for _k, h, _s in b.flows_snapshot()}
+    res = run(bed, b, [Op(OpKind.REMOVE, k) for k in ks[:4]])
+    assert (res.removed, res.errors) == (4, [])
+
+    def accounted(flows):
+        with bed.ctx():
+            n, handles = b.spare_count(), b.spare_handles()
+            live = {h for _k, h, _s in b.flows_snapshot()}
+        assert n == len(handles) and set(handles).isdisjoint(live), (handles, live)
+        assert bed.objects(b) == (flows, flows), (bed.objects(b), handles, bed.leftovers())
+        return set(handles)
+    spares = accounted(2)
+    assert spares <= before and len(spares) == min(4, bed.spare_max), (spares, bed.spare_max)
+    # new flows get the spares first (changed to their rates), then new classes
+    res = run(bed, b, [Op(OpKind.ADD, k, shape(3, 5)) for k in ks[6:10]])
+    assert (res.added, res.errors) == (4, [])
+    with bed.ctx():
+        got = {h for k, h, _s in b.flows_snapshot() if k in ks[6:10]}
+    assert spares <= got and accounted(6) == set()
+    _agree(bed, b, {**{k: shape(2) for k in ks[4:6]}, **{k: shape(3, 5) for k in ks[6:10]}})
+    assert run(bed, b, [Op(OpKind.REMOVE, k) for k in ks[4:6]]).removed == 2
+    spares = accounted(4)
+    b2 = bed.make()                 # a restart adopts the flows and the spares
+    with bed.ctx():
+        assert set(b2.installed()) == set(ks[6:10]) and set(b2.spare_handles()) == spares
+    b = b2
+    res = run(bed, b, [Op(OpKind.ADD, ks[0], shape(4))])
+    assert (res.added, res.errors) == (1, [])
+    with bed.ctx():
+        assert b.spare_count() == max(0, len(spares) - 1)
+    accounted(5)
+    call(bed, b.teardown)
+    assert bed.leftovers() == []
+    with bed.ctx():
+        assert b.installed() == {} and b.spare_count() == 0 and b.spare_handles() == ()
+
+
 CASES = [case_keeps_the_protocol, case_setup_teardown_leaves_nothing, case_apply_is_idempotent,
          case_installed_and_shape_of_agree_with_the_plan, case_stats_are_keyed_by_flow,
          case_a_new_instance_adopts, case_groups_where_declared,
          case_a_refusal_is_one_line_and_the_rest_applies,
-         case_a_refused_remove_carries_the_kernels_extack]
+         case_a_refused_remove_carries_the_kernels_extack,
+         case_closed_flows_classes_are_spares_or_gone]
 
 
 def case_ids() -> List[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 from flowpacer.kernel.backend.contract import Capabilities
 from flowpacer.kernel.backend.filters import LayoutFull
@@ -31,11 +31,14 @@ class FakeStatsChannel:
 
 class FakeBackend:
     """A ``Backend`` (flowpacer/kernel/backend/contract.py) in memory: classes without groups, the
-    first-byte pools on the send side (``Pools``), every class with 1000 bytes sent."""
+    first-byte pools on the send side (``Pools``), every class with 1000 bytes sent. With
+    ``spare_max``, a removed flow's class id is kept as a spare (up to that many) and given to
+    the next new flow, as htb's TcBackend does (issue 26); ``spares``: what a crash left."""
 
     def __init__(self, name: str = "htb", interface: str = "fake0",
                  link_rate_bps: int = 125_000_000,
-                 installed: Optional[Dict[FlowKey, Shape]] = None, side: Side = Side.SEND):
+                 installed: Optional[Dict[FlowKey, Shape]] = None, side: Side = Side.SEND,
+                 spare_max: int = 0, spares: Sequence[int] = ()):
         self.kind = BackendKind(name)
         self.name = name
         self.capabilities = Capabilities(has_classes=True, groups=False, kernel_shares=False,
@@ -54,13 +57,16 @@ class FakeBackend:
         self.closed = False
         self._next = 0x10
         self.pool = Pool(0xF1F0)        # first-byte pools (issue 16): bookkeeping only
+        self.spare_max = spare_max
+        self.spares: List[int] = list(spares)[:spare_max]   # class ids of spare classes
+        self._next = max([self._next] + [(c & 0xFFFF) + 1 for c in self.spares])
 
     # set-up and health
     def setup(self) -> None:
         if self.setup_error is not None:
             raise self.setup_error
         for k, s in self.kernel_before.items():          # adopt what is there
-            self._install(k, s)
+            self._install(k, s, spare=False)
         self.kernel_before = {}
 
     def check(self) -> BackendHealth:
@@ -71,6 +77,7 @@ class FakeBackend:
 
     def forget(self) -> None:
         self.flows.clear()
+        self.spares.clear()
         self.pool.forget()
 
     def resync(self) -> None:
@@ -78,16 +85,20 @@ class FakeBackend:
 
     def teardown(self) -> None:
         self.flows.clear()
+        self.spares.clear()
         self.torn_down = True
 
     def close(self) -> None:
         self.closed = True
 
     # flows
-    def _install(self, key: FlowKey, shape: Shape) -> None:
+    def _install(self, key: FlowKey, shape: Shape, spare: bool = True) -> None:
         claimed = self.pool.take_claim(key)      # a claimed pool class is the flow's
         if claimed is not None:
             self.flows[key] = (0xF1F00000 | claimed, shape)
+            return
+        if spare and self.spares:
+            self.flows[key] = (self.spares.pop(), shape)
             return
         self.flows[key] = (0xF1F00000 | self._next, shape)
         self._next += 1
@@ -116,6 +127,8 @@ class FakeBackend:
                     del self.flows[op.key]
                     if cur[0] & 0xFFFF >= 0xC000:
                         self.pool.free_minor(cur[0] & 0xFFFF)
+                    elif len(self.spares) < self.spare_max:
+                        self.spares.append(cur[0])
                     res.removed += 1
             elif cur is not None:
                 if (cur[1].rate_bps, cur[1].ceil_bps) != (op.shape.rate_bps, op.shape.ceil_bps):
@@ -158,6 +171,12 @@ class FakeBackend:
     def group_views(self):
         return ()
 
+    def spare_count(self) -> int:
+        return len(self.spares)
+
+    def spare_handles(self):
+        return tuple(f"{c >> 16:x}:{c & 0xFFFF:x}" for c in sorted(self.spares))
+
     def open_stats_channel(self) -> FakeStatsChannel:
         return FakeStatsChannel()
 
@@ -173,8 +192,11 @@ class FakeBackend:
 class FakeFactory:
     """Hands out FakeBackends; ``psp`` says whether the psp "module" is there."""
 
-    def __init__(self, psp: bool = False, installed: Optional[Dict[FlowKey, Shape]] = None):
+    def __init__(self, psp: bool = False, installed: Optional[Dict[FlowKey, Shape]] = None,
+                 spare_max: int = 0):
+        """``spare_max``: the send backends keep closed flows' classes as spares (issue 26)."""
         self.psp = psp
+        self.spare_max = spare_max
         self.made: List[FakeBackend] = []
         self._installed = installed
         # the receive side (issue 17): backends made, why making one fails, clean-ups asked
@@ -184,7 +206,8 @@ class FakeFactory:
 
     def _new(self, name, interface, link_rate_bps):
         b = FakeBackend(name, interface, link_rate_bps or 125_000_000,
-                        installed=self._installed if not self.made else None)
+                        installed=self._installed if not self.made else None,
+                        spare_max=self.spare_max)
         self.made.append(b)
         b.setup()
         return b

@@ -22,7 +22,7 @@ def test_the_protocols_name_what_the_daemon_calls():
     assert {"apply", "installed", "shape_of", "setup", "teardown", "check", "audit", "forget",
             "resync", "close", "flows_snapshot", "group_views", "class_stats", "stats",
             "open_stats_channel", "capabilities", "kind", "name", "interface",
-            "link_rate_bps"} == names
+            "link_rate_bps", "spare_count", "spare_handles"} == names
     assert {"makes_default_class", "supports_groups", "kernel_shares", "has_link_class",
             "qdisc_kind", "kind"} <= set(members(Codec))
     assert "pool" in members(Pools) and "apply" in members(Pools)
@@ -79,9 +79,16 @@ def test_every_backend_kind_is_registered_once():
 
 # ------------------------------------------------------------------------- the suite
 
+# htb keeps closed flows' classes as spares (issue 26) once flows and spares number 256, at most
+# 16 384: the suite runs once as a small setup has it (none), once with spares from the third
+# class on and at most 2 (kept, reused, capped, adopted in the cases' few flows)
+SPARES = {"": {}, "spares": {"spare_max": 2, "spare_from": 3}}
+
+
+@pytest.mark.parametrize("spares", SPARES, ids=["plain", "spares"])
 @pytest.mark.parametrize("case", bc.CASES, ids=bc.case_ids())
-def test_contract_fake(case):
-    bed = bc.FakeBed()
+def test_contract_fake(case, spares):
+    bed = bc.FakeBed(spare_max=SPARES[spares].get("spare_max", 0))
     try:
         case(bed)
     finally:
@@ -89,9 +96,10 @@ def test_contract_fake(case):
 
 
 @pytest.mark.kernel
+@pytest.mark.parametrize("spares", SPARES, ids=["plain", "spares"])
 @pytest.mark.parametrize("case", bc.CASES, ids=bc.case_ids())
-def test_contract_htb(case, testbed):
-    bed = bc.TcBed(testbed, HtbCodec, "htb")
+def test_contract_htb(case, spares, testbed):
+    bed = bc.TcBed(testbed, HtbCodec, "htb", **SPARES[spares])
     try:
         case(bed)
     finally:

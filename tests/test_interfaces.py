@@ -224,3 +224,33 @@ def test_nothing_matching_the_interfaces_is_an_error_at_start(tmp_path):
     with pytest.raises(FlowpacerError, match="no device matches 'vs\\*'"):
         with inprocess_daemon(tmp_path, rules("vs*"), tracer_enabled=False, router=router):
             pass
+
+
+def test_spare_classes_are_counted_per_interface_and_listed_on_request(tmp_path):
+    """Issue 26: the classes a backend keeps as spares (closed flows' classes, given to the next
+    new flows) are counted per interface in status and the ``flowpacer_spare_classes`` gauge, and
+    named (``spare_classids``) when status is asked for them: what tells a spare from a leaked
+    class (harness/capture.py)."""
+    router = FakeRouter({"10.2.0.0/24": "fk0", "10.2.1.0/24": "fk0", "fd00:2::/64": "fk1"})
+    sd = FakeSockDiag()
+    flows = [flow(k(i)) for i in range(3) for k in (v4, v6, mapped)]
+    sd.flows = {f.key: f for f in flows}
+    with inprocess_daemon(tmp_path, rules("fk0", "fk1"), factory=FakeFactory(spare_max=4),
+                          sockdiag=sd, tracer_enabled=False, router=router) as d:
+        wait_for(lambda: len(on(d, "fk0")) == 6 and len(on(d, "fk1")) == 3, 5, what="all shaped")
+        handles = {k: h for k, h, _s in d.supervisor.port("fk0").backend.flows_snapshot()}
+        for k in (v4(0), v4(1), mapped(0)):        # three flows on fk0 end, none on fk1
+            del sd.flows[k]
+        wait_for(lambda: len(on(d, "fk0")) == 3, 5, what="the ended flows removed")
+        st = d.status()
+        assert [(i["name"], i["flows"], i["spare_classes"]) for i in st["interfaces"]] == \
+            [("fk0", 3, 3), ("fk1", 3, 0)]
+        assert all("spare_classids" not in i for i in st["interfaces"])
+        listed = call(d.opts.socket_path, {"cmd": "status", "spares": True}, timeout=5)
+        ids = {i["name"]: sorted(i["spare_classids"]) for i in listed["interfaces"]}
+        assert ids == {"fk0": sorted(handles[k] for k in (v4(0), v4(1), mapped(0))), "fk1": []}
+        gauge = {lab["interface"]: v for n, lab, v in samples(d) if n == "flowpacer_spare_classes"}
+        assert gauge == {"fk0": 3, "fk1": 0}
+        sd.flows[v4(7)] = flow(v4(7))               # a new flow gets a spare
+        wait_for(lambda: v4(7) in on(d, "fk0"), 5, what="the new flow shaped")
+        assert [i["spare_classes"] for i in d.status()["interfaces"]] == [2, 0]

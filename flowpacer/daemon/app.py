@@ -128,7 +128,8 @@ class Daemon:
         self._stop = threading.Event()
         self.loop: Optional[MainLoop] = None
         self._control: Optional[ControlServer] = None
-        self._handle = command_handler({"status": lambda req: self.status(req.get("all") is True),
+        self._handle = command_handler({"status": lambda req: self.status(
+                                            req.get("all") is True, req.get("spares") is True),
                                         "explain": self.explain,
                                         "reload": lambda req: views.reload_json(self.reload()),
                                         "ping": lambda req: {"ok": True}})
@@ -349,13 +350,19 @@ class Daemon:
                                flow_source=source, tracer_stats=tracer_stats,
                                first_byte=first_byte)
 
-    def status(self, all_flows: bool = False) -> dict:
+    def status(self, all_flows: bool = False, spares: bool = False) -> dict:
         """The control socket's status answer. The view is copied under the lock; the kernel's
         class counters are read after it is released, so that a status poll (``top`` asks every
         second) never holds up the tracer's events. ``all_flows``: also every live flow without
-        a send class, with the reason (``status --all``)."""
+        a send class, with the reason (``status --all``); ``spares``: also each interface's
+        spare classes by name (``spare_classids``, up to 16 384 each; a check of the kernel that
+        tells a spare from a leaked class asks for them)."""
         unshaped = (explain.unshaped(self.lock, self.reconciler, self.supervisor)
                     if all_flows else None)
+        spare_ids = None
+        if spares:
+            with self.lock:
+                spare_ids = {b.interface: list(b.spare_handles()) for b in self._send_backends()}
         v = self.view()
         channels = self.supervisor.open_stats_channel()
         try:
@@ -368,6 +375,9 @@ class Daemon:
         out = views.to_json(v, stats)
         if unshaped is not None:
             out["unshaped"] = unshaped
+        if spare_ids is not None:
+            for i in out["interfaces"]:
+                i["spare_classids"] = spare_ids.get(i["name"], [])
         return out
 
     def explain(self, req: dict) -> dict:

@@ -317,6 +317,14 @@ class FlowpacerCollector:
                                "in status' unmanaged_interface (issue 29).")
         um.add_metric([], len(v.unmanaged))
         yield um
+        sp = GaugeMetricFamily("flowpacer_spare_classes",
+                               "Classes of closed flows kept (no filter) to be changed for new "
+                               "flows instead of making classes, per interface (htb, issue 26: "
+                               "the kernel walks every class for each class made or deleted).",
+                               labels=["interface"])
+        for i in v.interfaces:
+            sp.add_metric([i.name], i.spares)
+        yield sp
         fb = GaugeMetricFamily("flowpacer_backend_fallback",
                                "1 while backend auto runs another kind than the one it wants "
                                "(psp), with why in one line (e.g. the kernel refused the unsigned "

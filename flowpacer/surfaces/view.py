@@ -48,7 +48,8 @@ def build(rec, sup, stages: Iterable, *, rules_path: str, flow_source: FlowSourc
                                           shape.ceil_bps, f.proc.pid, f.proc.comm, f.proc.uid,
                                           f.direction, f.source, shape.groups, side, ifname))
         ifaces.append(InterfaceView(ifname, pb.name if pb is not None else "", port.health,
-                                    port.problem, pb.link_rate_bps if pb is not None else 0, n))
+                                    port.problem, pb.link_rate_bps if pb is not None else 0, n,
+                                    pb.spare_count() if pb is not None else 0))
     c = rec.counters
     return DaemonView(
         backend=b.name if b else None,
@@ -172,7 +173,7 @@ def to_json(v: DaemonView, stats: Dict[StatsKey, ClassStats]) -> dict:
         # issue 29: every shaped interface, and the flows a rule shapes that leave by another
         "interfaces": [{"name": i.name, "backend": i.backend, "state": i.health.value,
                         "problem": i.problem, "link_rate_bit": i.link_rate_bps * 8,
-                        "flows": i.flows} for i in v.interfaces],
+                        "flows": i.flows, "spare_classes": i.spares} for i in v.interfaces],
         "routed": v.routed,
         "unmanaged_interface": {
             "count": len(v.unmanaged),

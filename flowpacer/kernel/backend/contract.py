@@ -87,6 +87,14 @@ class Backend(Protocol):
     def group_views(self) -> Tuple[GroupView, ...]:
         """The group classes as the kernel has them (() without ``capabilities.groups``)."""
 
+    def spare_count(self) -> int:
+        """Spare classes kept (issue 26: a closed flow's class, no filter, kept for the next new
+        flow; 0 for a backend that deletes them)."""
+
+    def spare_handles(self) -> Tuple[str, ...]:
+        """The spare classes' display names (sorted): what a check of the kernel may find without
+        a filter and not count as leaked."""
+
     def open_stats_channel(self) -> StatsChannel:
         """A channel for ``class_stats`` from a thread other than the reconciler's."""
 

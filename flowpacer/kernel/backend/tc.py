@@ -110,6 +110,7 @@ class TcBackend(FlowClasses, GroupClasses, ClassCounters):
         self._flows: Dict[FlowKey, Installed] = {}
         self._free_minors: List[int] = []
         self._spares: List[int] = []     # minors of spare classes (tcflows.py)
+        self._spares_queued = 0          # removes of this apply that keep their class (tcflows)
         self.spare_max = spare_max
         self.spare_from = spare_from
         self._next_minor = FIRST_FLOW_MINOR

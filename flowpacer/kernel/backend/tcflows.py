@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import errno
 import logging
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from flowpacer.errors import NetlinkError
 from flowpacer.model import (ApplyResult, ClassStats, FlowKey, Op, OpError, OpKind, PoolOp, Shape,
@@ -24,7 +24,8 @@ from flowpacer.kernel.tc import nl, u32
 from flowpacer.kernel.tc.nl import (NLM_F_CREATE, NLM_F_EXCL, RTM_DELTCLASS, RTM_DELTFILTER,
                                     RTM_NEWTFILTER, Request, tc_handle)
 from flowpacer.kernel.backend.filters import LayoutFull, Placement
-from flowpacer.kernel.backend.handles import LAST_FLOW_MINOR, MAJOR, Installed, wire_key
+from flowpacer.kernel.backend.handles import (LAST_FLOW_MINOR, MAJOR, Installed, handle_text,
+                                              wire_key)
 from flowpacer.kernel.backend.pool import queue_pool_op
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class FlowClasses:
         First-byte pool ops (``PoolOp``) are applied in the same batch (pool.py); a flow
         REMOVEd earlier in the plan is a new flow for a later ADD (a rebound claim)."""
         res = ApplyResult()
+        self._spares_queued = 0
         reqs: List[Request] = []
         # what to do with each request's outcome
         after: List[Callable[[Optional[NetlinkError]], None]] = []
@@ -105,11 +107,23 @@ class FlowClasses:
                 cb(err)
         return res
 
+    def spare_count(self) -> int:
+        return len(self._spares)
+
+    def spare_handles(self) -> Tuple[str, ...]:
+        return tuple(handle_text(tc_handle(MAJOR, m)) for m in sorted(self._spares))
+
     def _spare_kept(self, inst: Installed) -> bool:
-        """Whether a removed flow's class stays as a spare (a flow-range class under the link)."""
+        """Whether a removed flow's class stays as a spare (a flow-range class under the link).
+        The spares of this apply's earlier removes count (they join ``_spares`` once the kernel
+        answered): a batch of closes stops at ``spare_max`` too."""
         m = inst.classid & 0xFFFF
-        return (inst.parent is None and m <= LAST_FLOW_MINOR and len(self._spares) < self.spare_max
-                and len(self._flows) + len(self._spares) >= self.spare_from)
+        kept = len(self._spares) + self._spares_queued
+        if (inst.parent is None and m <= LAST_FLOW_MINOR and kept < self.spare_max
+                and len(self._flows) + len(self._spares) >= self.spare_from):
+            self._spares_queued += 1
+            return True
+        return False
 
     def _queue_remove(self, op: Op, inst: Installed, add, res: ApplyResult) -> None:
         fam = op.key.family
