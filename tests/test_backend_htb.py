@@ -9,7 +9,7 @@ from flowpacer.kernel.backend import tc as tcb
 from flowpacer.kernel.backend.htb import HtbCodec
 from flowpacer.errors import BackendError
 from flowpacer.model import FlowKey, Op, OpKind, Shape
-from harness.testbed import in_netns, server_argv
+from harness.testbed import in_netns, server_argv, wait_for
 from harness import traffic
 
 pytestmark = pytest.mark.kernel
@@ -210,6 +210,9 @@ def test_spare_class_reused_for_new_flow(testbed):
     # load average of 10 here)
     assert res_a["goodput_bps"] == pytest.approx(10 * MBIT * WIRE, rel=0.1)
     with in_netns(testbed.server_ns):
+        # what the server had queued when the client stopped leaves the class after it (13 KiB
+        # of backlog in one run): A's bytes once its class is empty
+        wait_for(lambda: b.stats()[ka].backlog_bytes == 0, 5, 0.02, "A's class drained")
         a_bytes = b.stats()[ka].bytes
         r = b.apply([Op(OpKind.REMOVE, ka)])
     assert r.removed == 1 and not r.errors and a_bytes > res_a["bytes"]
@@ -224,9 +227,10 @@ def test_spare_class_reused_for_new_flow(testbed):
     with in_netns(testbed.server_ns):
         st = b.stats()[kb]
         raw = b.stats_by_class()[cid]
-    # the flow's own bytes (its payload plus headers), not A's; the class has both
+    # the flow's own bytes (its payload plus headers), not A's; the class has both (A's closing
+    # segments, e.g. a FIN or RST, may pass between its reading and its filter's delete)
     assert res_b["bytes"] < st.bytes < res_b["bytes"] * 1.1
-    assert raw.bytes == st.bytes + a_bytes
+    assert a_bytes <= raw.bytes - st.bytes <= a_bytes + 3 * 1514, (raw, st, a_bytes)
     with in_netns(testbed.server_ns):          # a restart adopts the spare and reuses it
         b.apply([Op(OpKind.REMOVE, kb)])
         b.close()

@@ -8,7 +8,13 @@ pytestmark = [pytest.mark.kernel, pytest.mark.heavy]
 
 def test_kill_9_and_restart_with_live_flows_and_churn(testbed):
     r = crash_restart(testbed)
+    print(f"crash: {r['stale_classes_at_restart']} stale classes and "
+          f"{r['spare_classes_at_restart']} without a filter at the restart, "
+          f"{r['spare_classes_at_end']} spares at the end")
     assert r["stale_classes_at_restart"] >= 45          # the 50 flows that ended meanwhile
+    # 550 flows: htb keeps closed flows' classes as spares (issue 26), and the check that
+    # nothing leaked (every class without a filter one of the daemon's spares) met them
+    assert r["spare_classes_at_end"] >= 45, r["spare_classes_at_end"]
     assert r["recovery_s_from_restart"] <= 2.0, r
     assert r["shaped_after_restart"] >= 500 and r["status_vs_kernel_mismatch"] <= 3
     assert r["leaked_after_stop"] == (0, 0)
@@ -18,6 +24,7 @@ def test_kill_9_and_restart_with_live_flows_and_churn(testbed):
 
 def test_churn_soak_100k_cycles(testbed):
     r = churn_soak(testbed, cycles=100_000)
+    print(f"churn soak: {r['cycles']} cycles, {r['spare_classes_end']} spare classes at the end")
     assert r["cycles"] >= 99_000 and r["errors"] == 0
     assert r["kernel_objects_end"] == r["kernel_objects_base"]
     assert r["fds_end"] <= r["fds_warm"] + 2
