@@ -148,6 +148,68 @@ def _connect(targets: List[str], count: int) -> None:
         s.close()
 
 
+def _profiled(argv) -> int:
+    """``profiled OUT -- ARGS``: ``flowpacer ARGS`` with every thread under cProfile (py-spy is
+    not installed here); the merged statistics are written to OUT at exit (threads still running
+    then are read as they are)."""
+    import atexit
+    import cProfile
+    import pstats
+    import threading
+    out, args = argv[0], argv[argv.index("--") + 1:]
+    profiles = []
+    lock = threading.Lock()
+    run = threading.Thread.run
+
+    def profiled_run(self):
+        prof = cProfile.Profile()
+        with lock:
+            profiles.append(prof)
+        prof.enable()
+        try:
+            run(self)
+        finally:
+            prof.disable()
+    threading.Thread.run = profiled_run
+    main_prof = cProfile.Profile()
+    profiles.append(main_prof)
+
+    def dump():
+        main_prof.disable()
+        with lock:
+            for prof in profiles:
+                prof.snapshot_stats()
+            st = pstats.Stats(*[pr for pr in profiles if pr.stats])
+        st.dump_stats(out)
+    atexit.register(dump)
+    sys.argv = ["flowpacer", *args]
+    from flowpacer.surfaces.cli import main as cli_main
+    main_prof.enable()
+    return cli_main(args=args, prog_name="flowpacer")
+
+
+# waits (cProfile counts wall time) and the start-up's one-off costs: not the per-flow path
+PROFILE_SKIP = ("method 'poll' of", "ring_buffer_poll", "method 'acquire' of", "sleep",
+                "method 'sendall' of", "builtins.compile", "bcc/__init__.py", "tracer.py:132(_index)",
+                "memory.py", "dlopen", "gc.collect", "marshal.loads", "__build_class__")
+
+
+def profile_top(path: str, flows: int, n: int = 12) -> List[dict]:
+    """The ``n`` functions with the most own time in a ``profiled`` run, per flow (us), waits
+    and start-up left out (``PROFILE_SKIP``)."""
+    import pstats
+    st = pstats.Stats(path)
+    rows = []
+    for (file, line, fn), (_cc, ncalls, tt, ct, _callers) in st.stats.items():
+        if any(x in f"{file}:{line}({fn})" for x in PROFILE_SKIP):
+            continue
+        rows.append({"function": f"{os.path.relpath(file) if file.startswith('/') else file}"
+                                 f":{line}({fn})", "calls": ncalls,
+                     "own_us_per_flow": tt * 1e6 / flows, "cum_us_per_flow": ct * 1e6 / flows})
+    rows.sort(key=lambda r: -r["own_us_per_flow"])
+    return rows[:n]
+
+
 def _helper_main(argv) -> int:
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -242,7 +304,7 @@ def targets(tb, mixed: bool) -> List[str]:
     return [v4, f"[{tb.server_v6}]:{PORT_DUAL}", f"{tb.server_v4}:{PORT_DUAL}"]
 
 
-def burst_curve(tb, sizes=SIZES, mixed=False) -> dict:
+def burst_curve(tb, sizes=SIZES, mixed=False, profile=False) -> dict:
     for k, v in (("net.core.somaxconn", "65535"), ("net.ipv4.tcp_max_syn_backlog", "65535")):
         sh("ip", "netns", "exec", tb.server_ns, "sysctl", "-qw", f"{k}={v}")
     # the client's ports: every step's connections wait in TIME_WAIT for 60 s after it
@@ -252,7 +314,13 @@ def burst_curve(tb, sizes=SIZES, mixed=False) -> dict:
     tb.wait_listening(PORT_V4)
     tb.wait_listening(PORT_DUAL)
     d = Daemon(tb, None, RULES, "--no-metrics", verbose=False,
-               env={**os.environ, "FLOWPACER_NO_FIRST_BYTE": "1"}).start(timeout=60)
+               env={**os.environ, "FLOWPACER_NO_FIRST_BYTE": "1"})
+    prof_out = None
+    if profile:
+        import tempfile
+        prof_out = os.path.join(tempfile.mkdtemp(prefix="fp-prof-"), "daemon.pstats")
+        d.command = (PY, "-m", "bench.burst_bench", "profiled", prof_out, "--")
+    d.start(timeout=60)
     count = _class_counter(tb)
     nclasses = _class_counter(tb, "classes")
     steps = []
@@ -319,8 +387,16 @@ def burst_curve(tb, sizes=SIZES, mixed=False) -> dict:
         count.close()
         nclasses.close()
         d.stop()
-    return {"steps": steps, "mix": "ipv4, ipv6, ipv4-mapped" if mixed else "ipv4",
-            "idle_cpu_share": idle, "cpu_clock": "schedstat"}
+    out = {"steps": steps, "mix": "ipv4, ipv6, ipv4-mapped" if mixed else "ipv4",
+           "idle_cpu_share": idle, "cpu_clock": "schedstat"}
+    if prof_out:
+        # the whole run (start-up, every step's adds and removes) over the flows added
+        flows = sum(s["flows"] for s in steps) or 1
+        out["profile_top"] = profile_top(prof_out, flows)
+        for r in out["profile_top"]:
+            print(f"{r['own_us_per_flow']:8.1f} us {r['cum_us_per_flow']:8.1f} us "
+                  f"{r['calls']:>9} {r['function']}", flush=True)
+    return out
 
 
 def churn_curve(tb, rates=CHURN_RATES, seconds=5, mixed=False) -> dict:
@@ -351,6 +427,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("serve", "connect"):
         return _helper_main(argv)
+    if argv and argv[0] == "profiled":
+        return _profiled(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("parts", nargs="*", help=f"of {', '.join(PARTS)} (default: all)")
     ap.add_argument("--quick", action="store_true", help="fewer sizes and rates (a smoke run)")
@@ -360,6 +438,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default="", help="burst sizes, comma-separated")
     ap.add_argument("--cold", action="store_true", help="each size with a daemon of its own (no "
                     "spare classes left by the sizes before it)")
+    ap.add_argument("--profile", action="store_true", help="the daemon under cProfile (every "
+                    "thread): its top functions per flow go into the figures (times inflated by "
+                    "the profiler: compare shares, not with unprofiled runs)")
     args = ap.parse_args(argv)
     names = args.parts or list(PARTS)
     for n in names:
@@ -384,7 +465,7 @@ def main(argv=None) -> int:
             continue
         with Testbed(tag=PARTS[name]) as tb:
             if name.startswith("burst"):
-                mine[name] = burst_curve(tb, sizes, mixed)
+                mine[name] = burst_curve(tb, sizes, mixed, profile=args.profile)
             else:
                 mine[name] = churn_curve(tb, QUICK_CHURN_RATES if args.quick else CHURN_RATES,
                                          3 if args.quick else 5, mixed)
@@ -531,6 +612,22 @@ def report_section(R: ResultIndex) -> str:
                    "within 2 s of its end and no tracer event is lost; per step: offered: achieved at "
                    "daemon CPU, CPU per flow):\n")
         out.append(table(["families", "code", "sustained", "steps", "drain after the last"], crow))
+    prof = g(d, "profiled", "burst") or {}
+    if prof.get("profile_top"):
+        steps = prof["steps"]
+        out.append(f"**Where the Python time goes** (`--profile`, {g(d, 'profiled', 'measured', 'date')}, "
+                   f"{g(d, 'profiled', 'measured', 'code')}, load average "
+                   f"{min(s['loadavg_1min'] for s in steps):.0f}: cProfile over every thread of the "
+                   "daemon through " + " then ".join(f"{s['flows']}" for s in steps) + " IPv4 flows "
+                   "at once, each added and removed; the second on spares; last class in "
+                   + ", ".join(_ms(s['last_class_in_s']) for s in steps) + " under the profiler). "
+                   "Wall time as cProfile counts it (its overhead included: CPU per flow "
+                   + ", ".join(num(s['cpu_us_per_flow'], 'us', 0) for s in steps)
+                   + " profiled), per flow added; waits and start-up left out; *own*: in the "
+                   "function itself, *with callees*: and what it calls:\n")
+        out.append(table(["function", "calls", "own/flow", "with callees/flow"],
+                         [[f"`{r['function']}`", r["calls"], num(r["own_us_per_flow"], "us", 1),
+                           num(r["cum_us_per_flow"], "us", 1)] for r in prof["profile_top"]]))
     return "\n".join(out)
 
 
