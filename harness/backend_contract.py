@@ -129,11 +129,13 @@ class TcBed:
 
     def objects(self, b) -> Tuple[int, int]:
         """(flow classes, filters) in the kernel; a class without a filter counts unless ``b``
-        keeps it as a spare (harness/capture.py)."""
-        from harness.capture import kernel_objects
+        keeps it as a spare (harness/capture.py; read over netlink: no tc process, which costs
+        seconds under TCG)."""
+        from harness.capture import NlProbe
         with self.ctx():
             spares = b.spare_handles()
-        return kernel_objects(self.tb, spares=spares)
+        with NlProbe(self.tb) as probe:
+            return probe.objects(spares)
 
     def refuse(self, b, key: FlowKey) -> str:
         """A class of someone else's at the id the backend gives ``key``'s class next: the
