@@ -5,14 +5,15 @@ VENV  := .venv
 PY    := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: deps deps-test deps-build deps-install venv demo test check test-vm bench bench-quick \
+.PHONY: deps deps-test deps-build deps-demo deps-install venv demo test check test-vm bench bench-quick \
 	soak install kmod sim clean deb
 
 # What each target installs on this host (tools/setup.sh says it before doing it):
 #   deps-build    make deb's: dpkg-buildpackage, debian/control's Build-Depends, lintian
 #   deps-install  make install's: python3 with venv and pip, bcc, DKMS and a compiler
-#   deps (= deps-test)  everything make test and make demo need besides: nginx, prometheus,
-#                 qemu, tshark, mmdebstrap ..., the test VM's kernels (bookworm-backports' 6.12
+#   deps-demo     make demo's: install's, the release's kernel headers, clang ..., the venv
+#   deps (= deps-test)  everything make test needs besides: nginx, prometheus, qemu, tshark,
+#                 mmdebstrap ..., the test VM's kernels (on Debian 12 bookworm-backports' 6.12
 #                 becomes the default boot kernel), the venv. Never a prerequisite of deb/install.
 deps deps-test: .deps-stamp
 .deps-stamp: tools/setup.sh pyproject.toml
@@ -24,12 +25,17 @@ deps-build: .deps-build-stamp
 	bash tools/setup.sh build
 	touch $@
 
+deps-demo: .deps-demo-stamp
+.deps-demo-stamp: tools/setup.sh pyproject.toml
+	bash tools/setup.sh demo
+	touch $@
+
 deps-install: .deps-install-stamp
 .deps-install-stamp: tools/setup.sh
 	bash tools/setup.sh install
 	touch $@
 
-demo: deps
+demo: deps-demo
 	$(PY) -m harness.demo
 
 # Without PYTEST_ARGS: two lanes at once, the wall-clock tests beside the untimed ones (harness/lanes.py;

@@ -79,6 +79,7 @@ def test_report_py_renders_no_section_of_its_own():
 
 
 @pytest.mark.slow          # draws the 16 plots: 5-9 s
+@pytest.mark.untimed       # and nothing measured on the wall clock
 def test_report_is_what_the_committed_results_give():
     """Every suite benchmark has its part in a chapter, the goals are in order, and REPORT.md
     is what bench/results/*.json render to now (plots into a temporary directory)."""

@@ -20,6 +20,7 @@ def _collected(args):
 
 
 @pytest.mark.slow          # three collections of the whole suite: ~15 s each
+@pytest.mark.untimed       # and nothing measured on the wall clock
 def test_every_test_runs_in_exactly_one_lane_and_wall_clock_tests_stay_timed():
     timed, untimed = lanes.lanes()
     t, u = _collected(timed.args), _collected(untimed.args)
@@ -28,6 +29,8 @@ def test_every_test_runs_in_exactly_one_lane_and_wall_clock_tests_stay_timed():
     # the guest's virtual clock apart from its real one (psp and the daemon on 6.1 and 7.3)
     assert any(n.startswith("tests/test_vm.py::test_guest[") and "test_psp_pacing" in n for n in u)
     assert not any("test_psp_pacing" in n for n in t)
+    # the daemon's timers' tests wait, which costs no host time in virtual time
+    assert any("test_guest[" in n and "test_psp_udp_daemon" in n for n in u)
     assert any("test_guest[" in n and "test_psp_daemon" in n for n in t)
     assert any(n.startswith("tests/test_vm.py::test_guest_on_kernel[7.3") for n in t)
     assert "tests/test_vm.py::test_guest_run_clean[real]" in t

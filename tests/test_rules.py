@@ -1077,3 +1077,19 @@ def test_interfaces_errors_are_placed():
     assert err("interfaces: []\n").startswith("r.yaml:1:13: interfaces: empty list")
     assert err("interfaces: {name: eth0}\n") == \
         "r.yaml:1:13: interfaces: expected a list of interfaces, found a mapping"
+
+
+def test_libyamls_own_nesting_limit_gives_the_same_answer(monkeypatch):
+    """libyaml >= 0.2.5 (PyPI's PyYAML wheels; found by trixie's make check in a venv that
+    pip filled) refuses 1000 levels while it scans ahead, before the composer reaches level 17:
+    the answer must not depend on the libyaml underneath."""
+    from yaml.error import Mark
+    from yaml.scanner import ScannerError
+
+    class NewLibyaml:
+        def __init__(self, text):
+            m = Mark("<unicode string>", 0, 0, 1006, None, None)
+            raise ScannerError("while increasing flow level", m, "exceeded maximum nesting depth", m)
+
+    monkeypatch.setattr(rules, "_Loader", NewLibyaml)
+    assert err("rules: " + "[" * 100000) == "r.yaml:1:23: nesting deeper than 16 levels"

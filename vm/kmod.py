@@ -6,9 +6,10 @@
 The sources are copied to ``dest`` first, so a build for the VM never races another build in
 the repo (or leaves objects there). The kernel version is the one ``vm/build.py`` boots; its
 headers must be installed: ``/lib/modules/<version>/build`` (Debian's linux-headers package), or,
-for trixie-backports' 7.3 whose headers need gcc-14, in the trixie root tools/setup.sh makes
-(``KBUILD_ROOT``, ``$FLOWPACER_KBUILD_ROOT``): the build then runs chrooted there, in a private
-mount namespace (its ``/proc`` for objtool, ``dest`` bound at ``/mnt/kmod``), as root.
+for a kernel of another release (trixie-backports' 7.3, whose headers need gcc-14; on a Debian
+13 host bookworm's 6.1, whose headers need gcc-12), in the root of that release tools/setup.sh
+makes (``KBUILD_ROOTS``, or ``$FLOWPACER_KBUILD_ROOT``): the build then runs chrooted there, in a
+private mount namespace (its ``/proc`` for objtool, ``dest`` bound at ``/mnt/kmod``), as root.
 Only the standard library is used.
 """
 from __future__ import annotations
@@ -29,8 +30,10 @@ SOURCES = ("Kbuild", "Makefile", "sch_psp.c", "psp_compat.h", "psp_sched.h", "ps
 KMOD_DIR = Path(__file__).resolve().parents[1] / "flowpacer" / "kernel" / "kmod"
 
 
-KBUILD_ROOT = Path(os.environ.get("FLOWPACER_KBUILD_ROOT", "/var/cache/flowpacer/trixie-kbuild"))
-ROOT_SRC = "/mnt/kmod"     # where the sources are bound inside KBUILD_ROOT
+KBUILD_ROOTS = tuple(Path(p) for p in (
+    [os.environ["FLOWPACER_KBUILD_ROOT"]] if os.environ.get("FLOWPACER_KBUILD_ROOT")
+    else ["/var/cache/flowpacer/trixie-kbuild", "/var/cache/flowpacer/bookworm-kbuild"]))
+ROOT_SRC = "/mnt/kmod"     # where the sources are bound inside a build root
 
 
 class KmodError(Exception):
@@ -38,23 +41,24 @@ class KmodError(Exception):
 
 
 def make_argv(dest: Path, kver: str, strict: bool) -> List[str]:
-    """The command that builds ``dest`` for ``kver``: make chrooted in ``KBUILD_ROOT`` when
-    that root has the kernel's headers (7.3: its /lib/modules/<version>/build on the host
-    points there too, for bcc, but the host's compiler cannot use them), else make on the host
-    with its build directory; KmodError when neither has them."""
+    """The command that builds ``dest`` for ``kver``: make chrooted in the build root that has
+    the kernel's headers (its /lib/modules/<version>/build on the host points there too, for
+    bcc, but the host's compiler cannot use them), else make on the host with its build
+    directory; KmodError when neither has them."""
     extra = ["W=1"] if strict else []
     hdr = f"/usr/src/linux-headers-{kver}"
-    if (KBUILD_ROOT / hdr.lstrip("/") / "Makefile").is_file():
-        root = shlex.quote(str(KBUILD_ROOT))
-        inner = shlex.join(["chroot", str(KBUILD_ROOT), "make", "-C", ROOT_SRC, f"KVER={kver}",
+    kroot = next((r for r in KBUILD_ROOTS if (r / hdr.lstrip("/") / "Makefile").is_file()), None)
+    if kroot is not None:
+        root = shlex.quote(str(kroot))
+        inner = shlex.join(["chroot", str(kroot), "make", "-C", ROOT_SRC, f"KVER={kver}",
                             f"KDIR={hdr}", *extra])
         script = (f"mkdir -p {root}{ROOT_SRC} && mount -t proc proc {root}/proc && "
                   f"mount --bind {shlex.quote(str(dest))} {root}{ROOT_SRC} && exec {inner}")
         return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
     if (Path("/lib/modules") / kver / "build" / "Makefile").is_file():
         return ["make", "-C", str(dest), f"KVER={kver}", *extra]
-    raise KmodError(f"no headers for {kver}: neither /lib/modules/{kver}/build nor "
-                    f"{KBUILD_ROOT}{hdr} (tools/setup.sh makes the latter for 7.3)")
+    raise KmodError(f"no headers for {kver}: neither /lib/modules/{kver}/build nor {hdr} in "
+                    f"{' or '.join(map(str, KBUILD_ROOTS))} (tools/setup.sh test makes them)")
 
 
 def build_psp(dest: Path, timeout: float = 600, series: Optional[str] = None,

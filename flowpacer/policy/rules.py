@@ -988,6 +988,11 @@ def _compose(text: str, col: _Collector, loader_class=None) -> Optional[Node]:
             pos = len(text.encode("utf-8", "surrogatepass")[:pos].decode("utf-8", "ignore"))
         _bad_char(text, pos, col)
     except MarkedYAMLError as e:
+        if loader_class is not _PyLoader and "maximum nesting depth" in str(e.problem):
+            # libyaml >= 0.2.5 stops at 1000 levels while it scans ahead, before the composer
+            # refuses level 17 where it starts: the Python parser, which does not scan that far
+            # ahead, gives the same answer with every libyaml
+            return _compose(text, col, _PyLoader)
         mark = e.problem_mark or e.context_mark
         line, c = (mark.line + 1, mark.column + 1) if mark is not None else (1, 1)
         msg = str(e.problem or e.context or "invalid YAML").replace("\n", " ")
