@@ -334,6 +334,9 @@ def burst_curve(tb, sizes=SIZES, mixed=False, profile=False) -> dict:
                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             try:
                 assert json.loads(cl.stdout.readline())["ready"] == n
+                # the daemon's own count of spare classes (htb, issue 26) the step may reuse
+                spares_before = (d.status(timeout=60).get("interfaces") or [{}])[0].get(
+                    "spare_classes")
                 c0, s0 = _cpu_ns(d), _cpu_split(d)[1]
                 t_go = time.monotonic()
                 cl.stdin.write("go\n")
@@ -378,6 +381,7 @@ def burst_curve(tb, sizes=SIZES, mixed=False, profile=False) -> dict:
                     "time_to_shape_us": st["counters"]["shape_latency_us"],
                     "lost_events": st["tracer"]["lost"], "op_errors": st["counters"]["op_errors"],
                     "polls": polls, "classes_before": classes_before,
+                    "spares_before": spares_before,
                     "loadavg_1min": os.getloadavg()[0],
                     "classes_after": nclasses()}
             steps.append(step)
