@@ -230,6 +230,10 @@ class AccessNet:
         _run("ip", "netns", "exec", self.server_ns, "tc", "qdisc", "replace", "dev",
              self.server_if, "root", *args)
 
+    def clear_server_qdisc(self) -> None:
+        """The server's interface back to its default qdisc (what the daemon starts from)."""
+        self.run(self.server_ns, ["tc", "qdisc", "del", "dev", self.server_if, "root"], check=False)
+
     def counters(self) -> Dict[int, dict]:
         """{client index: {"packets", "bytes", "drops", "overlimits"}} of each access link's tbf."""
         out = {}

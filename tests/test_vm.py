@@ -102,7 +102,7 @@ GUEST_IDS, COLLECT_ERROR = _collect_guest_ids()
 # Guest test files measured in virtual time (vm/run.py Clock.VIRTUAL: exact guest time, one
 # vCPU): every pacing test. Each of their modules also fails by itself outside virtual time.
 VIRTUAL_FILES = ("test_psp_pacing.py", "test_stock_pacing.py", "test_udp_pacing.py",
-                 "test_psp_aggregates.py")
+                 "test_psp_aggregates.py", "test_access_pacing.py")
 
 
 # Guest test files also run on each extra kernel (FLOWPACER_VM_EXTRA_KERNELS): the module, its
