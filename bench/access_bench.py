@@ -28,6 +28,7 @@ import argparse
 import logging
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List
@@ -148,14 +149,17 @@ def guest(args) -> int:
     psplib.ensure_loaded()
     modprobe("sch_fq", "sch_fq_codel", "tcp_bbr")
     runs: List[dict] = []
-    workdir = Path(os.environ.get("FLOWPACER_VM_OUT", "/tmp")) / "access-bench"
-    workdir.mkdir(parents=True, exist_ok=True)
+    # the guest's own /tmp: the daemon's control socket cannot be bound on the 9p share
+    workdir = Path(tempfile.mkdtemp(prefix="fp-access-"))
     spec = links(args.clients)
     with psplib.rmem_max(psplib.BIG_RMEM_MAX), AccessNet(spec) as net:
-        for c in net.clients:
-            iperf3_server(net, BASE_PORT + c.index)
         for s in args.setups.split(","):
+            # fresh servers for every setup: an iperf3 server keeps a client's -C for later tests
+            servers = [iperf3_server(net, BASE_PORT + c.index) for c in net.clients]
             runs.append(run_setup(net, s, args.seconds, args.skip, workdir))
+            for p in servers:
+                p.terminate()
+                p.wait(timeout=10)
             guest_progress(args.out, runs=runs)
     return guest_result(args.out, runs=runs)
 
@@ -167,6 +171,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=int, default=None, help="seconds per setup (10; quick 6)")
     ap.add_argument("--skip", type=float, default=3.0, help="seconds left out at the start")
     ap.add_argument("--setups", default=",".join(SETUPS))
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the other setups' runs of the existing result (from an earlier boot)")
     ap.add_argument("--guest", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -192,6 +198,21 @@ def main(argv=None) -> int:
                    str(args.skip), "--setups", args.setups],
                   budget=240 + n * (args.seconds + 20) * max(1, args.clients / 5) * 4)
     fig["duration_s"] = round(time.monotonic() - t0, 1)
+    for r in fig.get("runs", []):
+        r["boot"] = 1
+    if args.merge:
+        import json
+        from .common import RESULTS
+        try:
+            old = json.loads((RESULTS / "access.json").read_text())["figures"]
+        except (OSError, ValueError, KeyError):
+            old = {}
+        mine = {r["setup"] for r in fig.get("runs", [])}
+        kept = [dict(r, boot=r.get("boot", 0)) for r in old.get("runs", []) if r["setup"] not in mine]
+        fig["runs"] = kept + fig.get("runs", [])
+        fig["earlier_boot"] = {k: old.get(k) for k in ("vm", "incomplete", "duration_s", "setup")}
+        if old.get("not_measured"):
+            fig["not_measured"] = {k: v for k, v in old["not_measured"].items() if k not in mine}
     path = write("access", fig, {})
     print(f"wrote {path}", file=sys.stderr)
     return rc
@@ -230,18 +251,29 @@ def report_section(R: ResultIndex) -> str:
                f"each, {s.get('household')}; the rule's rate is {num(s.get('rule_share'))} x the "
                f"access rate; {s.get('seconds_per_setup')} s per setup, the first "
                f"{s.get('skip_s')} s left out. Added delay: the household flow's one-way delay above "
-               f"its minimum.\n")
+               f"its minimum. The send time is stamped in user space by the household sender, in "
+               f"the same one-vCPU guest: below a few ms the figure includes the sender's own "
+               f"scheduling delay, which grows with the guest's CPU load (last column).\n")
     if f.get("unavailable") or f.get("failed"):
         out.append(f"**Could not run here:** {(f.get('unavailable') or f.get('failed'))[-500:]}\n")
     if f.get("incomplete"):
         out.append(f"**Incomplete run:** {f['incomplete'].splitlines()[0][:200]}\n")
+    if f.get("earlier_boot"):
+        eb = f["earlier_boot"] or {}
+        why = eb.get("note") or (eb.get("incomplete") or "").splitlines()[0][:160]
+        out.append("Setups marked (boot 0) come from an earlier VM boot with the same topology and "
+                   "arguments (virtual time: the figures do not depend on the host's load)"
+                   + (f"; {why}" if why else "") + ".\n")
+    for k, why in (f.get("not_measured") or {}).items():
+        out.append(f"**Not measured: {k}** ({why}).\n")
     rows = []
     for run in f.get("runs", []):
         m = summary(run)
-        rows.append([run["setup"], f"{m['goodput_total_bit_s'] / 1e6:.1f}",
+        rows.append([run["setup"] + (" (boot 0)" if run.get("boot") == 0 else ""),
+                     f"{m['goodput_total_bit_s'] / 1e6:.1f}",
                      f"{m['goodput_per_rule_min']:.2f}", f"{m['worst_second_per_rule_min']:.2f}",
                      f"{m['drops']} ({m['links_with_drops']})", str(m["retransmits"]),
-                     num(m["udp_p50_median"], " ms", 2), num(m["udp_p99_max"], " ms", 2),
+                     num(m["udp_p50_median"], "ms", 2), num(m["udp_p99_max"], "ms", 2),
                      f"{100 * m['udp_loss_max']:.1f} %", num(m["jain"], "", 3),
                      f"{100 * run.get('guest_cpu_busy', 0):.0f} %"])
     if rows:
@@ -249,6 +281,24 @@ def report_section(R: ResultIndex) -> str:
                           "min worst second / rule", "access drops (links)", "retransmits",
                           "UDP added delay p50 (median link)", "UDP added delay p99 (worst link)",
                           "UDP loss (worst link)", "Jain (goodput / rule)", "guest CPU busy"], rows))
+        rows = []
+        for run in f.get("runs", []):
+            for kind, shallow in (("shallow", True), ("deep", False)):
+                cs = [x for x in run["clients"] if x["shallow"] == shallow]
+                if not cs:
+                    continue
+                p99 = sorted(x["udp"]["p99_ms"] for x in cs if x["udp"].get("p99_ms") is not None)
+                rows.append([run["setup"], f"{kind} ({len(cs)})",
+                             f"{sum(x['access_drops'] for x in cs)} "
+                             f"({sum(1 for x in cs if x['access_drops'])})",
+                             num(p99[len(p99) // 2] if p99 else None, "ms", 2),
+                             num(p99[-1] if p99 else None, "ms", 2),
+                             f"{min(x['goodput_bit_s'] / x['rule_bit_s'] for x in cs):.2f}",
+                             f"{min(x['goodput_bit_s'] / x['rate_bit_s'] for x in cs):.2f}"])
+        out.append("By access queue:\n")
+        out.append(table(["setup", "links", "access drops (links)", "UDP p99 (median link)",
+                          "UDP p99 (worst link)", "min goodput / rule",
+                          "min goodput / access rate"], rows))
         out.append("Per client figures (goodput per second, drops, delays) are in "
                    "bench/results/access.json.\n")
     return "\n".join(out)
