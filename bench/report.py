@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from . import (aggregates, backend_bench, burst_bench, classify_bench, daemon_bench, psp_sim,
+from . import (access_bench, aggregates, backend_bench, burst_bench, classify_bench, daemon_bench, psp_sim,
                reliability, reportkit, tracer_overhead, vm_gaps, vm_lfp, vm_pacing, vm_share_pktgen,
                vm_sharing)
 from .reportkit import MET, MISSED, NA, PLOTS, Chapter, Goal, Part, num, table
@@ -38,6 +38,8 @@ CHAPTERS = [
     Chapter(2, "Sharing an oversubscribed link: 4, 4, 4, 2, 2 on 10",
             [Part(vm_share_pktgen.report_section), Part(vm_sharing.report_section, vm_sharing.HEADING)]),
     Chapter(3, "TCP over a long fat pipe with a small bottleneck buffer", [Part(vm_lfp.report_section)]),
+    Chapter(None, "Where per-flow pacing pays: clients behind access links (issue 30)",
+            [Part(access_bench.report_section)]),
     Chapter(4, "The daemon: time-to-shape, churn, install cost, scale",
             [Part(daemon_bench.report_section), Part(backend_bench.report_section),
              Part(burst_bench.report_section)]),
