@@ -30,9 +30,10 @@ veth 1, an IPv6 one from client 2 over veth 2.
    classes stay), ``flowpacer cleanup --all`` the rest: nothing is left anywhere.
 
 Not here: the mover on veth 2 while veth 2 is deleted. Its route then falls back to veth 1 (the
-daemon moved its class there and back, as the log showed), but the TCP connection itself did
-not survive the way back through the re-created veth and client 2's forwarding (it was gone
-from ``ss`` within 0.5 s), so its rate could not be measured.
+daemon moved its class there and back, as the log showed), but in that run its TCP connection
+was gone within 0.5 s of the way back; the file was 256 MiB then, and another download of that
+run's kind was later seen to end in an unshaped moment (hence the 64 GiB sparse file now), so
+that may have been the cause: not tried again.
 """
 import json
 import re
@@ -147,7 +148,9 @@ def test_flows_are_shaped_on_the_interface_they_leave_by_through_route_changes_f
     tb = testbed
     n = tb._n
     s1, s2 = tb.server_if, f"fp{tb.tag}s2"
-    ng = Nginx(tb, tmp_path / "nginx", files={"big": 256 << 20}).start()
+    # sparse, and big enough that no download ends in an unshaped moment (a fault and the next
+    # pass apart, veth runs at several Gbit/s: a 256 MiB file ended there once)
+    ng = Nginx(tb, tmp_path / "nginx", files={"big": 64 << 30}).start()
     rules = f"""\
         backend: htb
         link_rate: 1gbit
