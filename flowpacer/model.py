@@ -625,6 +625,8 @@ class InterfaceView:
     link_rate_bps: int
     flows: int                           # flow classes on it (send side)
     spares: int = 0                      # spare classes kept for new flows (htb, issue 26)
+    groups: int = 0                      # group classes on it (send side: class ids in use)
+    rebuild_failures: int = 0            # failed rebuilds of its lost root qdisc, ever
 
 
 @dataclass(frozen=True, slots=True)

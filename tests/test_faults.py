@@ -146,9 +146,10 @@ def test_rebuild_that_keeps_failing_is_counted_logged_once_and_healed(testbed, t
         assert "Traceback" not in log
         m = _scrape(tb)
         assert m[("flowpacer_backend_rebuild_failures_total", ())] >= 8
-        assert m[("flowpacer_backend_state", (("state", "lost"),))] == 1
-        assert all(m[("flowpacer_backend_state", (("state", st),))] == 0
-                   for st in ("ok", "gone", "foreign", "speed"))
+        state = lambda st: m[("flowpacer_backend_state",
+                              (("interface", tb.server_if), ("state", st)))]
+        assert state("lost") == 1
+        assert all(state(st) == 0 for st in ("ok", "gone", "foreign", "speed"))
         out = tb.run(tb.server_ns, [PY, "-m", "flowpacer", "status", "--socket", d.sock]).stdout
         assert "state:     lost (cannot rebuild" in out and "reports no speed" in out, out
         # a usable interface again: rebuilt at the next pass, the surviving connection shaped

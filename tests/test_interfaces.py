@@ -167,10 +167,34 @@ def test_one_interfaces_health_does_not_disturb_the_others(tmp_path):
         st = d.status()
         assert [(i["name"], i["state"]) for i in st["interfaces"]] == [("fk0", "ok"),
                                                                         ("fk1", "gone")]
+        # metrics per interface: its state, its info, its class ids
+        assert per_interface(d) == {
+            "state": {("fk0", "ok"), ("fk1", "gone")}, "info": {("htb", "fk0"), ("htb", "fk1")},
+            "used": {("fk0", "send"): 2, ("fk0", "receive"): 0, ("fk1", "send"): 0,
+                     ("fk1", "receive"): 0},
+            "limit": {"fk0", "fk1"}}
         p1.backend.health = BackendHealth.LOST           # back, qdisc missing: rebuilt
         wait_for(lambda: on(d, "fk1") == {b} and p1.health is BackendHealth.OK, 5,
                  what="fk1 rebuilt with its flow")
         assert on(d, "fk0") == {a, c}
+        m = per_interface(d)
+        assert m["state"] == {("fk0", "ok"), ("fk1", "ok")}
+        assert m["used"][("fk0", "send")] == 2 and m["used"][("fk1", "send")] == 1
+
+
+def per_interface(d) -> dict:
+    """The per-interface series (issue 29): states at 1, info, class ids used, limits."""
+    out = {"state": set(), "info": set(), "used": {}, "limit": set()}
+    for name, lab, v in samples(d):
+        if name == "flowpacer_backend_state" and v == 1:
+            out["state"].add((lab["interface"], lab["state"]))
+        elif name == "flowpacer_info":
+            out["info"].add((lab["backend"], lab["interface"]))
+        elif name == "flowpacer_class_ids_used":
+            out["used"][(lab["interface"], lab["side"])] = v
+        elif name == "flowpacer_class_ids_limit":
+            out["limit"].add(lab["interface"])
+    return out
 
 
 def test_a_reload_changes_the_interfaces(tmp_path):

@@ -557,7 +557,7 @@ NEEDS_CAPS_OR_UPLOADS = {"Received per rule (uploads)", "Rule caps (total_rate)"
 FLOW_LABELS = {"rule", "process", "direction", "local_address", "local_port", "remote_address",
                "remote_port"}
 LABELS = FLOW_LABELS | {"instance", "job", "le", "source", "kind", "outcome", "state", "stage",
-                        "side", "client", "version"}
+                        "side", "client", "version", "interface"}
 GRAFANA_VARS = {"$__rate_interval": "5s", "$__range": "1m", "$instance": ".*", "$rule": ".*"}
 
 def dashboard_targets():

@@ -307,9 +307,11 @@ class FlowpacerCollector:
         yield from self._rule_families(v, rules_now, rule_flows)
         yield build_info()
 
-        info = GaugeMetricFamily("flowpacer_info", "The daemon's backend and flow source.",
+        info = GaugeMetricFamily("flowpacer_info", "The daemon's backend and flow source, one "
+                                 "series per shaped interface.",
                                  labels=["backend", "interface", "flow_source"])
-        info.add_metric([v.backend or "", v.interface or "", v.flow_source.text], 1)
+        for i in _interfaces(v):
+            info.add_metric([i.backend or "", i.name, v.flow_source.text], 1)
         yield info
         um = GaugeMetricFamily("flowpacer_flows_unmanaged_interface",
                                "Live flows a rule shapes whose packets leave by an interface "
@@ -369,12 +371,13 @@ class FlowpacerCollector:
         rbf.add_metric([], v.counters.backend_rebuild_failures)
         yield rbf
         bst = GaugeMetricFamily("flowpacer_backend_state",
-                                "1 for the backend's current state, 0 for the others: ok, gone (no "
-                                "interface), lost (our root qdisc missing, not rebuilt yet), "
-                                "foreign (someone else's root qdisc), speed (link speed changed).",
-                                labels=["state"])
-        for st in BackendHealth:
-            bst.add_metric([st.value], 1 if st is v.backend_health else 0)
+                                "1 for each shaped interface's backend's current state, 0 for the "
+                                "others: ok, gone (no interface), lost (our root qdisc missing, "
+                                "not rebuilt yet), foreign (someone else's root qdisc), speed "
+                                "(link speed changed).", labels=["interface", "state"])
+        for i in _interfaces(v):
+            for st in BackendHealth:
+                bst.add_metric([i.name, st.value], 1 if st is i.health else 0)
         yield bst
         sst = GaugeMetricFamily("flowpacer_stage_state",
                                 "1 for each supervised stage's current state (running, restarting, "
@@ -821,16 +824,31 @@ def health_families(v):
     from prometheus_client.core import GaugeMetricFamily
     from flowpacer.kernel.backend.handles import FIRST_FLOW_MINOR, LAST_FLOW_MINOR
     used = GaugeMetricFamily("flowpacer_class_ids_used",
-                             "Class ids in use by flow and group classes, per side.",
-                             labels=["side"])
-    send = sum(1 for f in v.flows if f.side.value == "send") + len(v.groups)
-    used.add_metric(["send"], send)
-    used.add_metric(["receive"], sum(1 for f in v.flows if f.side.value == "receive"))
-    yield used
+                             "Class ids in use by flow and group classes, per interface and side.",
+                             labels=["interface", "side"])
     lim = GaugeMetricFamily("flowpacer_class_ids_limit",
-                            "Class ids each side has for flow and group classes.")
-    lim.add_metric([], LAST_FLOW_MINOR - FIRST_FLOW_MINOR + 1)
+                            "Class ids each side of each interface has for flow and group classes.",
+                            labels=["interface"])
+    ifaces = _interfaces(v)
+    first = ifaces[0].name
+    for i in ifaces:
+        mine = [f for f in v.flows if (f.interface or first) == i.name]
+        used.add_metric([i.name, "send"], sum(1 for f in mine if f.side.value == "send")
+                        + (i.groups if v.interfaces else len(v.groups)))
+        used.add_metric([i.name, "receive"], sum(1 for f in mine if f.side.value == "receive"))
+        lim.add_metric([i.name], LAST_FLOW_MINOR - FIRST_FLOW_MINOR + 1)
+    yield used
     yield lim
+
+
+def _interfaces(v):
+    """The shaped interfaces' views (issue 29); a view without them (one made by hand) stands
+    for its one interface."""
+    if v.interfaces:
+        return v.interfaces
+    from flowpacer.model import InterfaceView
+    return (InterfaceView(v.interface or "", v.backend or "", v.backend_health,
+                          v.backend_problem, v.link_rate_bps, 0, groups=len(v.groups)),)
 
 
 def version() -> str:

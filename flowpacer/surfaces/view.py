@@ -49,7 +49,9 @@ def build(rec, sup, stages: Iterable, *, rules_path: str, flow_source: FlowSourc
                                           f.direction, f.source, shape.groups, side, ifname))
         ifaces.append(InterfaceView(ifname, pb.name if pb is not None else "", port.health,
                                     port.problem, pb.link_rate_bps if pb is not None else 0, n,
-                                    pb.spare_count() if pb is not None else 0))
+                                    spares=pb.spare_count() if pb is not None else 0,
+                                    groups=len(_groups(pb)),
+                                    rebuild_failures=port.rebuild_failures))
     c = rec.counters
     return DaemonView(
         backend=b.name if b else None,
@@ -69,7 +71,8 @@ def build(rec, sup, stages: Iterable, *, rules_path: str, flow_source: FlowSourc
         counters=DaemonCounters(
             # the reconciler's whole-number counters by their names (a new one is copied here)
             **{n: getattr(c, n) for n in _COUNTS if hasattr(c, n)},
-            backend_rebuild_failures=sup.rebuild_failures,
+            # every interface's (issue 29: status' interfaces[] has each one's)
+            backend_rebuild_failures=sum(p.rebuild_failures for p in sup.ports()),
             shape_latency=_pcts(c.shape_latency_ns), apply_latency=_pcts(c.apply_latency_ns),
             reconcile_added=rec.table.reconcile_added,
             reconcile_removed=rec.table.reconcile_removed,
@@ -173,7 +176,8 @@ def to_json(v: DaemonView, stats: Dict[StatsKey, ClassStats]) -> dict:
         # issue 29: every shaped interface, and the flows a rule shapes that leave by another
         "interfaces": [{"name": i.name, "backend": i.backend, "state": i.health.value,
                         "problem": i.problem, "link_rate_bit": i.link_rate_bps * 8,
-                        "flows": i.flows, "spare_classes": i.spares} for i in v.interfaces],
+                        "flows": i.flows, "spare_classes": i.spares, "groups": i.groups,
+                        "rebuild_failures": i.rebuild_failures} for i in v.interfaces],
         "routed": v.routed,
         "unmanaged_interface": {
             "count": len(v.unmanaged),
