@@ -31,7 +31,6 @@ import math
 import os
 import secrets
 import select
-import signal
 import socket
 import struct
 import subprocess
@@ -40,7 +39,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-from harness.testbed import in_netns, modprobe, sh, wait_for
+from harness.testbed import in_netns, modprobe, sh, stop_process_groups, wait_for
 
 log = logging.getLogger(__name__)
 
@@ -189,22 +188,7 @@ class AccessNet:
                  "netem", "delay", f"{spec.rtt_ms}ms", "limit", "100000")
 
     def destroy(self) -> None:
-        for p in self._procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                except OSError:
-                    pass
-        for p in self._procs:
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except OSError:
-                    pass
-                p.wait(timeout=5)
-        self._procs.clear()
+        stop_process_groups(self._procs)
         for ns in self.namespaces:
             sh("ip", "netns", "del", ns, check=False)
 

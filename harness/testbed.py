@@ -48,6 +48,27 @@ def wait_for(cond: Callable[[], object], timeout: float, interval: float = 0.02,
         time.sleep(interval)
 
 
+def stop_process_groups(procs: List[subprocess.Popen], grace_s: float = 5) -> None:
+    """SIGTERM every process group started (start_new_session) and still running, SIGKILL
+    those still there after grace_s; the list is emptied."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except OSError:
+                pass
+    for p in procs:
+        try:
+            p.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            p.wait(timeout=grace_s)
+    procs.clear()
+
+
 class TestbedError(Exception):
     """A testbed command failed; one line with the command and its stderr."""
     __test__ = False
@@ -121,22 +142,7 @@ class Testbed:
                                           server[1]).stdout, 10, 0.02, "veth carrier")
 
     def destroy(self) -> None:
-        for p in self._procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                except OSError:
-                    pass
-        for p in self._procs:
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except OSError:
-                    pass
-                p.wait(timeout=5)
-        self._procs.clear()
+        stop_process_groups(self._procs)
         for ns in (self.server_ns, self.client_ns, *(c.ns for c in self.clients)):
             sh("ip", "netns", "del", ns, check=False)
 
