@@ -28,7 +28,6 @@ import ipaddress
 import json
 import logging
 import math
-import os
 import secrets
 import select
 import socket
