@@ -194,7 +194,10 @@ def main(debdir: Path):
         dropin.write_text(
             "# the test's server namespace; sock_diag only (bcc compiles for minutes under TCG)\n"
             f"[Service]\nNetworkNamespacePath=/run/netns/{tb.server_ns}\nExecStart=\n"
-            "ExecStart=/usr/bin/flowpacer run --rules /etc/flowpacer/rules.yaml --no-tracer --rescan 0.5\n")
+            "ExecStart=/usr/bin/flowpacer run --rules /etc/flowpacer/rules.yaml --no-tracer --rescan 0.5\n"
+            # ExecStopPost's `flowpacer cleanup` starts Python: under TCG on a loaded host that
+            # took more than the unit's 30 s (a real server: well under a second)
+            "TimeoutStopSec=150\n")
         sh("systemctl", "daemon-reload")
         tb.popen(tb.server_ns, server_argv([PORT_LONG, PORT_MEASURE], SERVER))
         tb.wait_listening(PORT_LONG, timeout=60)

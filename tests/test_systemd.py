@@ -160,6 +160,10 @@ def wheelhouse(dest):
             continue
         done.add(name.lower())
         todo += [Requirement(r) for r in dist.requires or []]
+        if dist.files is None:
+            # a Debian package's egg-info (no file list): install.sh's venv sees it too
+            # (--system-site-packages), so pip needs no wheel of it
+            continue
         info = next(f for f in dist.files if f.parts[0].endswith(".dist-info"))
         tag = next(l.split(":", 1)[1].strip() for l in dist.read_text("WHEEL").splitlines()
                    if l.startswith("Tag:"))

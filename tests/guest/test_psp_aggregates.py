@@ -315,7 +315,7 @@ def test_daemon_crash_under_load_keeps_the_groups(site):
         return len(fl) == 5 and all(f["client"] == f"{site.v4[0]}/32" for f in fl)
     wait_for(named, 15, "the adopted flows named by their rule and client")
     assert {m: (c.parent, c.rate, c.ceil) for m, c in site.kernel().items()} == before
-    assert "adopted flowpacer qdisc with 5 flow classes (0 stale objects removed)" in \
+    assert "adopted flowpacer qdisc with 5 flow classes (0 stale objects removed, " in \
         site.daemon.log_text()
     total, streams = received(p)
     line = report("client_rate 8 Mbit/s across a daemon SIGKILL and restart", total,

@@ -107,7 +107,12 @@ def test_daemon_psp_backend_end_to_end(tb, tmp_path, big_rmem):
             psplib.record(f"psp daemon: port {port} rule {bit / 1e6:g} Mbit: goodput "
                           f"{got * 8 / 1e6:.3f} Mbit/s = {100 * got / want:.2f} % of "
                           "rate x 1448/1514")
-            assert got == pytest.approx(want, rel=0.02), f"port {port}: {got * 8 / 1e6:.3f} Mbit/s"
+            # never above the rule; below it by more than 2 % only when the qdisc says it was
+            # held up (clamps: a departure later than its catch-up window, which on this real
+            # clock means the emulator was starved by the host; exact figures: test_psp_pacing)
+            low = 0.98 if x["clamps"] == 0 else 0.90
+            assert low * want <= got <= 1.02 * want, \
+                f"port {port}: {got * 8 / 1e6:.3f} Mbit/s ({100 * got / want:.2f} %, clamps {x['clamps']})"
         # closed flows: their classes go, in the daemon and in the kernel
         wait_for(lambda: not d.flows(), 10, 0.1, "the closed flows to be forgotten")
         wait_for(lambda: list(_kernel(tb)[1]) == [2], 10, 0.1, "the closed flows' classes to go")
