@@ -28,6 +28,18 @@ def test_netlink_fuzz(psp_module):
     seed = int(os.environ.get("FLOWPACER_FUZZ_SEED") or random.SystemRandom().randrange(2**31))
     with Testbed() as tb:
         out = pspfuzz.run(tb, ITERATIONS, SECONDS, seed)
+    # groups nested two levels are the rarest state: 1500 requests of some seeds never reach
+    # one (seen once in about ten runs). Then further seeds run (at most two), and every run's
+    # findings count
+    tries = 1
+    while out["two_levels_seen"] == 0 and not out["findings"] and tries < 3 \
+            and not os.environ.get("FLOWPACER_FUZZ_SEED"):
+        earlier, seed = out, random.SystemRandom().randrange(2**31)
+        with Testbed() as tb:
+            out = pspfuzz.run(tb, ITERATIONS, SECONDS, seed)
+        psplib.record(f"psp fuzz: no two-level groups with the previous seed "
+                      f"({earlier['iterations']} requests, 0 findings): seed {seed} as well")
+        tries += 1
     dest = Path(os.environ.get("FLOWPACER_VM_OUT", "/tmp")) / "psp-fuzz.json"
     dest.write_text(json.dumps(out, indent=1) + "\n")
     psplib.record(f"psp fuzz: seed {seed}, {out['iterations']} requests in {out['seconds']} s, "
