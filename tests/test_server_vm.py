@@ -43,7 +43,7 @@ from harness import debroot, servervm
 # untimed: the rates it checks are loose (0.4-1.1 x the rule), its waits generous
 pytestmark = [pytest.mark.vm, pytest.mark.deb, pytest.mark.heavy, pytest.mark.untimed]
 
-RATE_MBIT = 20
+MAX_RATE_MBIT = 20     # vm/server/job.py's: it calibrates the rule's rate, at most this
 
 
 @pytest.fixture(scope="module")
@@ -95,41 +95,48 @@ def test_debian13_server_enable_reload_restart_upgrade_stop(root, debs, tmp_path
     # the module the service uses is that one
     assert r["module_loaded_srcversion"] == built["srcversion"], r
     assert "qdisc psp f1f0:" in r["qdisc_running"], r["qdisc_running"]
+    # the rule's rate, an eighth of the mean two unshaped downloads reached here (job.calibrated)
+    cal = r["calibration"]
+    rate_mbit = cal["rate_mbit"]
+    assert 2 <= rate_mbit <= MAX_RATE_MBIT and rate_mbit % 2 == 0, cal
+    assert rate_mbit == MAX_RATE_MBIT or cal["unshaped_mean_mbit"] < 8 * (rate_mbit + 2), cal
+    kbps = rate_mbit // 2 * 125
     # nginx's IPv4 and IPv6 clients, each shaped at the rule's rate
     assert sorted(f["family"] for f in r["flows"]) == [4, 6], r["flows"]
-    assert {f["rate_bit"] for f in r["flows"]} == {RATE_MBIT * 1_000_000}, r["flows"]
+    assert {f["rate_bit"] for f in r["flows"]} == {rate_mbit * 1_000_000}, r["flows"]
     # each download's goodput at the receiver (its socket's bytes_received over 4 s): never
     # above its rule; below it when TCG on a busy host cannot keep up (11.6 of 20 Mbit/s seen)
     assert len(r["received_bps"]) == 2, r
     for bps in r["received_bps"]:
-        assert 0.4 * RATE_MBIT * 1e6 <= bps <= 1.1 * RATE_MBIT * 1e6, r["received_bps"]
+        assert 0.4 * rate_mbit * 1e6 <= bps <= 1.1 * rate_mbit * 1e6, r["received_bps"]
     # systemctl reload after the edit: new flows at the new rate
-    assert r["rates_after_reload_bit"] == [RATE_MBIT // 2 * 1_000_000], r
-    # ... written as 1250kbps: the loader's warning in journald at PRIORITY 4 with its fields,
+    assert r["rates_after_reload_bit"] == [rate_mbit // 2 * 1_000_000], r
+    # ... written in kbps (1250kbps at 20 Mbit/s): the loader's warning in journald at PRIORITY 4 with its fields,
     # shown by journalctl -p warning; the reload's info line at 6, shown only without -p
     j = r["journal"]
     w, i = j["warning"], j["info"]
     assert w["PRIORITY"] == "4" and w["_TRANSPORT"] == "journal", w
     assert w["SYSLOG_IDENTIFIER"] == "flowpacer" and w["_SYSTEMD_UNIT"] == "flowpacer.service", w
-    assert w["MESSAGE"].startswith("/etc/flowpacer/rules.yaml:7:") and "1250 kilobits/s" in w["MESSAGE"], w
+    assert w["MESSAGE"].startswith("/etc/flowpacer/rules.yaml:7:") and f"{kbps} kilobits/s" in w["MESSAGE"], w
     assert w["FLOWPACER_RULES_FILE"] == "/etc/flowpacer/rules.yaml" and w["FLOWPACER_LINE"] == "7", w
     assert w["LOGGER"] == "flowpacer.policy.rules" and w["CODE_FUNC"] == "load_checked", w
     assert w["CODE_FILE"].endswith("/flowpacer/policy/rules.py") and int(w["CODE_LINE"]) > 0, w
     assert i["PRIORITY"] == "6" and i["MESSAGE"].startswith("reloaded /etc/flowpacer/rules.yaml"), i
     assert i["_SYSTEMD_UNIT"] == "flowpacer.service", i
-    assert any("'1250kbps' uses tc's byte unit" in m for m in j["p_warning_messages"]), j
+    assert any(f"'{kbps}kbps' uses tc's byte unit" in m for m in j["p_warning_messages"]), j
     assert not any(m.startswith("reloaded ") for m in j["p_warning_messages"]), j
     assert set(j["p_warning_priorities"]) <= {"0", "1", "2", "3", "4"}, j
     assert "6" in j["priorities_all"], j
     assert len(r["received_bps_after_reload"]) == 2, r
     for bps in r["received_bps_after_reload"]:
-        assert 0.4 * RATE_MBIT // 2 * 1e6 <= bps <= 1.1 * RATE_MBIT // 2 * 1e6, r
+        assert 0.4 * (rate_mbit // 2) * 1e6 <= bps <= 1.1 * (rate_mbit // 2) * 1e6, r
     # the instrument sees a gap: before the first sock_diag pass shapes a new flow (no bcc in
     # the guest) the pair runs unshaped, above the bound the restart and upgrade checks below
     # allow (2 x the rules' sum), so those checks can fail. How far above depends on the CPU
-    # TCG gets: 386 Mbit/s in 100 ms windows on a quiet host, 127.6 in make test's niced
-    # untimed lane beside a real-clock guest
-    assert r["peak_before_shaped_mbit"] > 2 * 2 * RATE_MBIT, r["peak_before_shaped_mbit"]
+    # TCG gets: 386 Mbit/s in 100 ms windows on a quiet host, 74.8 in make test's low-priority
+    # lane beside a real-clock guest, which failed here with a fixed 20 Mbit/s rule: hence the
+    # calibrated rate
+    assert r["peak_before_shaped_mbit"] > 2 * 2 * rate_mbit, r["peak_before_shaped_mbit"]
     # across systemctl restart and a package upgrade: never unshaped. The guest's clock is the
     # host's (TCG in real time on a busy host): a stalled vCPU makes the paced pair catch up in a
     # burst, so single 100 ms windows of a shaped pair reach 1.2-1.45 times the rules' sum (57.3
