@@ -39,13 +39,17 @@ REPO = Path(__file__).resolve().parents[1]
 LOG_DIR = REPO / "build" / "test-logs"
 
 UNTIMED = "untimed"
-# The untimed lane's nice. With autogroups on (Debian's default), the kernel weighs sessions
-# against each other first and nice only within one: so both lanes, and the VMs they start
-# (vm/run.py, harness/servervm.py), stay in make's session, each in its own process group.
-# Until session 14 each lane had its own session and this nice did nothing: the untimed lane's
-# VMs took an equal share and slowed the timed lane's real-clock guest 2-3.6 times. At 5 a busy
-# timed lane leaves the untimed one a quarter of a core it wants (10 left a tenth, and a
-# virtual-clock boot would overrun its limit).
+# The untimed lane's nice. With autogroups on (Debian's default), the kernel shares the CPU
+# between sessions first (each one scheduler group) and weighs a nice only inside one. So each
+# lane has a session of its own, and the untimed lane's group gets the nice (``_group_nice``):
+# the whole lane, however many processes it runs, weighs 335 against the timed lane's 1024, and
+# the VMs it starts stay in its group (vm/run.py and harness/servervm.py start qemu in a new
+# process group, not a new session). Until session 14 the lane's processes had the nice but
+# its group did not, so it did nothing: the untimed lane's VMs took an equal share and slowed
+# the timed lane's real-clock guest 2-3.6 times. A nice on the processes alone (lanes in make's
+# session) gave a test's three dpkg/gcc processes the weight of one timed process. At 5 a busy
+# timed lane leaves the untimed one a quarter of the CPU (10 left a tenth, and a virtual-clock
+# boot would overrun its limit). ``nice -n`` stays in its command for hosts without autogroups.
 UNTIMED_NICE = 5
 
 
@@ -55,6 +59,7 @@ class Lane:
     args: List[str]
     log: Path
     echo: bool                       # copy its output to the terminal as it comes
+    group_nice: int = 0              # its session's scheduler group's nice (UNTIMED_NICE)
     proc: Optional[subprocess.Popen] = None
     rc: Optional[int] = None
     started: float = 0.0
@@ -69,7 +74,8 @@ def lanes() -> List[Lane]:
         Lane("timed", [*py, "-m", f"not {UNTIMED}"], LOG_DIR / "timed.log", echo=True),
         # its own cache provider off: two sessions writing one .pytest_cache would race
         Lane("untimed", ["nice", "-n", str(UNTIMED_NICE), *py, "-p", "no:cacheprovider",
-                         "-m", UNTIMED], LOG_DIR / "untimed.log", echo=False),
+                         "-m", UNTIMED], LOG_DIR / "untimed.log", echo=False,
+             group_nice=UNTIMED_NICE),
     ]
 
 
@@ -99,17 +105,31 @@ def _summary(lane: Lane) -> str:
     return text if text.strip() else "(no output)\n"
 
 
+def _group_nice(pid: int, nice: int) -> None:
+    """Give the scheduler autogroup of ``pid`` (its session's) the ``nice``: every process in
+    that session, started before or after, weighs as one at that nice (sched(7), "The autogroup
+    feature"). Nothing to do on a kernel without autogroups."""
+    path = Path(f"/proc/{pid}/autogroup")
+    try:
+        path.write_text(f"{nice}\n")
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        print(f"[lanes] cannot set {path} to nice {nice}: {e}", flush=True)
+
+
 def run_lanes() -> int:
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     ls = lanes()
     pumps = []
     for lane in ls:
         lane.started = time.monotonic()
-        # its own process group (stopped as one), not its own session: a new session is a new
-        # scheduler autogroup, and nice only weighs within an autogroup (see UNTIMED_NICE)
+        # its own session (stopped as one process group), its own scheduler group
         lane.proc = subprocess.Popen(lane.args, cwd=REPO, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     process_group=0)
+                                     start_new_session=True)
+        if lane.group_nice:
+            _group_nice(lane.proc.pid, lane.group_nice)
         t = threading.Thread(target=_pump, args=(lane,), name=f"lane-{lane.name}", daemon=True)
         t.start()
         pumps.append(t)

@@ -307,7 +307,7 @@ def run(root: Path, out: Path, files: dict, timeout: float = 1500, mem_mb: int =
     t0 = time.monotonic()
     with open(out / "qemu.stderr", "wb") as err:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
-                                process_group=0)   # make's session: see harness.lanes.UNTIMED_NICE
+                                process_group=0)   # the lane's session: harness.lanes.UNTIMED_NICE
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:

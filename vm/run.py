@@ -285,7 +285,7 @@ def run(cmd: Union[Sequence[str], str], *, cwd: Optional[str] = None, timeout: f
     t0 = time.monotonic()
     with open(qemu_err, "wb") as err:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
-                                process_group=0)   # make's session: see harness.lanes.UNTIMED_NICE
+                                process_group=0)   # the lane's session: harness.lanes.UNTIMED_NICE
     boot_s = None
     pos = 0
     failure = None
