@@ -8,7 +8,7 @@ Spares (issue 26): making or deleting a class makes the kernel walk every class 
 its class stays, a spare, and the next new flow's class is a spare changed to its rates (one
 change and one filter, no class made). A reused class' counters go on from the previous flows':
 the change is sent with NLM_F_ECHO, and the counters the kernel echoes are the new flow's zero
-(``Installed.base``, taken out in ``class_stats``). Spares go with the root qdisc at teardown; a
+(``Installed.base``, parsed when first read, taken out in ``class_stats``). Spares go with the root qdisc at teardown; a
 restart adopts them (tc.py).
 """
 from __future__ import annotations
@@ -18,14 +18,14 @@ import logging
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from flowpacer.errors import NetlinkError
-from flowpacer.model import (ApplyResult, ClassStats, FlowKey, Op, OpError, OpKind, PoolOp, Shape,
+from flowpacer.model import (ApplyResult, FlowKey, Op, OpError, OpKind, PoolOp, Shape,
                              Side)
 from flowpacer.kernel.tc import nl, u32
 from flowpacer.kernel.tc.nl import (NLM_F_CREATE, NLM_F_EXCL, RTM_DELTCLASS, RTM_DELTFILTER,
                                     RTM_NEWTFILTER, Request, tc_handle)
 from flowpacer.kernel.backend.filters import LayoutFull, Placement
-from flowpacer.kernel.backend.handles import (LAST_FLOW_MINOR, MAJOR, Installed, handle_text,
-                                              wire_key)
+from flowpacer.kernel.backend.handles import (LAST_FLOW_MINOR, MAJOR, EchoedStats, Installed,
+                                              handle_text, wire_key)
 from flowpacer.kernel.backend.pool import queue_pool_op
 
 log = logging.getLogger(__name__)
@@ -214,7 +214,7 @@ class FlowClasses:
         state = {"ok": True}
 
         def echo(mtype, body):          # a reused spare's counters as the change left them
-            state["base"] = ClassStats(**nl.parse_stats2(nl.parse_tcmsg(mtype, body)))
+            state["base"] = EchoedStats(mtype, body)
 
         def fail(err):
             if state["ok"]:
