@@ -43,7 +43,7 @@ from harness import debroot, servervm
 # untimed: the rates it checks are loose (0.4-1.1 x the rule), its waits generous
 pytestmark = [pytest.mark.vm, pytest.mark.deb, pytest.mark.heavy, pytest.mark.untimed]
 
-MAX_RATE_MBIT = 20     # vm/server/job.py's: it calibrates the rule's rate, at most this
+RATE_MBIT = 4          # vm/server/job.py's rule rate per download (why so low: there)
 
 
 @pytest.fixture(scope="module")
@@ -95,23 +95,18 @@ def test_debian13_server_enable_reload_restart_upgrade_stop(root, debs, tmp_path
     # the module the service uses is that one
     assert r["module_loaded_srcversion"] == built["srcversion"], r
     assert "qdisc psp f1f0:" in r["qdisc_running"], r["qdisc_running"]
-    # the rule's rate, an eighth of the mean two unshaped downloads reached here (job.calibrated)
-    cal = r["calibration"]
-    rate_mbit = cal["rate_mbit"]
-    assert 2 <= rate_mbit <= MAX_RATE_MBIT and rate_mbit % 2 == 0, cal
-    assert rate_mbit == MAX_RATE_MBIT or cal["unshaped_mean_mbit"] < 8 * (rate_mbit + 2), cal
-    kbps = rate_mbit // 2 * 125
+    kbps = RATE_MBIT // 2 * 125
     # nginx's IPv4 and IPv6 clients, each shaped at the rule's rate
     assert sorted(f["family"] for f in r["flows"]) == [4, 6], r["flows"]
-    assert {f["rate_bit"] for f in r["flows"]} == {rate_mbit * 1_000_000}, r["flows"]
+    assert {f["rate_bit"] for f in r["flows"]} == {RATE_MBIT * 1_000_000}, r["flows"]
     # each download's goodput at the receiver (its socket's bytes_received over 4 s): never
-    # above its rule; below it when TCG on a busy host cannot keep up (11.6 of 20 Mbit/s seen)
+    # above its rule; below it when TCG on a busy host cannot keep up (6.1 of 20 Mbit/s seen)
     assert len(r["received_bps"]) == 2, r
     for bps in r["received_bps"]:
-        assert 0.4 * rate_mbit * 1e6 <= bps <= 1.1 * rate_mbit * 1e6, r["received_bps"]
+        assert 0.4 * RATE_MBIT * 1e6 <= bps <= 1.1 * RATE_MBIT * 1e6, r["received_bps"]
     # systemctl reload after the edit: new flows at the new rate
-    assert r["rates_after_reload_bit"] == [rate_mbit // 2 * 1_000_000], r
-    # ... written in kbps (1250kbps at 20 Mbit/s): the loader's warning in journald at PRIORITY 4 with its fields,
+    assert r["rates_after_reload_bit"] == [RATE_MBIT // 2 * 1_000_000], r
+    # ... written as 250kbps: the loader's warning in journald at PRIORITY 4 with its fields,
     # shown by journalctl -p warning; the reload's info line at 6, shown only without -p
     j = r["journal"]
     w, i = j["warning"], j["info"]
@@ -129,18 +124,20 @@ def test_debian13_server_enable_reload_restart_upgrade_stop(root, debs, tmp_path
     assert "6" in j["priorities_all"], j
     assert len(r["received_bps_after_reload"]) == 2, r
     for bps in r["received_bps_after_reload"]:
-        assert 0.4 * (rate_mbit // 2) * 1e6 <= bps <= 1.1 * (rate_mbit // 2) * 1e6, r
+        assert 0.4 * (RATE_MBIT // 2) * 1e6 <= bps <= 1.1 * (RATE_MBIT // 2) * 1e6, r
     # the instrument sees a gap: before the first sock_diag pass shapes a new flow (no bcc in
     # the guest) the pair runs unshaped, above the bound the restart and upgrade checks below
-    # allow (2 x the rules' sum), so those checks can fail. How far above depends on the CPU
-    # TCG gets: 386 Mbit/s in 100 ms windows on a quiet host, 74.8 in make test's low-priority
-    # lane beside a real-clock guest, which failed here with a fixed 20 Mbit/s rule: hence the
-    # calibrated rate
-    assert r["peak_before_shaped_mbit"] > 2 * 2 * rate_mbit, r["peak_before_shaped_mbit"]
-    # across systemctl restart and a package upgrade: never unshaped. The guest's clock is the
-    # host's (TCG in real time on a busy host): a stalled vCPU makes the paced pair catch up in a
-    # burst, so single 100 ms windows of a shaped pair reach 1.2-1.45 times the rules' sum (57.3
-    # of 40 Mbit/s across one upgrade); a gap is ~10 times it
+    # allow (2 x the rules' sum), and so do two downloads before flowpacer is installed, over
+    # seconds: a gap fails those checks. How far above depends on the CPU TCG gets: 386 Mbit/s
+    # in 100 ms windows on a quiet host, 74.8 in make test's untimed lane beside a real-clock
+    # guest (which failed this check with 20 Mbit/s rules)
+    assert r["peak_before_shaped_mbit"] > 2 * 2 * RATE_MBIT, r["peak_before_shaped_mbit"]
+    assert r["unshaped"]["mean_mbit"] > 2 * 2 * RATE_MBIT, r["unshaped"]
+    # across systemctl restart and a package upgrade: never unshaped, in 0.5 s windows. The
+    # guest's clock is the host's (TCG in real time on a busy host): a stalled vCPU makes the
+    # paced pair catch up in a burst, so single 100 ms windows of a shaped pair reached 1.2-2.2
+    # times the rules' sum (89 of 40 Mbit/s across one upgrade, the guest at a quarter of a
+    # core); a gap is seconds long at many times it
     for name in ("restart", "upgrade"):
         ph = r["phases"][name]
         assert ph["peak_across_mbit"] <= 2 * ph["limit_mbit"], (name, ph)

@@ -32,7 +32,12 @@ import time
 OUT = "/fp-out"
 SRV, CLI, NS = "fps0", "fpc0", "fpcli"
 V4S, V4C, V6S, V6C = "10.99.0.1", "10.99.0.2", "fd99::1", "fd99::2"
-MAX_RATE_MBIT = 20      # the rule's rate per download: calibrated() picks it, at most this
+# the rule's rate per download. Low: the guest shares make test's CPU with the timed lane's
+# real-clock guest and may get a quarter of it; it then delivered 6 of 20 Mbit/s per download,
+# and a stalled vCPU's paced pair caught up in bursts of 2.2 times its rate in 100 ms windows
+RATE_MBIT = 4
+WINDOW_S = 0.5          # the restart/upgrade checks' window: a stall's catch-up averages out in
+                        # it, a gap (seconds unshaped while a daemon is down) does not
 CONTROL = "/run/flowpacer/control.sock"
 result = {"steps": [], "phases": {}}
 T0 = time.monotonic()
@@ -213,31 +218,28 @@ def across(name, action, sampler, rate_mbit, before_s=3.0, after_s=4.0):
         raise RuntimeError(f"{name}: {e}") from e
     stop(procs)
     ph = {"limit_mbit": 2 * rate_mbit,
-          "peak_before_mbit": round(sampler.peak(t_shaped + 0.5, t_act) / 1e6, 2),
-          "peak_across_mbit": round(sampler.peak(t_act - 0.2, t_end) / 1e6, 2),
+          "peak_before_mbit": round(sampler.peak(t_shaped + 0.5, t_act, WINDOW_S) / 1e6, 2),
+          "peak_across_mbit": round(sampler.peak(t_act - 0.2, t_end, WINDOW_S) / 1e6, 2),
+          "peak_across_100ms_mbit": round(sampler.peak(t_act - 0.2, t_end) / 1e6, 2),
           "action_s": round(t_done - t_act, 2)}
     result["phases"][name] = ph
     log(f"{name}: {ph}")
 
 
-def calibrated(sampler, seconds=4):
-    """The rule's rate per download (even Mbit/s, 2 to MAX_RATE_MBIT): an eighth of the mean
-    rate two unshaped downloads reach here now (their peak 100 ms windows are far above it). The checks that a restart or an upgrade
-    never leaves the pair unshaped allow twice the rules' sum, so a gap must show well above that:
-    how far above depends on the CPU TCG gets (386 Mbit/s on a quiet host, 74.8 in make test's
-    low-priority lane beside a real-clock guest, which failed a fixed 20 Mbit/s rule's check)."""
+def unshaped(sampler, seconds=4):
+    """The mean rate two unshaped downloads reach (before flowpacer is installed): what a gap
+    in the shaping would show, recorded for the check that the instrument can see one."""
     t0 = time.monotonic()
     procs = downloads(seconds)
     for p in procs:
         p.communicate(timeout=seconds + 60)
     s = [x for x in sampler.samples if x[0] >= t0]
     mean = (s[-1][1] - s[0][1]) * 8 / (s[-1][0] - s[0][0]) / 1e6 if len(s) > 1 else 0.0
-    rate = max(2, min(MAX_RATE_MBIT, int(mean / 8) // 2 * 2))
-    result["calibration"] = {"unshaped_mean_mbit": round(mean, 2),
-                             "unshaped_peak_mbit": round(sampler.peak(t0, time.monotonic()) / 1e6, 2),
-                             "rate_mbit": rate}
-    log(f"calibration: {result['calibration']}")
-    return rate
+    result["unshaped"] = {"mean_mbit": round(mean, 2),
+                          "peak_mbit": round(sampler.peak(t0, time.monotonic()) / 1e6, 2),
+                          f"peak_{WINDOW_S}s_mbit": round(sampler.peak(t0, time.monotonic(),
+                                                                     WINDOW_S) / 1e6, 2)}
+    log(f"unshaped: {result['unshaped']}")
 
 
 def journal(*args):
@@ -325,7 +327,7 @@ ip -n {NS} link set {CLI} up; ip -n {NS} link set lo up""")
     # a binaries-only tarball from instead of building (module docstring)
     sampler = Sampler()
     sampler.start()
-    rate_mbit = calibrated(sampler)
+    unshaped(sampler)
     tarballs = glob.glob("/fp-out/sch_psp-*.dkms.tar.gz")
     if len(tarballs) != 1:
         raise RuntimeError(f"want one DKMS tarball in /fp-out, found {tarballs}")
@@ -343,7 +345,7 @@ ip -n {NS} link set {CLI} up; ip -n {NS} link set lo up""")
     result["apt_dkms"] = [line for line in p.stdout.splitlines()
                           if re.search(r"(?i)dkms|sch_psp|building|loading|installing|module", line)][-25:]
     result["module_file"] = module_facts()
-    rules(rate_mbit)
+    rules(RATE_MBIT)
     step("rules check", "flowpacer rules check /etc/flowpacer/rules.yaml")
     step("enable --now", "systemctl enable --now flowpacer", timeout=600)
     st = wait(cli_status, 300, "flowpacer status")
@@ -364,9 +366,9 @@ ip -n {NS} link set {CLI} up; ip -n {NS} link set lo up""")
     result["received_bps"] = per_flow_rates()
     stop(procs)
     # reload after a rules edit, the new rate in tc's byte unit (a warning in the log)
-    rules(rate_mbit // 2, byte_unit=True)
+    rules(RATE_MBIT // 2, byte_unit=True)
     step("reload", "systemctl reload flowpacer")
-    result["journal"] = journal_priorities(f"{rate_mbit // 2 * 125}kbps")
+    result["journal"] = journal_priorities(f"{RATE_MBIT // 2 * 125}kbps")
     procs = downloads(300)
     st = shaped_flows(2)
     result["rates_after_reload_bit"] = sorted({f.get("rate_bit") for f in st["flows"]})
@@ -374,15 +376,15 @@ ip -n {NS} link set {CLI} up; ip -n {NS} link set lo up""")
     wait(lambda: time.monotonic() > t_shaped + 1, 5, "shaped for a second")
     result["received_bps_after_reload"] = per_flow_rates()
     stop(procs)
-    rules(rate_mbit)
+    rules(RATE_MBIT)
     step("reload back", "systemctl reload flowpacer")
     # a long download across systemctl restart
     across("restart", lambda: step("restart", "systemctl restart flowpacer", timeout=600),
-           sampler, rate_mbit)
+           sampler, RATE_MBIT)
     # and across an upgrade of the package
     across("upgrade", lambda: step("upgrade", f"{apt} /fp-out/flowpacer_0.1.0+fpupgrade1_all.deb",
                                    timeout=900),
-           sampler, rate_mbit)
+           sampler, RATE_MBIT)
     result["version_after_upgrade"] = sh("dpkg-query -W -f '${Version}' flowpacer").stdout
     result["active_after_upgrade"] = sh("systemctl is-active flowpacer", check=False).stdout.strip()
     result["before_stop"] = leftovers()
