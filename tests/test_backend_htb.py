@@ -225,6 +225,9 @@ def test_spare_class_reused_for_new_flow(testbed):
     res_b = testbed.fetch(9004, 2, v6=True, local_port=44001)
     assert res_b["goodput_bps"] == pytest.approx(20 * MBIT * traffic.wire(True), rel=0.1)
     with in_netns(testbed.server_ns):
+        # both read with B's class drained, as A's above: a packet dequeued between the two
+        # reads counted in one and not the other (12 112 bytes of backlog in one rehearsal)
+        wait_for(lambda: b.stats()[kb].backlog_bytes == 0, 5, 0.02, "B's class drained")
         st = b.stats()[kb]
         raw = b.stats_by_class()[cid]
     # the flow's own bytes (its payload plus headers), not A's; the class has both (A's closing

