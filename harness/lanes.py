@@ -7,8 +7,8 @@
 - **untimed** (``nice`` UNTIMED_NICE): the tests marked ``untimed``: the guest's virtual-clock
   suite (its time is the instructions it runs, independent of the host), the Debian roots' builds,
   DKMS, lintian and ``make check`` in trixie, the module's W=1 builds, the Debian 13 server VM
-  (loose bounds, generous waits). They take the CPU the timed lane leaves (a real-clock guest
-  keeps about one core of the two busy) and yield it when the timed lane wants it.
+  (loose bounds, generous waits). The two lanes' scheduler groups share the CPU equally
+  (UNTIMED_GROUP_NICE: why not less for this one).
 
 One after the other they took ~60 min on the project's 2-core machine. A first try split by
 "boots the VM or not" and niced the host lane: both halves measure on the wall clock, and each
@@ -40,17 +40,18 @@ LOG_DIR = REPO / "build" / "test-logs"
 
 UNTIMED = "untimed"
 # The untimed lane's nice. With autogroups on (Debian's default), the kernel shares the CPU
-# between sessions first (each one scheduler group) and weighs a nice only inside one. So each
-# lane has a session of its own, and the untimed lane's group gets the nice (``_group_nice``):
-# the whole lane, however many processes it runs, weighs 335 against the timed lane's 1024, and
-# the VMs it starts stay in its group (vm/run.py and harness/servervm.py start qemu in a new
-# process group, not a new session). Until session 14 the lane's processes had the nice but
-# its group did not, so it did nothing: the untimed lane's VMs took an equal share and slowed
-# the timed lane's real-clock guest 2-3.6 times. A nice on the processes alone (lanes in make's
-# session) gave a test's three dpkg/gcc processes the weight of one timed process. At 5 a busy
-# timed lane leaves the untimed one a quarter of the CPU (10 left a tenth, and a virtual-clock
-# boot would overrun its limit). ``nice -n`` stays in its command for hosts without autogroups.
+# between sessions first (each one scheduler group) and weighs a nice only inside one. Each lane
+# has a session of its own; the VMs a lane starts stay in its group (vm/run.py and
+# harness/servervm.py start qemu in a new process group, not a new session). ``nice -n`` in the
+# untimed lane's command only weighs on hosts without autogroups.
 UNTIMED_NICE = 5
+# The nice of the untimed lane's scheduler group (``_group_nice``): 0, the lanes share the CPU
+# equally. Session 14 tried 5 (the whole lane weighing 335 against the timed lane's 1024):
+# `make test` took 41:56 and 41:31 instead of 50:26, the real-clock guest's tests 594 s instead
+# of 912, but the timed lane's host rate tests (test_daemon.py, 3 % bands) fell out of their
+# bands in 3 of 4 rehearsals, while the starved untimed lane was still building Debian roots
+# beside them (never in the 5 runs before). Until that is understood the groups stay equal.
+UNTIMED_GROUP_NICE = 0
 
 
 @dataclass
@@ -59,7 +60,7 @@ class Lane:
     args: List[str]
     log: Path
     echo: bool                       # copy its output to the terminal as it comes
-    group_nice: int = 0              # its session's scheduler group's nice (UNTIMED_NICE)
+    group_nice: int = 0              # its session's scheduler group's nice (UNTIMED_GROUP_NICE)
     proc: Optional[subprocess.Popen] = None
     rc: Optional[int] = None
     started: float = 0.0
@@ -75,7 +76,7 @@ def lanes() -> List[Lane]:
         # its own cache provider off: two sessions writing one .pytest_cache would race
         Lane("untimed", ["nice", "-n", str(UNTIMED_NICE), *py, "-p", "no:cacheprovider",
                          "-m", UNTIMED], LOG_DIR / "untimed.log", echo=False,
-             group_nice=UNTIMED_NICE),
+             group_nice=UNTIMED_GROUP_NICE),
     ]
 
 
