@@ -1,6 +1,6 @@
 """The composition root: builds the stages and wires them. Nothing here decides policy.
 
-    tracer stage ──events──┐
+    tracer stage ──events──┐  (tracerstage.py)
     first-byte stage ──────┤ (claims)
     main stage: sock_diag ─┴─> Reconciler (FlowTable -> engine -> backend) ─> kernel
      (mainloop.py: signals, reconcile pass, watchdog)      ^
@@ -26,19 +26,19 @@ import time
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
-from flowpacer.policy import engine, rules as rules_loader
+from flowpacer.policy import rules as rules_loader
 from flowpacer.surfaces import view as views
 from flowpacer.surfaces import explain
 from flowpacer.surfaces.control import DEFAULT_SOCKET, ControlServer, command_handler
 from flowpacer.errors import FlowpacerError, TracerUnavailable
 from flowpacer.daemon.mainloop import MainLoop, sd_notify
-from flowpacer.daemon.memory import release_compiler_memory
 from flowpacer.surfaces.metrics import (DEFAULT_ADDRESSES, DEFAULT_LISTEN,
                                         DEFAULT_MAX_FLOW_SERIES, FlowpacerCollector,
                                         MetricsServer)
-from flowpacer.model import (BackendKind, DaemonView, FlowSourceMode, FlowSourceStatus,
+from flowpacer.model import (BackendKind, DaemonView, FlowSourceStatus,
                              ReloadResult, RuleSet, TracerStats)
 from flowpacer.daemon.reconciler import Reconciler
+from flowpacer.daemon.tracerstage import TracerStage, real_tracer
 from flowpacer.daemon.stages import GiveUp, Stage, StageContext
 from flowpacer.daemon.interfaces import InterfaceSet
 from flowpacer.daemon.supervisor import TcBackendFactory
@@ -64,11 +64,6 @@ class Options:
     # issue 28: on exit leave the qdisc, classes and filters for the next process to adopt (the
     # unit's ExecStopPost= removes them when the stop is not a restart)
     keep_on_exit: bool = False
-
-
-def _real_tracer():
-    from flowpacer.sources.tracer import Tracer
-    return Tracer(ring_pages=256)
 
 
 def _read_stats(stage_obj, method: str, typed: Callable = lambda x: x):
@@ -117,13 +112,12 @@ class Daemon:
             from flowpacer.sources.sockdiag import SockDiagSource
             sockdiag = SockDiagSource()
         self.sockdiag = sockdiag
-        self._tracer_factory = tracer_factory or _real_tracer
+        self.tracer_stage = TracerStage(tracer_factory or real_tracer, self._stage,
+                                        enabled=opts.tracer, rescan_s=opts.rescan_s)
         # first-byte shaping (issue 16) with the real tracer only: fakes have no kernel
         self._firstbyte_factory = firstbyte_factory or (None if tracer_factory else _real_firstbyte)
         self.firstbyte = None
         self.reconciler: Optional[Reconciler] = None
-        self.tracer = None
-        self.flow_source = FlowSourceStatus()
         self.exit_code = 0
         self._stop = threading.Event()
         self.loop: Optional[MainLoop] = None
@@ -157,7 +151,8 @@ class Daemon:
         # flows keep (or get) their class before the tracer's slow compile
         self.loop.rescan()
         self.main_stage = self._stage("main", self.loop.run, GiveUp.EXIT, stall_s=30.0)
-        self.stages = [self.main_stage, self._tracer_stage(), self._firstbyte_stage()]
+        self.stages = [self.main_stage, self.tracer_stage.stage(self.reconciler),
+                       self._firstbyte_stage()]
         self._control = ControlServer(self.opts.socket_path, self._handle)
         self.stages.append(self._stage("control", self._serve_control, GiveUp.EXIT))
         if self.opts.metrics_listen:
@@ -184,7 +179,8 @@ class Daemon:
         self.notify("READY=1\nSTATUS=shaping flows on " + ", ".join(
             b.interface for b in self._send_backends()))
         log.info("ready: %d flows shaped, flow source: %s",
-                 sum(len(b.installed()) for b in self._send_backends()), self.flow_source.text)
+                 sum(len(b.installed()) for b in self._send_backends()),
+                 self.tracer_stage.flow_source.text)
 
     def _send_backends(self) -> list:
         return [p.backend for p in self.supervisor.ports() if p.backend is not None]
@@ -196,29 +192,6 @@ class Daemon:
         return Stage(name, run, on_give_up=give_up, on_degrade=on_degrade,
                      on_fatal=self._fatal, backoff_s=self._backoff, stall_s=stall_s,
                      clock=self.clock, stop_event=self._stop)
-
-    def _tracer_stage(self) -> Stage:
-        if not self.opts.tracer:
-            self.flow_source = FlowSourceStatus(FlowSourceMode.NO_TRACER)
-            return Stage.disabled("tracer", "--no-tracer")
-        try:
-            t = self._tracer_factory()
-            t.set_watch(*engine.watch_filter(self.reconciler.rules))  # before anything reports
-            t.start()
-            self._set_udp_idle(t, self.reconciler.rules)
-        except ImportError as e:
-            self.flow_source = FlowSourceStatus(FlowSourceMode.TRACER_CANNOT_LOAD, str(e))
-        except (TracerUnavailable, OSError) as e:
-            self.flow_source = FlowSourceStatus(FlowSourceMode.TRACER_UNAVAILABLE, str(e))
-        else:
-            self.tracer = t
-            self.reconciler.udp_adopter = getattr(t, "adopt_udp_connected", None)
-            release_compiler_memory()
-            self.flow_source = FlowSourceStatus(FlowSourceMode.TRACER, getattr(t, "hooks", ""))
-            return self._stage("tracer", self._trace, GiveUp.DEGRADE, stall_s=10.0,
-                               on_degrade=self._tracer_degraded)
-        log.warning("%s", self.flow_source.text)
-        return Stage.disabled("tracer", self.flow_source.text)
 
     def _firstbyte_stage(self) -> Stage:
         """Issue 16: classes claimed in the kernel at the handshake (firstbyte.py)."""
@@ -257,15 +230,6 @@ class Daemon:
                 return
 
     # --------------------------------------------------------------- stages
-    def _trace(self, ctx: StageContext) -> None:
-        rec = self.reconciler
-        while not ctx.stopping():
-            events = self.tracer.poll(100)
-            ctx.beat()
-            if events:
-                # applied right here: a hand-over to the main thread cost ~0.4 ms per event
-                rec.on_events(events)
-
     def _serve_control(self, ctx: StageContext) -> None:
         self._control.run(ctx)
 
@@ -278,18 +242,6 @@ class Daemon:
                       "handshake", why)
             fb, self.firstbyte = self.firstbyte, None
             self._close_first_byte(fb)
-
-    def _tracer_degraded(self, stage: Stage, why: str) -> None:
-        self.flow_source = FlowSourceStatus(FlowSourceMode.TRACER_FAILED, why)
-        log.error("flow source degraded: %s; flows are found by sock_diag every %.1f s",
-                  self.flow_source.text, self.opts.rescan_s)
-        self.reconciler.udp_adopter = None
-        t, self.tracer = self.tracer, None
-        if t is not None:
-            try:
-                t.close()
-            except Exception as e:
-                log.debug("tracer close: %s", e)
 
     def _close_first_byte(self, fb) -> None:
         """Detach (the drain's wait outside the reconciler's lock), then the ready classes
@@ -314,7 +266,7 @@ class Daemon:
         self.notify("RELOADING=1")
         try:
             out = self.reconciler.reload(lambda: self._load(self.opts.rules_path),
-                                         self._rules_changed)
+                                         self.tracer_stage.rules_changed)
         finally:
             self.notify("READY=1")
         if out.ok:
@@ -323,25 +275,13 @@ class Daemon:
                      out.added, out.changed, out.removed)
         return out
 
-    def _rules_changed(self, rs: RuleSet) -> None:
-        if self.tracer is not None:
-            self.tracer.set_watch(*engine.watch_filter(rs))
-            self._set_udp_idle(self.tracer, rs)
-
-    @staticmethod
-    def _set_udp_idle(tracer, rs: RuleSet) -> None:
-        """The rules' UDP idle timeouts to the tracer (issue 17; test stand-ins may lack it)."""
-        set_idle = getattr(tracer, "set_udp_idle", None)
-        if set_idle is not None:
-            set_idle(*engine.udp_idle_timeouts(rs))
-
     # ---------------------------------------------------------------- views
     def view(self) -> DaemonView:
         """A consistent copy of the daemon's state (taken under the reconciler's lock)."""
-        tracer_stats = _read_stats(self.tracer, "stats", TracerStats.from_stats)
+        tracer_stats = _read_stats(self.tracer_stage.tracer, "stats", TracerStats.from_stats)
         fb = self.firstbyte
         first_byte = _read_stats(fb, "view")
-        source = self.flow_source
+        source = self.tracer_stage.flow_source
         if fb is not None:    # status names the rules shaped from byte one (reloads change them)
             source = FlowSourceStatus(source.mode, source.detail, fb.summary)
         with self.lock:
@@ -397,11 +337,7 @@ class Daemon:
         for s in self.stages:
             if s is not self.main_stage:
                 s.stop(timeout=2)
-        if self.tracer is not None:
-            try:
-                self.tracer.close()
-            except Exception as e:
-                log.debug("tracer close: %s", e)
+        self.tracer_stage.close()
         if self.firstbyte is not None:
             self._close_first_byte(self.firstbyte)
         sends = self._send_backends()
