@@ -252,7 +252,7 @@ def test_claims_reach_the_flows_through_the_reconciler_with_no_io_under_its_lock
                  what="the pools made anew")
         assert seen["sweep"] > sweeps and fb.view().ids_held == 1
         assert key(1) in b.flows and key(2) in b.flows     # the flows re-applied
-    assert d.firstbyte is fb and not fb.live      # shut down: drained
+    assert d.firstbyte_stage.firstbyte is fb and not fb.live      # shut down: drained
     assert not b.pool.classes, "a clean stop deletes the ready classes"
     assert seen["sleep"] >= 3 and seen["map"] > 50
     assert bad == [], f"done while holding the reconciler's lock: {sorted(set(bad))}"

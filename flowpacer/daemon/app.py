@@ -1,7 +1,7 @@
 """The composition root: builds the stages and wires them. Nothing here decides policy.
 
     tracer stage ──events──┐  (tracerstage.py)
-    first-byte stage ──────┤ (claims)
+    first-byte stage ──────┤ (claims; firstbytestage.py)
     main stage: sock_diag ─┴─> Reconciler (FlowTable -> engine -> backend) ─> kernel
      (mainloop.py: signals, reconcile pass, watchdog)      ^
     control stage ─── status / reload ─────────────────────┤ InterfaceSet: a BackendSupervisor
@@ -30,13 +30,14 @@ from flowpacer.policy import rules as rules_loader
 from flowpacer.surfaces import view as views
 from flowpacer.surfaces import explain
 from flowpacer.surfaces.control import DEFAULT_SOCKET, ControlServer, command_handler
-from flowpacer.errors import FlowpacerError, TracerUnavailable
+from flowpacer.errors import FlowpacerError
 from flowpacer.daemon.mainloop import MainLoop, sd_notify
 from flowpacer.surfaces.metrics import (DEFAULT_ADDRESSES, DEFAULT_LISTEN,
                                         DEFAULT_MAX_FLOW_SERIES, FlowpacerCollector,
                                         MetricsServer)
 from flowpacer.model import (BackendKind, DaemonView, FlowSourceStatus,
                              ReloadResult, RuleSet, TracerStats)
+from flowpacer.daemon.firstbytestage import FirstByteStage, real_firstbyte
 from flowpacer.daemon.reconciler import Reconciler
 from flowpacer.daemon.tracerstage import TracerStage, real_tracer
 from flowpacer.daemon.stages import GiveUp, Stage, StageContext
@@ -78,17 +79,6 @@ def _read_stats(stage_obj, method: str, typed: Callable = lambda x: x):
         return None
 
 
-def _real_firstbyte():
-    from flowpacer.sources.firstbyte import POOL_ENV, POOL_TARGET, FirstByte
-    raw = os.environ.get("FLOWPACER_FIRST_BYTE_POOL", "")
-    try:
-        return FirstByte(pool_target=int(raw) if raw.strip() else POOL_TARGET)
-    except ValueError as e:
-        log.warning("%s=%r ignored (%s): %d ready classes per rule", POOL_ENV, raw, e,
-                    POOL_TARGET)
-        return FirstByte()
-
-
 class Daemon:
     def __init__(self, opts: Options, *, backend_factory=None, sockdiag=None,
                  tracer_factory: Optional[Callable[[], object]] = None,
@@ -115,8 +105,9 @@ class Daemon:
         self.tracer_stage = TracerStage(tracer_factory or real_tracer, self._stage,
                                         enabled=opts.tracer, rescan_s=opts.rescan_s)
         # first-byte shaping (issue 16) with the real tracer only: fakes have no kernel
-        self._firstbyte_factory = firstbyte_factory or (None if tracer_factory else _real_firstbyte)
-        self.firstbyte = None
+        self.firstbyte_stage = FirstByteStage(
+            firstbyte_factory or (None if tracer_factory else real_firstbyte), self._stage,
+            tracer=opts.tracer, enabled=opts.first_byte)
         self.reconciler: Optional[Reconciler] = None
         self.exit_code = 0
         self._stop = threading.Event()
@@ -152,7 +143,7 @@ class Daemon:
         self.loop.rescan()
         self.main_stage = self._stage("main", self.loop.run, GiveUp.EXIT, stall_s=30.0)
         self.stages = [self.main_stage, self.tracer_stage.stage(self.reconciler),
-                       self._firstbyte_stage()]
+                       self.firstbyte_stage.stage(self.reconciler)]
         self._control = ControlServer(self.opts.socket_path, self._handle)
         self.stages.append(self._stage("control", self._serve_control, GiveUp.EXIT))
         if self.opts.metrics_listen:
@@ -193,65 +184,12 @@ class Daemon:
                      on_fatal=self._fatal, backoff_s=self._backoff, stall_s=stall_s,
                      clock=self.clock, stop_event=self._stop)
 
-    def _firstbyte_stage(self) -> Stage:
-        """Issue 16: classes claimed in the kernel at the handshake (firstbyte.py)."""
-        if not self.opts.tracer or self._firstbyte_factory is None:
-            return Stage.disabled("firstbyte", "no tracer")
-        if not self.opts.first_byte:     # benchmarks' "before" figures
-            return Stage.disabled("firstbyte", "FLOWPACER_NO_FIRST_BYTE")
-        try:
-            fb = self._firstbyte_factory()
-            fb.start()
-        except (ImportError, TracerUnavailable, OSError) as e:
-            log.warning("first-byte shaping unavailable (%s): flows get their class after "
-                        "the handshake", e)
-            return Stage.disabled("firstbyte", f"unavailable: {e}")
-        self.firstbyte = fb
-        self._first_byte_round(fb, [])
-        return self._stage("firstbyte", self._first_byte, GiveUp.DEGRADE, stall_s=10.0,
-                           on_degrade=self._firstbyte_degraded)
-
-    def _first_byte(self, ctx: StageContext) -> None:
-        fb = self.firstbyte
-        while not ctx.stopping():
-            claims = fb.poll(100)
-            ctx.beat()
-            self._first_byte_round(fb, claims)
-
-    def _first_byte_round(self, fb, claims) -> None:
-        """The claims to the reconciler as events, the pools' ids back to the source. Only
-        ``on_claims`` holds the reconciler's lock; the source's drains, sweeps and map writes
-        run outside it. A new bookkeeping (start, rebuild) or new rules take a second round
-        at once: the pools are made anew."""
-        for _ in range(3):
-            grant = self.reconciler.on_claims(fb.report(claims))
-            claims = []
-            if not fb.granted(grant):
-                return
-
     # --------------------------------------------------------------- stages
     def _serve_control(self, ctx: StageContext) -> None:
         self._control.run(ctx)
 
     def _serve_metrics(self, ctx: StageContext) -> None:
         self._metrics.run(ctx)
-
-    def _firstbyte_degraded(self, stage: Stage, why: str) -> None:
-        if self.firstbyte is not None:
-            log.error("first-byte shaping stopped (%s): flows get their class after the "
-                      "handshake", why)
-            fb, self.firstbyte = self.firstbyte, None
-            self._close_first_byte(fb)
-
-    def _close_first_byte(self, fb) -> None:
-        """Detach (the drain's wait outside the reconciler's lock), then the ready classes
-        taken back are deleted by the reconciler's one writer."""
-        try:
-            last = fb.close()
-            if last is not None:
-                self.reconciler.on_claims(last)
-        except Exception as e:
-            log.warning("first byte close: %s", e)
 
     def _fatal(self, stage: Stage, why: str) -> None:
         self.exit_code = 1
@@ -279,7 +217,7 @@ class Daemon:
     def view(self) -> DaemonView:
         """A consistent copy of the daemon's state (taken under the reconciler's lock)."""
         tracer_stats = _read_stats(self.tracer_stage.tracer, "stats", TracerStats.from_stats)
-        fb = self.firstbyte
+        fb = self.firstbyte_stage.firstbyte
         first_byte = _read_stats(fb, "view")
         source = self.tracer_stage.flow_source
         if fb is not None:    # status names the rules shaped from byte one (reloads change them)
@@ -338,8 +276,7 @@ class Daemon:
             if s is not self.main_stage:
                 s.stop(timeout=2)
         self.tracer_stage.close()
-        if self.firstbyte is not None:
-            self._close_first_byte(self.firstbyte)
+        self.firstbyte_stage.close()
         sends = self._send_backends()
         keep = self.opts.keep_on_exit and bool(sends)
         if keep:
