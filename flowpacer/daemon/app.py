@@ -250,13 +250,7 @@ class Daemon:
             stats = {}
         finally:
             channels.close()
-        out = views.to_json(v, stats)
-        if unshaped is not None:
-            out["unshaped"] = unshaped
-        if spare_ids is not None:
-            for i in out["interfaces"]:
-                i["spare_classids"] = spare_ids.get(i["name"], [])
-        return out
+        return views.status_json(v, stats, unshaped=unshaped, spare_classids=spare_ids)
 
     def explain(self, req: dict) -> dict:
         """The control socket's explain answer (``surfaces/explain.py``)."""

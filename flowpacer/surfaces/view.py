@@ -265,6 +265,22 @@ def reload_json(r: ReloadResult) -> dict:
             "errors": list(r.errors)}
 
 
+def status_json(v: DaemonView, stats: Dict[StatsKey, ClassStats], *,
+                unshaped: Optional[list] = None,
+                spare_classids: Optional[Dict[str, list]] = None) -> dict:
+    """The control socket's status answer: ``to_json`` and, when asked for, ``unshaped``
+    (every live flow without a send class and why: ``explain.unshaped``, ``status --all``) and
+    each interface's ``spare_classids`` (``spare_classids``: the spare classes' handles by
+    interface name, read under the lock; an interface without an entry gets none)."""
+    out = to_json(v, stats)
+    if unshaped is not None:
+        out["unshaped"] = unshaped
+    if spare_classids is not None:
+        for i in out["interfaces"]:
+            i["spare_classids"] = spare_classids.get(i["name"], [])
+    return out
+
+
 
 
 # ------------------------------------------------------------ reading the status answer
