@@ -263,6 +263,34 @@ def test_reload_with_a_broken_file_changes_nothing(tmp_path):
         assert d.supervisor.backend.shape_of(f.key) == Shape("web2", RATE * 2, RATE * 2)
 
 
+def test_reload_reads_the_rules_before_taking_the_reconcilers_lock(tmp_path):
+    """The rules file is read and parsed with the lock free: a slow disk or a large file does
+    not hold up the reconcile passes (issue 25: no I/O under the reconciler's lock)."""
+    import threading
+    held = []
+    state = {"reconciler": None}
+
+    def load():
+        rec = state["reconciler"]
+        if rec is not None:           # at a reload, not at the start
+            got = []
+
+            def probe():
+                got.append(rec.lock.acquire(blocking=False))
+                if got[0]:
+                    rec.lock.release()
+            t = threading.Thread(target=probe)
+            t.start()
+            t.join(5)
+            held.append(not got[0])
+        return RULES
+    with inprocess_daemon(tmp_path, load, tracer_enabled=False) as d:
+        state["reconciler"] = d.reconciler
+        assert d.reload().ok
+        state["reconciler"] = None
+    assert held == [False]
+
+
 def test_stage_backoff_doubles_and_gives_up_within_its_window():
     t = {"now": 0.0}
     calls = []

@@ -252,18 +252,21 @@ class Reconciler:
         """Load new rules with ``load`` (raises RulesError/FlowpacerError: nothing changes),
         switch the backend if the new rules ask for another one, re-plan every flow."""
         from flowpacer.errors import RulesError
+        # the file is read and parsed before the lock: no I/O while the passes wait for it
+        try:
+            new = load()
+        except RulesError as e:
+            with self.lock:
+                self.counters.reloads_failed += 1
+            for p in e.problems:
+                log.error("reload refused: %s", p)
+            return ReloadResult(False, tuple(str(p) for p in e.problems))
+        except FlowpacerError as e:
+            with self.lock:
+                self.counters.reloads_failed += 1
+            log.error("reload refused: %s", e)
+            return ReloadResult(False, (str(e),))
         with self.lock:
-            try:
-                new = load()
-            except RulesError as e:
-                self.counters.reloads_failed += 1
-                for p in e.problems:
-                    log.error("reload refused: %s", p)
-                return ReloadResult(False, tuple(str(p) for p in e.problems))
-            except FlowpacerError as e:
-                self.counters.reloads_failed += 1
-                log.error("reload refused: %s", e)
-                return ReloadResult(False, (str(e),))
             old = self.rules
             sup = self.supervisor
             switch = sup.needs_switch(new)
