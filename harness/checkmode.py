@@ -44,6 +44,14 @@ REFUSED_COMMANDS = {
 IP_NETNS_ARGS = ("netns", "-n", "-netns", "--netns")
 
 
+# A test of the fast subset that runs longer than this (wall clock, its call phase) without the
+# ``slow`` marker fails: `make check` stays a few minutes because nothing long slips into it
+# unmarked. The longest unmarked test took 4.7 s on the quiet 2-core machine (10 s for one that
+# waits out its readers' timeouts, now marked slow); the margin is for the trixie root's
+# `make check`, which runs beside the rest of `make test`.
+SLOW_LIMIT_S = float(os.environ.get("FLOWPACER_CHECK_SLOW_S", "20"))   # the env: for its test
+
+
 def active() -> bool:
     return os.environ.get(ENV) == "1"
 
@@ -158,3 +166,12 @@ def uninstall_shims(bindir: Path) -> None:
 
 __all__ = ["ENV", "active", "install", "uninstall_shims", "refused_argv", "message",
            "REFUSED_COMMANDS"]
+
+
+def too_slow(item, duration_s: float) -> Optional[str]:
+    """The failure message for a test of the fast subset that took ``duration_s`` without the
+    ``slow`` marker, else None."""
+    if duration_s <= SLOW_LIMIT_S or item.get_closest_marker("slow") is not None:
+        return None
+    return (f"make check: this test ran {duration_s:.1f} s, over the fast subset's "
+            f"{SLOW_LIMIT_S:.0f} s: mark it slow (pytest.mark.slow; make test still runs it)")

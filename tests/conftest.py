@@ -43,6 +43,19 @@ def pytest_configure(config):
         config._flowpacer_check_bin = checkmode.install()
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """`make check`: a test that ran over checkmode.SLOW_LIMIT_S without the slow marker fails."""
+    outcome = yield
+    if not checkmode.active() or call.when != "call":
+        return
+    rep = outcome.get_result()
+    why = checkmode.too_slow(item, call.duration)
+    if why and rep.passed:
+        rep.outcome = "failed"
+        rep.longrepr = why
+
+
 def pytest_unconfigure(config):
     bindir = getattr(config, "_flowpacer_check_bin", None)
     if bindir is not None:

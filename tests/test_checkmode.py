@@ -103,3 +103,21 @@ def test_fixtures_that_need_root_mark_their_tests_kernel():
     assert "test_object_cached_by_source_hash" in unmarked
     assert {"test_records_exactly_the_datagrams_sent", "test_errors_are_one_line"} <= set(kernel)
     assert not set(unmarked) & set(kernel)
+
+
+def test_an_unmarked_test_over_the_limit_fails_and_names_the_slow_marker(tmp_path):
+    """The fast subset stays fast: a test that runs longer than checkmode.SLOW_LIMIT_S without
+    the slow marker fails in check mode (the limit lowered here to 0.3 s)."""
+    f = tmp_path / "test_timing.py"
+    f.write_text("import time, pytest\n"
+                 "def test_long():\n    time.sleep(0.6)\n"
+                 "@pytest.mark.slow\ndef test_long_marked():\n    time.sleep(0.6)\n"
+                 "def test_short():\n    pass\n")
+    env = {**os.environ, "FLOWPACER_CHECK": "1", "FLOWPACER_CHECK_SLOW_S": "0.3"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "-p", "tests.conftest", str(f)], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    out = r.stdout + r.stderr
+    assert "1 failed, 2 passed" in out, out
+    assert "test_long " in out.split("short test summary")[-1] or "::test_long" in out, out
+    assert "mark it slow" in out, out

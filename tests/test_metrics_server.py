@@ -321,6 +321,7 @@ class Counting:
         yield g
 
 
+@pytest.mark.slow          # waits out its slow readers: 10 s
 def test_slow_readers_hold_at_most_two_renderings(serve):
     now = [1000.0]
     c = Counting()
