@@ -75,6 +75,31 @@ def test_every_backend_kind_is_registered_once():
     assert set(registry.kinds()) == set(BackendKind) - {BackendKind.AUTO}
     assert registry.auto_order()[0].kind is BackendKind.PSP      # auto prefers psp
     assert registry.choices_text() == "auto, psp or htb"
+    # issue 26: htb keeps closed flows' classes as spares, psp deletes them
+    assert [s.kind for s in registry.auto_order() if s.keeps_spares] == [BackendKind.HTB]
+
+
+def test_the_factory_keeps_spares_as_the_kind_declares(monkeypatch):
+    """The supervisor's factory reads ``keeps_spares`` from the registry, never the kind's name:
+    turning the declaration round turns the backends' spares round."""
+    import dataclasses
+    from flowpacer.daemon.supervisor import TcBackendFactory
+    from flowpacer.kernel.backend.handles import SPARE_MAX
+    monkeypatch.setattr(TcBackendFactory, "_ready", staticmethod(lambda b: b))   # no root qdisc
+    fac = TcBackendFactory()
+
+    def spare_max():
+        out = {}
+        for codec in (HtbCodec(), PspCodec()):
+            b = fac._set_up(codec, "lo", 1000)
+            out[codec.kind] = b.spare_max
+            b.close()
+        return out
+    assert spare_max() == {BackendKind.HTB: SPARE_MAX, BackendKind.PSP: 0}
+    flipped = {k: dataclasses.replace(s, keeps_spares=not s.keeps_spares)
+               for k, s in registry.SPECS.items()}
+    monkeypatch.setattr(registry, "SPECS", flipped)
+    assert spare_max() == {BackendKind.HTB: 0, BackendKind.PSP: SPARE_MAX}
 
 
 # ------------------------------------------------------------------------- the suite
