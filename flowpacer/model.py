@@ -627,6 +627,8 @@ class InterfaceView:
     spares: int = 0                      # spare classes kept for new flows (htb, issue 26)
     groups: int = 0                      # group classes on it (send side: class ids in use)
     rebuild_failures: int = 0            # failed rebuilds of its lost root qdisc, ever
+    class_id_limit: int = 0              # ids each side has for flow and group classes (its
+    #                                      backend's capabilities.class_ids; 0: no backend now)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from flowpacer.kernel.backend.contract import Capabilities
 from flowpacer.kernel.backend.filters import LayoutFull
+from flowpacer.kernel.backend.handles import FLOW_CLASS_IDS
 from flowpacer.kernel.backend.pool import Pool, book
 from flowpacer.errors import BackendError
 from flowpacer.sources.firstbyte import (COUNTERS, EVENT, FB_DIR_INBOUND, FB_DIR_OUTBOUND,
@@ -42,7 +43,8 @@ class FakeBackend:
         self.kind = BackendKind(name)
         self.name = name
         self.capabilities = Capabilities(has_classes=True, groups=False, kernel_shares=False,
-                                         pools=side is Side.SEND, side=side)
+                                         pools=side is Side.SEND, side=side,
+                                         class_ids=FLOW_CLASS_IDS)   # as the tc backends
         self.interface = interface
         self.link_rate_bps = link_rate_bps
         self.health = BackendHealth.OK

@@ -52,6 +52,8 @@ def test_the_tc_backends_keep_the_protocol_and_declare_capabilities():
             assert b.capabilities.has_classes and b.capabilities.groups
             assert b.capabilities.kernel_shares is b.codec.kernel_shares
             assert b.capabilities.pools is (b.capabilities.side is Side.SEND)
+            # the flow class ids, f1f0:10..f1f0:bfff (the pools' ids above them)
+            assert b.capabilities.class_ids == 0xBFFF - 0x10 + 1
             if b.capabilities.pools:
                 assert missing_members(b, Pools) == []
         finally:

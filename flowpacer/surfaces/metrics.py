@@ -819,10 +819,11 @@ class MetricsServer:
 
 def health_families(v):
     """What the alerting rules (docs/flowpacer-alerts.yml) watch besides the stages and
-    ``flowpacer_backend_fallback`` (a backend that fell back from psp to htb): how full the flow class-id space is (each interface has
-    ``CLASS_ID_LIMIT`` ids for flow and group classes; one more flow is refused)."""
+    ``flowpacer_backend_fallback`` (a backend that fell back from psp to htb): how full the flow
+    class-id space is (each side of an interface has the ids its backend declares,
+    ``InterfaceView.class_id_limit``, for flow and group classes; one more flow is refused).
+    An interface without a backend now has no limit series."""
     from prometheus_client.core import GaugeMetricFamily
-    from flowpacer.kernel.backend.handles import FIRST_FLOW_MINOR, LAST_FLOW_MINOR
     used = GaugeMetricFamily("flowpacer_class_ids_used",
                              "Class ids in use by flow and group classes, per interface and side.",
                              labels=["interface", "side"])
@@ -836,7 +837,8 @@ def health_families(v):
         used.add_metric([i.name, "send"], sum(1 for f in mine if f.side.value == "send")
                         + (i.groups if v.interfaces else len(v.groups)))
         used.add_metric([i.name, "receive"], sum(1 for f in mine if f.side.value == "receive"))
-        lim.add_metric([i.name], LAST_FLOW_MINOR - FIRST_FLOW_MINOR + 1)
+        if i.class_id_limit:
+            lim.add_metric([i.name], i.class_id_limit)
     yield used
     yield lim
 

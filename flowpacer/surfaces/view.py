@@ -51,7 +51,9 @@ def build(rec, sup, stages: Iterable, *, rules_path: str, flow_source: FlowSourc
                                     port.problem, pb.link_rate_bps if pb is not None else 0, n,
                                     spares=pb.spare_count() if pb is not None else 0,
                                     groups=len(_groups(pb)),
-                                    rebuild_failures=port.rebuild_failures))
+                                    rebuild_failures=port.rebuild_failures,
+                                    class_id_limit=(pb.capabilities.class_ids
+                                                    if pb is not None else 0)))
     c = rec.counters
     return DaemonView(
         backend=b.name if b else None,
