@@ -395,8 +395,9 @@ class FlowpacerCollector:
         deg = GaugeMetricFamily("flowpacer_flow_source_degraded",
                                 "1 when the eBPF tracer is not running and flows are found by "
                                 "sock_diag polling only.")
-        deg.add_metric([], 0 if any(s.name == "tracer" and s.state is StageState.RUNNING
-                                    for s in v.stages) else 1)
+        # the flow source's own mode (--no-tracer, the tracer could not load or was given up);
+        # a tracer stage waiting out its back-off is still the flow source (stage metrics)
+        deg.add_metric([], 1 if v.flow_source.polling else 0)
         yield deg
         rel = CounterMetricFamily("flowpacer_reloads", "Rules reloads by outcome.",
                                   labels=["outcome"])
