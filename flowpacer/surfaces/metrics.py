@@ -82,30 +82,33 @@ MAX_CLIENT_SERIES = 100     # per-client series: the busiest clients only (bound
 
 def group_families(v, stats, addresses, limit: int = MAX_CLIENT_SERIES):
     """The aggregate-rate series: each rule group's cap and current rate, and for the ``limit``
-    busiest client groups (most bytes sent through their class) their bytes and current share.
-    Client labels follow ``--metrics-addresses`` (``prefix``: the client's /24 or /48; ``none``:
-    no per-client series); clients beyond the limit are counted in
-    ``flowpacer_client_series_overflow``."""
+    busiest client groups (most bytes sent through their class) their bytes and current share,
+    each labelled with the interface its class is on (a rule's group is one per shaped
+    interface, issue 29). Client labels follow ``--metrics-addresses`` (``prefix``: the
+    client's /24 or /48; ``none``: no per-client series); clients beyond the limit are counted
+    in ``flowpacer_client_series_overflow``."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
     rule_cap = GaugeMetricFamily("flowpacer_rule_total_rate_bytes_per_second",
-                                 "The rule's total_rate (the cap of all its flows together).",
-                                 labels=["rule"])
+                                 "The rule's total_rate (the cap of all its flows together on "
+                                 "one interface).", labels=["rule", "interface"])
     rule_now = GaugeMetricFamily("flowpacer_rule_group_rate_bytes_per_second",
                                  "The rate the rule's group class has now (what its flows want, "
-                                 "at most total_rate).", labels=["rule"])
+                                 "at most total_rate).", labels=["rule", "interface"])
     c_bytes = CounterMetricFamily("flowpacer_client_sent_bytes",
                                   "Bytes sent to one client by a rule with client_rate (busiest "
-                                  "clients only).", labels=["rule", "client"])
+                                  "clients only).", labels=["rule", "client", "interface"])
     c_rate = GaugeMetricFamily("flowpacer_client_rate_bytes_per_second",
                                "The client group's rate now: client_rate, or its share of the "
-                               "rule's total_rate (busiest clients only).", labels=["rule", "client"])
+                               "rule's total_rate (busiest clients only).",
+                               labels=["rule", "client", "interface"])
     clients: Dict[tuple, list] = {}
     for g in v.groups:
         if g.kind is None or not g.id:
             continue
+        ifname = g.interface or v.interface or ""
         if g.kind.value == "rule":
-            rule_cap.add_metric([g.id], g.ceil_bps)
-            rule_now.add_metric([g.id], g.rate_bps)
+            rule_cap.add_metric([g.id, ifname], g.ceil_bps)
+            rule_now.add_metric([g.id, ifname], g.rate_bps)
             continue
         if addresses is AddressLabels.NONE:
             continue
@@ -113,13 +116,13 @@ def group_families(v, stats, addresses, limit: int = MAX_CLIENT_SERIES):
         label = net if addresses is AddressLabels.FULL else \
             address_label(net.split("/")[0], addresses)
         st = stats.get(g.stats_key(v.interface or ""))
-        c = clients.setdefault((rule, label), [0, 0])
+        c = clients.setdefault((rule, label, ifname), [0, 0])
         c[0] += st.bytes if st else 0
         c[1] += g.rate_bps
     busiest = sorted(clients.items(), key=lambda kv: (-kv[1][0], kv[0]))
-    for (rule, label), (b, rate) in busiest[:limit]:
-        c_bytes.add_metric([rule, label], b)
-        c_rate.add_metric([rule, label], rate)
+    for labels, (b, rate) in busiest[:limit]:
+        c_bytes.add_metric(list(labels), b)
+        c_rate.add_metric(list(labels), rate)
     over = GaugeMetricFamily("flowpacer_client_series_overflow",
                              "Client groups not exported as series in this scrape (over the "
                              f"limit of {limit} busiest).")
