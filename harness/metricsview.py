@@ -6,7 +6,7 @@ from flowpacer.model import (BackendHealth, DaemonCounters, DaemonView, Directio
                              Histogram, InterfaceView, Side, StageState, StageView,
                              TracerStats)
 from flowpacer.kernel.backend.handles import FLOW_CLASS_IDS
-from flowpacer.surfaces.metrics import LatencyHistogram
+from flowpacer.daemon.latency import LatencyHistogram
 
 
 def flow_view(i, rule="r", rate=1000, process="srv\n\x1b[31m"):

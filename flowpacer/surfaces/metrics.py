@@ -44,36 +44,6 @@ DEFAULT_ADDRESSES = "prefix"          # --metrics-addresses (AddressLabels)
 FLOW_LABELS = ["rule", "process", "direction", "local_address", "local_port", "remote_address",
                "remote_port", "protocol", "side", "interface"]
 
-# apply latency buckets, seconds
-APPLY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-
-
-class LatencyHistogram:
-    """Cumulative histogram filled by the daemon's loop (one add per apply), read by scrapes."""
-
-    def __init__(self, buckets=APPLY_BUCKETS):
-        self.buckets = tuple(buckets)
-        self.counts = [0] * (len(self.buckets) + 1)
-        self.total = 0.0
-
-    def observe(self, seconds: float) -> None:
-        for i, b in enumerate(self.buckets):
-            if seconds <= b:
-                self.counts[i] += 1
-                break
-        else:
-            self.counts[-1] += 1
-        self.total += seconds
-
-    def cumulative(self):
-        out, acc = [], 0
-        for b, c in zip(self.buckets, self.counts):
-            acc += c
-            out.append((repr(b), acc))
-        acc += self.counts[-1]
-        out.append(("+Inf", acc))
-        return out, self.total
-
 
 # ------------------------------------------------------- groups (issue 15)
 
