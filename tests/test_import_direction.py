@@ -1,4 +1,4 @@
-"""The import direction (docs/design.md, "Rooms and the import direction"): the rooms under
+"""The import direction (docs/design.md, "Data flow"): the rooms under
 flowpacer/ import downwards only. sources/, policy/ and kernel/ never import daemon/ or
 surfaces/; daemon/ never imports surfaces/. The modules at the top (model.py, errors.py,
 units.py, text.py) are shared by all. Every import is read from the source with ``ast``,

@@ -1,6 +1,6 @@
 """The backend contract: exactly what the daemon calls on a backend and on a tc codec.
 
-``Backend`` names every member the daemon uses (reconciler, supervisor, view, app, first-byte);
+``Backend`` names every member the daemon uses (reconciler, supervisor, view, app);
 what a backend can do is declared in its ``capabilities`` (a frozen ``Capabilities``), never
 probed with ``getattr``. First-byte pools are a separate ``Pools`` protocol: only a backend whose
 ``capabilities.pools`` is true has them. ``Codec`` is what ``TcBackend`` asks of an htb or psp
