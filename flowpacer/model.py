@@ -627,6 +627,8 @@ class InterfaceView:
     spares: int = 0                      # spare classes kept for new flows (htb, issue 26)
     groups: int = 0                      # group classes on it (send side: class ids in use)
     rebuild_failures: int = 0            # failed rebuilds of its lost root qdisc, ever
+    class_id_limit: int = 0              # ids each side has for flow and group classes (its
+    #                                      backend's capabilities.class_ids; 0: no backend now)
 
 
 @dataclass(frozen=True, slots=True)
@@ -637,14 +639,16 @@ class GroupView:
     handle: str                          # the backend's name for its class, shown only
     rate_bps: int                        # its kernel rate (its share when its parent is full)
     ceil_bps: int                        # its cap
+    interface: str = ""                  # the interface its class is on (issue 29; the view's)
 
     @property
     def group_key(self) -> GroupKey:
         return GroupKey(self.kind, self.id)
 
-    def stats_key(self, interface: str) -> StatsKey:
-        """Its class's key in a statistics map (groups are on the send side)."""
-        return StatsKey(interface, Side.SEND, self.group_key)
+    def stats_key(self, interface: str = "") -> StatsKey:
+        """Its class's key in a statistics map (groups are on the send side): on its own
+        interface, else on ``interface`` (the daemon's one interface)."""
+        return StatsKey(self.interface or interface, Side.SEND, self.group_key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -876,7 +880,7 @@ class DaemonView:
     stages: Tuple[StageView, ...]
     counters: DaemonCounters
     events: EventCounts
-    groups: Tuple[GroupView, ...] = ()   # group classes (issue 15)
+    groups: Tuple[GroupView, ...] = ()   # group classes (issue 15) of every shaped interface
     # the receive side (issue 17): its ifb (None: no rule receives), health and problem
     receive_interface: Optional[str] = None
     receive_health: BackendHealth = BackendHealth.OK

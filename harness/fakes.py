@@ -13,12 +13,14 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from flowpacer.kernel.backend.contract import Capabilities
 from flowpacer.kernel.backend.filters import LayoutFull
+from flowpacer.kernel.backend.handles import FLOW_CLASS_IDS
 from flowpacer.kernel.backend.pool import Pool, book
 from flowpacer.errors import BackendError
 from flowpacer.sources.firstbyte import (COUNTERS, EVENT, FB_DIR_INBOUND, FB_DIR_OUTBOUND,
                                          FB_F_CLOSED, POOL_SLOTS, FirstByte)
 from flowpacer.model import (ApplyResult, BackendHealth, BackendKind, ClassRole, ClassStats,
-                             FlowKey, Op, OpError, OpKind, PoolOp, Shape, Side)
+                             FlowKey, GroupKey, GroupView, Op, OpError, OpKind, PoolOp, Shape,
+                             Side)
 
 
 class FakeStatsChannel:
@@ -33,16 +35,19 @@ class FakeBackend:
     """A ``Backend`` (flowpacer/kernel/backend/contract.py) in memory: classes without groups, the
     first-byte pools on the send side (``Pools``), every class with 1000 bytes sent. With
     ``spare_max``, a removed flow's class id is kept as a spare (up to that many) and given to
-    the next new flow, as htb's TcBackend does (issue 26); ``spares``: what a crash left."""
+    the next new flow, as htb's TcBackend does (issue 26); ``spares``: what a crash left. With
+    ``groups``, it declares group classes and has one for each group of its flows' shapes (their
+    nominal rates, no hierarchy, no sharing: what status and metrics read, not the tc trees)."""
 
     def __init__(self, name: str = "htb", interface: str = "fake0",
                  link_rate_bps: int = 125_000_000,
                  installed: Optional[Dict[FlowKey, Shape]] = None, side: Side = Side.SEND,
-                 spare_max: int = 0, spares: Sequence[int] = ()):
+                 spare_max: int = 0, spares: Sequence[int] = (), groups: bool = False):
         self.kind = BackendKind(name)
         self.name = name
-        self.capabilities = Capabilities(has_classes=True, groups=False, kernel_shares=False,
-                                         pools=side is Side.SEND, side=side)
+        self.capabilities = Capabilities(has_classes=True, groups=groups, kernel_shares=False,
+                                         pools=side is Side.SEND, side=side,
+                                         class_ids=FLOW_CLASS_IDS)   # as the tc backends
         self.interface = interface
         self.link_rate_bps = link_rate_bps
         self.health = BackendHealth.OK
@@ -168,8 +173,20 @@ class FakeBackend:
     def flows_snapshot(self):
         return [(k, f"{c >> 16:x}:{c & 0xFFFF:x}", s) for k, (c, s) in self.flows.items()]
 
+    def _group_classes(self) -> Dict[GroupKey, tuple]:
+        """GroupKey -> (display name, Group) of the groups its flows are in (``groups`` only)."""
+        if not self.capabilities.groups:
+            return {}
+        found = {}
+        for _c, shape in self.flows.values():
+            for g in shape.groups:
+                found.setdefault(GroupKey(g.kind, g.id), g)
+        return {k: (f"f1f0:{0xB000 + i:x}", g) for i, (k, g) in enumerate(sorted(
+            found.items(), key=lambda kv: (kv[0].kind.value, kv[0].id)))}
+
     def group_views(self):
-        return ()
+        return tuple(GroupView(g.kind, g.id, handle, g.rate_bps, g.ceil_bps)
+                     for handle, g in self._group_classes().values())
 
     def spare_count(self) -> int:
         return len(self.spares)
@@ -182,6 +199,7 @@ class FakeBackend:
 
     def class_stats(self, channel=None):
         out = {k: ClassStats(bytes=1000, packets=1) for k in self.flows}
+        out.update((k, ClassStats(bytes=1000, packets=1)) for k in self._group_classes())
         out[ClassRole.DEFAULT] = ClassStats()
         return out
 
@@ -193,10 +211,12 @@ class FakeFactory:
     """Hands out FakeBackends; ``psp`` says whether the psp "module" is there."""
 
     def __init__(self, psp: bool = False, installed: Optional[Dict[FlowKey, Shape]] = None,
-                 spare_max: int = 0):
-        """``spare_max``: the send backends keep closed flows' classes as spares (issue 26)."""
+                 spare_max: int = 0, groups: bool = False):
+        """``spare_max``: the send backends keep closed flows' classes as spares (issue 26);
+        ``groups``: they have group classes (``FakeBackend``'s ``groups``)."""
         self.psp = psp
         self.spare_max = spare_max
+        self.groups = groups
         self.made: List[FakeBackend] = []
         self._installed = installed
         # the receive side (issue 17): backends made, why making one fails, clean-ups asked
@@ -207,7 +227,7 @@ class FakeFactory:
     def _new(self, name, interface, link_rate_bps):
         b = FakeBackend(name, interface, link_rate_bps or 125_000_000,
                         installed=self._installed if not self.made else None,
-                        spare_max=self.spare_max)
+                        spare_max=self.spare_max, groups=self.groups)
         self.made.append(b)
         b.setup()
         return b

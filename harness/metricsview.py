@@ -3,8 +3,10 @@ import ipaddress
 
 from flowpacer.model import (BackendHealth, DaemonCounters, DaemonView, Direction, EventCounts,
                              FlowKey, FlowSource, FlowSourceMode, FlowSourceStatus, FlowView,
-                             Histogram, StageState, StageView, TracerStats)
-from flowpacer.surfaces.metrics import LatencyHistogram
+                             Histogram, InterfaceView, Side, StageState, StageView,
+                             TracerStats)
+from flowpacer.kernel.backend.handles import FLOW_CLASS_IDS
+from flowpacer.daemon.latency import LatencyHistogram
 
 
 def flow_view(i, rule="r", rate=1000, process="srv\n\x1b[31m"):
@@ -32,4 +34,10 @@ def daemon_view(flows, **kw):
              stages=(StageView("main", StageState.RUNNING), StageView("tracer", StageState.RUNNING)),
              counters=DaemonCounters(**counters), events=EventCounts(tracer_open=3))
     v.update(kw)
+    if "interfaces" not in v:        # a built view has its interfaces: here eth0 with an htb
+        #                              backend's class ids
+        v["interfaces"] = (InterfaceView(
+            v["interface"], v["backend"], v["backend_health"], v["backend_problem"],
+            v["link_rate_bps"], sum(f.side is Side.SEND for f in v["flows"]),
+            groups=len(v.get("groups", ())), class_id_limit=FLOW_CLASS_IDS),)
     return DaemonView(**v)

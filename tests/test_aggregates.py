@@ -516,10 +516,11 @@ def test_metrics_per_client_series_are_bounded_to_the_busiest():
     fams = {f.name: f for f in metrics.group_families(_view(groups), stats,
                                                       metrics.AddressLabels.FULL)}
     assert [(s.labels, s.value) for s in fams["flowpacer_rule_total_rate_bytes_per_second"].samples] \
-        == [({"rule": "dl"}, 30 * MBIT)]
+        == [({"rule": "dl", "interface": "eth0"}, 30 * MBIT)]
     sent = fams["flowpacer_client_sent_bytes"].samples
     assert len(sent) == 100 and fams["flowpacer_client_series_overflow"].samples[0].value == 50
-    assert sent[0].labels == {"rule": "dl", "client": "10.0.1.49/32"} and sent[0].value == 149000
+    assert sent[0].labels == {"rule": "dl", "client": "10.0.1.49/32", "interface": "eth0"}
+    assert sent[0].value == 149000
     assert min(s.value for s in sent) == 50000       # the 100 busiest, no other
     # prefix mode merges clients into their /24; none has no per-client series
     fams = {f.name: f for f in metrics.group_families(_view(groups), stats,
@@ -549,7 +550,8 @@ def test_status_json_and_top_show_the_groups():
     assert [g["kind"] for g in fj["groups"]] == ["rule", "client"]
     pj = next(x for x in st["flows"] if x["rule"] == "p")
     assert (pj["groups"], pj["client"]) == ([], "")
-    assert st["groups"][1] == {"kind": "client", "id": "dl/2001:db8::/64", "classid": "f1f0:11",
+    assert st["groups"][1] == {"kind": "client", "id": "dl/2001:db8::/64", "interface": "eth0",
+                               "classid": "f1f0:11",
                                "rate_bit": 8_000_000, "ceil_bit": 20_000_000, "bytes": 1234,
                                "packets": 0, "drops": 0}
     t = top.Tracker("/nonexistent", 1.0)

@@ -52,6 +52,8 @@ def test_the_tc_backends_keep_the_protocol_and_declare_capabilities():
             assert b.capabilities.has_classes and b.capabilities.groups
             assert b.capabilities.kernel_shares is b.codec.kernel_shares
             assert b.capabilities.pools is (b.capabilities.side is Side.SEND)
+            # the flow class ids, f1f0:10..f1f0:bfff (the pools' ids above them)
+            assert b.capabilities.class_ids == 0xBFFF - 0x10 + 1
             if b.capabilities.pools:
                 assert missing_members(b, Pools) == []
         finally:
@@ -75,6 +77,31 @@ def test_every_backend_kind_is_registered_once():
     assert set(registry.kinds()) == set(BackendKind) - {BackendKind.AUTO}
     assert registry.auto_order()[0].kind is BackendKind.PSP      # auto prefers psp
     assert registry.choices_text() == "auto, psp or htb"
+    # issue 26: htb keeps closed flows' classes as spares, psp deletes them
+    assert [s.kind for s in registry.auto_order() if s.keeps_spares] == [BackendKind.HTB]
+
+
+def test_the_factory_keeps_spares_as_the_kind_declares(monkeypatch):
+    """The supervisor's factory reads ``keeps_spares`` from the registry, never the kind's name:
+    turning the declaration round turns the backends' spares round."""
+    import dataclasses
+    from flowpacer.daemon.supervisor import TcBackendFactory
+    from flowpacer.kernel.backend.handles import SPARE_MAX
+    monkeypatch.setattr(TcBackendFactory, "_ready", staticmethod(lambda b: b))   # no root qdisc
+    fac = TcBackendFactory()
+
+    def spare_max():
+        out = {}
+        for codec in (HtbCodec(), PspCodec()):
+            b = fac._set_up(codec, "lo", 1000)
+            out[codec.kind] = b.spare_max
+            b.close()
+        return out
+    assert spare_max() == {BackendKind.HTB: SPARE_MAX, BackendKind.PSP: 0}
+    flipped = {k: dataclasses.replace(s, keeps_spares=not s.keeps_spares)
+               for k, s in registry.SPECS.items()}
+    monkeypatch.setattr(registry, "SPECS", flipped)
+    assert spare_max() == {BackendKind.HTB: 0, BackendKind.PSP: SPARE_MAX}
 
 
 # ------------------------------------------------------------------------- the suite

@@ -278,3 +278,43 @@ def test_spare_classes_are_counted_per_interface_and_listed_on_request(tmp_path)
         sd.flows[v4(7)] = flow(v4(7))               # a new flow gets a spare
         wait_for(lambda: v4(7) in on(d, "fk0"), 5, what="the new flow shaped")
         assert [i["spare_classes"] for i in d.status()["interfaces"]] == [2, 0]
+
+
+def test_groups_of_every_interface_are_in_view_status_and_metrics(tmp_path):
+    """A rule with client_rate and total_rate shaping a flow on each of two interfaces: each
+    interface has its own group classes, and the view, the status answer and the group series
+    show both, each with its interface and the counters keyed by that interface."""
+    from flowpacer.policy.engine import client_of
+    router = FakeRouter({"10.2.0.0/16": "fk0", "fd00:2::/64": "fk1"})
+    sd = FakeSockDiag()
+    a, b = v4(0), v6(0)
+    sd.flows = {a: flow(a), b: flow(b)}
+    capped = Rule("web", Match(process=("nginx",)), RATE, client_rate_bps=2 * RATE,
+                  total_rate_bps=4 * RATE)
+    rs = RuleSet("", BackendKind.HTB, 125_000_000, (capped,),
+                 interfaces=(InterfaceSpec("fk0"), InterfaceSpec("fk1")))
+    with inprocess_daemon(tmp_path, rs, factory=FakeFactory(groups=True), sockdiag=sd,
+                          tracer_enabled=False, router=router) as d:
+        wait_for(lambda: on(d, "fk0") == {a} and on(d, "fk1") == {b}, 5, what="both shaped")
+        ca, cb = (f"web/{client_of(capped, k.remote_addr)}" for k in (a, b))
+        want = {("fk0", "rule", "web"), ("fk0", "client", ca),
+                ("fk1", "rule", "web"), ("fk1", "client", cb)}
+        v = d.view()
+        assert {(g.interface, g.kind.value, g.id) for g in v.groups} == want
+        assert [(i.name, i.groups) for i in v.interfaces] == [("fk0", 2), ("fk1", 2)]
+        # status: every interface's groups, each with its interface and its own counters
+        st = call(d.opts.socket_path, {"cmd": "status"}, timeout=5)
+        assert {(g["interface"], g["kind"], g["id"]) for g in st["groups"]} == want
+        assert {g["bytes"] for g in st["groups"]} == {1000}
+        assert [i["groups"] for i in st["interfaces"]] == [2, 2]
+        # metrics: the rule's cap on each interface, each client's bytes by its interface
+        m = list(samples(d))
+        caps = {(lab["interface"], lab["rule"]): val for n, lab, val in m
+                if n == "flowpacer_rule_total_rate_bytes_per_second"}
+        assert caps == {("fk0", "web"): 4 * RATE, ("fk1", "web"): 4 * RATE}
+        sent = {(lab["interface"], lab["rule"]): val for n, lab, val in m
+                if n == "flowpacer_client_sent_bytes_total"}
+        assert sent == {("fk0", "web"): 1000, ("fk1", "web"): 1000}
+        used = {lab["interface"]: val for n, lab, val in m
+                if n == "flowpacer_class_ids_used" and lab["side"] == "send"}
+        assert used == {"fk0": 3, "fk1": 3}            # a flow and its two groups each

@@ -139,6 +139,35 @@ def test_send_and_receive_are_counted_apart():
     assert value(m, "flowpacer_rule_flows", rule="r") == 1
 
 
+def test_the_class_id_limit_is_each_backends_declaration():
+    """flowpacer_class_ids_limit is what each interface's backend declares
+    (``Capabilities.class_ids``, carried by ``InterfaceView.class_id_limit``): metrics know no
+    class id of their own; an interface without a backend now has no limit."""
+    from flowpacer.model import BackendHealth, InterfaceView
+    ifaces = (InterfaceView("eth0", "htb", BackendHealth.OK, "", 1000, 0, class_id_limit=7),
+              InterfaceView("eth1", "", BackendHealth.GONE, "gone", 0, 0))
+    m = scrape(FlowpacerCollector(lambda: _view([], interfaces=ifaces), dict))
+    assert [(s.labels, s.value) for s in m["flowpacer_class_ids_limit"]] == [
+        ({"interface": "eth0"}, 7)]
+    assert value(m, "flowpacer_class_ids_used", interface="eth1", side="send") == 0
+
+
+def test_flow_source_degraded_is_the_flow_source_mode():
+    """flowpacer_flow_source_degraded is 1 exactly in the modes that poll sock_diag only, read
+    from the view's typed flow source, whatever the stages are called or say."""
+    from flowpacer.model import FlowSourceMode, FlowSourceStatus, StageState, StageView
+    for mode in FlowSourceMode:
+        for tracer in (StageState.RUNNING, StageState.RESTARTING, None):
+            stages = (StageView("main", StageState.RUNNING),) + (
+                (StageView("tracer", tracer),) if tracer else ())
+            m = scrape(FlowpacerCollector(lambda: _view(
+                [], flow_source=FlowSourceStatus(mode, "why"), stages=stages), dict))
+            want = 1 if mode in (FlowSourceMode.NO_TRACER, FlowSourceMode.TRACER_CANNOT_LOAD,
+                                 FlowSourceMode.TRACER_UNAVAILABLE,
+                                 FlowSourceMode.TRACER_FAILED) else 0
+            assert value(m, "flowpacer_flow_source_degraded") == want, (mode, tracer)
+
+
 def test_build_info():
     from importlib import metadata
     import platform

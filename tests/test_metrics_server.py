@@ -32,9 +32,9 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from flowpacer.surfaces import webconfig
+from flowpacer.daemon.latency import LatencyHistogram
 from flowpacer.surfaces.metrics import (MAX_CONNECTIONS, AddressLabels, FlowpacerCollector,
-                                        FlowSeries, LatencyHistogram, MetricsServer,
-                                        address_label, flow_labels)
+                                        FlowSeries, MetricsServer, address_label, flow_labels)
 from flowpacer.model import (BackendHealth, ClassStats, DaemonCounters, DaemonView, Direction,
                              EventCounts, FlowKey, FlowSource, FlowSourceMode, FlowSourceStatus,
                              FlowView, Histogram, Protocol, StageState, StageView, TracerStats)

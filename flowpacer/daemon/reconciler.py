@@ -26,7 +26,7 @@ from typing import Callable, Iterable, Optional
 from flowpacer.policy import engine
 from flowpacer.errors import FlowpacerError
 from flowpacer.daemon.flows import FlowTable
-from flowpacer.surfaces.metrics import LatencyHistogram
+from flowpacer.daemon.latency import LatencyHistogram
 from flowpacer.model import (FlowKey, FlowSource, OpKind, PoolGrant, PoolReport, ReloadResult,
                              RuleSet)
 from flowpacer.daemon.supervisor import BackendSupervisor

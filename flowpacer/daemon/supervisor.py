@@ -73,9 +73,8 @@ class TcBackendFactory:
         """A TcBackend with its root qdisc in place; its netlink socket closed on failure."""
         from flowpacer.kernel.backend.handles import SPARE_MAX
         from flowpacer.kernel.backend.tc import TcBackend
-        # htb keeps closed flows' classes as spares (issue 26: making and deleting classes is
-        # what a burst costs the kernel); psp's classes are made and deleted as before
-        spares = SPARE_MAX if codec.kind is BackendKind.HTB else 0
+        # whether closed flows' classes are kept as spares is the kind's own declaration
+        spares = SPARE_MAX if registry.spec(codec.kind).keeps_spares else 0
         return self._ready(TcBackend(codec, interface, link_rate_bps, self.take_over,
                                      spare_max=spares))
 

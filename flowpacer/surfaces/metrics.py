@@ -44,36 +44,6 @@ DEFAULT_ADDRESSES = "prefix"          # --metrics-addresses (AddressLabels)
 FLOW_LABELS = ["rule", "process", "direction", "local_address", "local_port", "remote_address",
                "remote_port", "protocol", "side", "interface"]
 
-# apply latency buckets, seconds
-APPLY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-
-
-class LatencyHistogram:
-    """Cumulative histogram filled by the daemon's loop (one add per apply), read by scrapes."""
-
-    def __init__(self, buckets=APPLY_BUCKETS):
-        self.buckets = tuple(buckets)
-        self.counts = [0] * (len(self.buckets) + 1)
-        self.total = 0.0
-
-    def observe(self, seconds: float) -> None:
-        for i, b in enumerate(self.buckets):
-            if seconds <= b:
-                self.counts[i] += 1
-                break
-        else:
-            self.counts[-1] += 1
-        self.total += seconds
-
-    def cumulative(self):
-        out, acc = [], 0
-        for b, c in zip(self.buckets, self.counts):
-            acc += c
-            out.append((repr(b), acc))
-        acc += self.counts[-1]
-        out.append(("+Inf", acc))
-        return out, self.total
-
 
 # ------------------------------------------------------- groups (issue 15)
 
@@ -82,30 +52,33 @@ MAX_CLIENT_SERIES = 100     # per-client series: the busiest clients only (bound
 
 def group_families(v, stats, addresses, limit: int = MAX_CLIENT_SERIES):
     """The aggregate-rate series: each rule group's cap and current rate, and for the ``limit``
-    busiest client groups (most bytes sent through their class) their bytes and current share.
-    Client labels follow ``--metrics-addresses`` (``prefix``: the client's /24 or /48; ``none``:
-    no per-client series); clients beyond the limit are counted in
-    ``flowpacer_client_series_overflow``."""
+    busiest client groups (most bytes sent through their class) their bytes and current share,
+    each labelled with the interface its class is on (a rule's group is one per shaped
+    interface, issue 29). Client labels follow ``--metrics-addresses`` (``prefix``: the
+    client's /24 or /48; ``none``: no per-client series); clients beyond the limit are counted
+    in ``flowpacer_client_series_overflow``."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
     rule_cap = GaugeMetricFamily("flowpacer_rule_total_rate_bytes_per_second",
-                                 "The rule's total_rate (the cap of all its flows together).",
-                                 labels=["rule"])
+                                 "The rule's total_rate (the cap of all its flows together on "
+                                 "one interface).", labels=["rule", "interface"])
     rule_now = GaugeMetricFamily("flowpacer_rule_group_rate_bytes_per_second",
                                  "The rate the rule's group class has now (what its flows want, "
-                                 "at most total_rate).", labels=["rule"])
+                                 "at most total_rate).", labels=["rule", "interface"])
     c_bytes = CounterMetricFamily("flowpacer_client_sent_bytes",
                                   "Bytes sent to one client by a rule with client_rate (busiest "
-                                  "clients only).", labels=["rule", "client"])
+                                  "clients only).", labels=["rule", "client", "interface"])
     c_rate = GaugeMetricFamily("flowpacer_client_rate_bytes_per_second",
                                "The client group's rate now: client_rate, or its share of the "
-                               "rule's total_rate (busiest clients only).", labels=["rule", "client"])
+                               "rule's total_rate (busiest clients only).",
+                               labels=["rule", "client", "interface"])
     clients: Dict[tuple, list] = {}
     for g in v.groups:
         if g.kind is None or not g.id:
             continue
+        ifname = g.interface or v.interface or ""
         if g.kind.value == "rule":
-            rule_cap.add_metric([g.id], g.ceil_bps)
-            rule_now.add_metric([g.id], g.rate_bps)
+            rule_cap.add_metric([g.id, ifname], g.ceil_bps)
+            rule_now.add_metric([g.id, ifname], g.rate_bps)
             continue
         if addresses is AddressLabels.NONE:
             continue
@@ -113,13 +86,13 @@ def group_families(v, stats, addresses, limit: int = MAX_CLIENT_SERIES):
         label = net if addresses is AddressLabels.FULL else \
             address_label(net.split("/")[0], addresses)
         st = stats.get(g.stats_key(v.interface or ""))
-        c = clients.setdefault((rule, label), [0, 0])
+        c = clients.setdefault((rule, label, ifname), [0, 0])
         c[0] += st.bytes if st else 0
         c[1] += g.rate_bps
     busiest = sorted(clients.items(), key=lambda kv: (-kv[1][0], kv[0]))
-    for (rule, label), (b, rate) in busiest[:limit]:
-        c_bytes.add_metric([rule, label], b)
-        c_rate.add_metric([rule, label], rate)
+    for labels, (b, rate) in busiest[:limit]:
+        c_bytes.add_metric(list(labels), b)
+        c_rate.add_metric(list(labels), rate)
     over = GaugeMetricFamily("flowpacer_client_series_overflow",
                              "Client groups not exported as series in this scrape (over the "
                              f"limit of {limit} busiest).")
@@ -395,8 +368,9 @@ class FlowpacerCollector:
         deg = GaugeMetricFamily("flowpacer_flow_source_degraded",
                                 "1 when the eBPF tracer is not running and flows are found by "
                                 "sock_diag polling only.")
-        deg.add_metric([], 0 if any(s.name == "tracer" and s.state is StageState.RUNNING
-                                    for s in v.stages) else 1)
+        # the flow source's own mode (--no-tracer, the tracer could not load or was given up);
+        # a tracer stage waiting out its back-off is still the flow source (stage metrics)
+        deg.add_metric([], 1 if v.flow_source.polling else 0)
         yield deg
         rel = CounterMetricFamily("flowpacer_reloads", "Rules reloads by outcome.",
                                   labels=["outcome"])
@@ -819,10 +793,11 @@ class MetricsServer:
 
 def health_families(v):
     """What the alerting rules (docs/flowpacer-alerts.yml) watch besides the stages and
-    ``flowpacer_backend_fallback`` (a backend that fell back from psp to htb): how full the flow class-id space is (each interface has
-    ``CLASS_ID_LIMIT`` ids for flow and group classes; one more flow is refused)."""
+    ``flowpacer_backend_fallback`` (a backend that fell back from psp to htb): how full the flow
+    class-id space is (each side of an interface has the ids its backend declares,
+    ``InterfaceView.class_id_limit``, for flow and group classes; one more flow is refused).
+    An interface without a backend now has no limit series."""
     from prometheus_client.core import GaugeMetricFamily
-    from flowpacer.kernel.backend.handles import FIRST_FLOW_MINOR, LAST_FLOW_MINOR
     used = GaugeMetricFamily("flowpacer_class_ids_used",
                              "Class ids in use by flow and group classes, per interface and side.",
                              labels=["interface", "side"])
@@ -836,7 +811,8 @@ def health_families(v):
         used.add_metric([i.name, "send"], sum(1 for f in mine if f.side.value == "send")
                         + (i.groups if v.interfaces else len(v.groups)))
         used.add_metric([i.name, "receive"], sum(1 for f in mine if f.side.value == "receive"))
-        lim.add_metric([i.name], LAST_FLOW_MINOR - FIRST_FLOW_MINOR + 1)
+        if i.class_id_limit:
+            lim.add_metric([i.name], i.class_id_limit)
     yield used
     yield lim
 

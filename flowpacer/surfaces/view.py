@@ -28,6 +28,7 @@ def build(rec, sup, stages: Iterable, *, rules_path: str, flow_source: FlowSourc
     b = sup.backend
     rx = sup.rx
     flows = []
+    groups = []
     table = rec.table.flows
     ifaces = []
     for port in sup.ports():
@@ -47,11 +48,15 @@ def build(rec, sup, stages: Iterable, *, rules_path: str, flow_source: FlowSourc
                     flows.append(FlowView(key, handle, shape.rule, shape.rate_bps,
                                           shape.ceil_bps, f.proc.pid, f.proc.comm, f.proc.uid,
                                           f.direction, f.source, shape.groups, side, ifname))
+        mine = tuple(dataclasses.replace(g, interface=ifname) for g in _groups(pb))
+        groups.extend(mine)
         ifaces.append(InterfaceView(ifname, pb.name if pb is not None else "", port.health,
                                     port.problem, pb.link_rate_bps if pb is not None else 0, n,
                                     spares=pb.spare_count() if pb is not None else 0,
-                                    groups=len(_groups(pb)),
-                                    rebuild_failures=port.rebuild_failures))
+                                    groups=len(mine),
+                                    rebuild_failures=port.rebuild_failures,
+                                    class_id_limit=(pb.capabilities.class_ids
+                                                    if pb is not None else 0)))
     c = rec.counters
     return DaemonView(
         backend=b.name if b else None,
@@ -78,7 +83,7 @@ def build(rec, sup, stages: Iterable, *, rules_path: str, flow_source: FlowSourc
             reconcile_removed=rec.table.reconcile_removed,
             apply_hist=Histogram(*_hist(c.apply_hist.cumulative()))),
         events=EventCounts(**{f"{src}_{kind}": n for (src, kind), n in rec.table.events.items()}),
-        groups=_groups(b),
+        groups=tuple(groups),
         receive_interface=rx.interface if rx is not None else None,
         receive_health=sup.rx_health,
         receive_problem=sup.rx_problem,
@@ -118,11 +123,12 @@ def _groups_json(v: DaemonView, stats: Dict[StatsKey, ClassStats]) -> list:
     for g in v.groups:
         st = stats.get(g.stats_key(v.interface or ""))
         out.append({"kind": g.kind.value if g.kind else "", "id": g.id,
+                    "interface": g.interface or v.interface or "",
                     "classid": g.handle,
                     "rate_bit": g.rate_bps * 8, "ceil_bit": g.ceil_bps * 8,
                     "bytes": st.bytes if st else 0, "packets": st.packets if st else 0,
                     "drops": st.drops if st else 0})
-    out.sort(key=lambda x: (x["kind"] != "rule", x["id"]))
+    out.sort(key=lambda x: (x["interface"], x["kind"] != "rule", x["id"]))
     return out
 
 

@@ -1,6 +1,6 @@
 """The backend contract: exactly what the daemon calls on a backend and on a tc codec.
 
-``Backend`` names every member the daemon uses (reconciler, supervisor, view, app, first-byte);
+``Backend`` names every member the daemon uses (reconciler, supervisor, view, app);
 what a backend can do is declared in its ``capabilities`` (a frozen ``Capabilities``), never
 probed with ``getattr``. First-byte pools are a separate ``Pools`` protocol: only a backend whose
 ``capabilities.pools`` is true has them. ``Codec`` is what ``TcBackend`` asks of an htb or psp
@@ -8,7 +8,8 @@ encoder, with its own declared attributes.
 
 Keys: the daemon knows a flow's class by its ``FlowKey``, a group's by its ``GroupKey`` and the
 default class by ``ClassRole.DEFAULT``; a backend's own class ids stay inside it (a display
-string, ``handle``, is all it gives out, for the status' class column).
+string, ``handle``, is all it gives out, for the status' class column, and how many it has,
+``capabilities.class_ids``, for the metrics' limit).
 
 ``missing_members(obj, protocol)`` lists what ``obj`` lacks of a protocol, attributes included
 (``isinstance`` on a runtime-checkable protocol checks methods only by name, and not the
@@ -35,6 +36,7 @@ class Capabilities:
     kernel_shares: bool      # the kernel shares a group's rate among its members (psp)
     pools: bool              # first-byte pool classes (the ``Pools`` protocol)
     side: Side               # which way it shapes (RECEIVE: an ifb backend, issue 17)
+    class_ids: int           # ids it has for flow and group classes: one more flow is refused
 
 
 class StatsChannel(Protocol):

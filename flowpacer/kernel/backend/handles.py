@@ -25,6 +25,7 @@ LINK_MINOR = 1
 DEFAULT_MINOR = 2
 FIRST_FLOW_MINOR = 0x10
 LAST_FLOW_MINOR = 0xBFFF         # 0xC000..0xFFFF: first-byte pool classes (pool.py)
+FLOW_CLASS_IDS = LAST_FLOW_MINOR - FIRST_FLOW_MINOR + 1   # Capabilities.class_ids (49 136)
 # Spare classes (tcflows.py): the kernel walks every class of the qdisc for each class it makes
 # or deletes (tc_bind_tclass), and not for a change, so a closed flow's class is kept and changed
 # for the next flow instead. Kept once the flow and spare classes number SPARE_FROM (below that

@@ -1,7 +1,8 @@
 """The backend kinds, registered in this one place.
 
 Each ``BackendSpec`` says how to make its codec, which kernel module it needs (None: every kernel
-has it), and where it stands in ``auto``'s order of preference. ``choose``/``fallback``
+has it), where it stands in ``auto``'s order of preference and whether its backend keeps closed
+flows' classes as spares. ``choose``/``fallback``
 (backend/__init__.py), the supervisor's factory, the cli and the rules' documentation read it
 from here; adding a kind is its codec module, its ``BackendKind`` value and one entry below.
 """
@@ -20,6 +21,10 @@ class BackendSpec:
     codec_path: str                  # "module:Class" of its Codec, imported when first made
     module: Optional[str]            # kernel module it needs; None: in every kernel
     auto_rank: int                   # auto tries the kinds by rank, lowest first
+    # a closed flow's class is kept (no filter) and changed for the next new flow, up to
+    # handles.SPARE_MAX (issue 26: making and deleting classes is what a burst costs the kernel);
+    # False: a closed flow's class is deleted
+    keeps_spares: bool
 
     def codec(self):
         mod, cls = self.codec_path.split(":")
@@ -27,8 +32,8 @@ class BackendSpec:
 
 
 SPECS: Dict[BackendKind, BackendSpec] = {s.kind: s for s in (
-    BackendSpec(BackendKind.PSP, ".psp:PspCodec", "sch_psp", 0),
-    BackendSpec(BackendKind.HTB, ".htb:HtbCodec", None, 1),
+    BackendSpec(BackendKind.PSP, ".psp:PspCodec", "sch_psp", 0, keeps_spares=False),
+    BackendSpec(BackendKind.HTB, ".htb:HtbCodec", None, 1, keeps_spares=True),
 )}
 
 

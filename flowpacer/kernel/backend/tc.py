@@ -29,8 +29,9 @@ from flowpacer.kernel.backend.filters import (DIVISOR, GUARD, HMASK_LOCAL_PORT, 
                                               L1_HTID, PORTS_OFF, PRIO, PROTO, PROTOCOLS, Layout,
                                               LayoutFull, all_tables)
 from flowpacer.kernel.backend.groups import GroupTree
-from flowpacer.kernel.backend.handles import (DEFAULT_MINOR, FIRST_FLOW_MINOR, LAST_FLOW_MINOR,
-                                              LINK_MINOR, MAJOR, QDISC_HANDLE, SPARE_FROM,
+from flowpacer.kernel.backend.handles import (DEFAULT_MINOR, FIRST_FLOW_MINOR, FLOW_CLASS_IDS,
+                                              LAST_FLOW_MINOR, LINK_MINOR, MAJOR, QDISC_HANDLE,
+                                              SPARE_FROM,
                                               Installed, handle_text, wire_key)
 from flowpacer.kernel.backend.pool import Pool
 from flowpacer.kernel.backend.tcflows import FlowClasses
@@ -98,7 +99,8 @@ class TcBackend(FlowClasses, GroupClasses, ClassCounters):
         self.name = codec.kind.value
         self.capabilities = Capabilities(has_classes=True, groups=codec.supports_groups,
                                          kernel_shares=codec.kernel_shares,
-                                         pools=side is Side.SEND, side=side)
+                                         pools=side is Side.SEND, side=side,
+                                         class_ids=FLOW_CLASS_IDS)
         self.interface = interface
         self.side = side
         self.speed_interface = speed_interface or interface
