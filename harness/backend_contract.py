@@ -143,7 +143,7 @@ class TcBed:
         kernel's text). Knows the tc backend's ids: this is the tc bed."""
         from flowpacer.kernel.backend.handles import MAJOR
         assert not b.spare_count(), "refuse: the next flow would get a spare, not a new id"
-        minor = b._free_minors[-1] if b._free_minors else b._next_minor
+        minor = b.class_ids.peek()
         kind = self.codec_factory().qdisc_kind
         if kind == "htb":
             argv = ["htb", "rate", "3mbit"]

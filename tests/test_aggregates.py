@@ -243,7 +243,7 @@ def test_adoption_rebuilds_the_groups_and_cleanup_removes_them(testbed):
         before = htb_classes(tb)
         b2 = tcb.TcBackend(HtbCodec(), tb.server_if, LINK)
         b2.setup()
-    assert b2.removed_stale == 0 and len(b2._groups) == 3
+    assert b2.removed_stale == 0 and len(b2.group_classes) == 3
     n = count_transactions(b2)
     plan = engine.plan(want, b2.installed())
     with in_netns(tb.server_ns):
@@ -256,12 +256,12 @@ def test_adoption_rebuilds_the_groups_and_cleanup_removes_them(testbed):
     k = FlowKey(tb.server_v4, 5201, tb.client_v4, 40009)
     with in_netns(tb.server_ns):
         assert not b2.apply([Op(OpKind.ADD, k, engine.shape_of(r, k))]).errors
-    assert len(b2._groups) == 3 and len(htb_classes(tb)) == len(before) + 1
+    assert len(b2.group_classes) == 3 and len(htb_classes(tb)) == len(before) + 1
     # classes the kernel lost behind our back: audit forgets them and drops empty groups
     v6_client = [g for g in b2.groups_snapshot() if ":" in g[1]][0]
     with in_netns(tb.server_ns):
         for kk in keys[3:]:
-            ht, bucket, node = tcb.u32.split_handle(b2._flows[kk].filter_handle)
+            ht, bucket, node = tcb.u32.split_handle(b2.flow_classes.get(kk).filter_handle)
             tb.run(tb.server_ns, ["tc", "filter", "del", "dev", tb.server_if, "parent", "f1f0:",
                                   "protocol", "ipv6", "prio", str(tcb.PRIO[6]), "handle",
                                   f"{ht:x}:{bucket:x}:{node:x}", "u32"])

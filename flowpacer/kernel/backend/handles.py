@@ -1,4 +1,4 @@
-"""The tc backends' handles and per-flow bookkeeping, shared by the modules of ``TcBackend``.
+"""The tc backends' handles and per-flow record, shared by the components of ``TcBackend``.
 
 Kernel objects (all under handle major ``MAJOR``):
   root qdisc ``f1f0:``      htb or psp (the codec decides)
@@ -6,7 +6,7 @@ Kernel objects (all under handle major ``MAJOR``):
   class ``f1f0:2``           default class: unmatched traffic, unshaped up to the link rate
   class ``f1f0:10``..        one per shaped flow, or a group class (issue 15), or a spare: the
                              class of a closed flow, kept (no filter points at it) for the next
-                             new flow (tcflows.py)
+                             new flow (tcids.py, tcflows.py)
   class ``f1f0:c000``..      first-byte pool classes (pool.py)
 Class ids never leave the tc backends: the daemon sees flows by ``FlowKey`` and groups by
 ``GroupKey`` (contract.py).
@@ -26,7 +26,7 @@ DEFAULT_MINOR = 2
 FIRST_FLOW_MINOR = 0x10
 LAST_FLOW_MINOR = 0xBFFF         # 0xC000..0xFFFF: first-byte pool classes (pool.py)
 FLOW_CLASS_IDS = LAST_FLOW_MINOR - FIRST_FLOW_MINOR + 1   # Capabilities.class_ids (49 136)
-# Spare classes (tcflows.py): the kernel walks every class of the qdisc for each class it makes
+# Spare classes (tcids.py): the kernel walks every class of the qdisc for each class it makes
 # or deletes (tc_bind_tclass), and not for a change, so a closed flow's class is kept and changed
 # for the next flow instead. Kept once the flow and spare classes number SPARE_FROM (below that
 # making and deleting is cheap, and a small setup keeps exactly one class per flow), at most

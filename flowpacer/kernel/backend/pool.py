@@ -8,7 +8,8 @@ when a socket of a matching flow finishes its handshake, the program sets the so
 ``SO_PRIORITY`` to one of them (htb and psp classify by ``skb->priority`` before any filter)
 and reports the claim. The claim is recorded here and the flow's ADD then takes that class
 instead of making one: the class's rates are set to the flow's shape and the flow's own u32
-filter is added as usual, so ``_flows`` and the filters stay the source of truth.
+filter is added as usual, so the flows' book (tcflows.py) and the filters stay the source of
+truth.
 
 Class ids are never handed out twice while a socket may still point at them: the id of a
 claimed class is free again only when its class is gone *and* no socket carries it as its
@@ -22,7 +23,8 @@ at the next start's adoption.
 The engine plans the pool ops (``engine.plan_pools``) and the backend applies them in the same
 batch as the flows' ops; nothing here is called from outside a plan except the read-only
 ``holding()`` and counts. ``Pool`` is pure bookkeeping (no netlink): its class ids, claims and
-the ids waiting for their sockets.
+the ids waiting for their sockets; ``queue_pool_op`` sends through the backend's ``Channel``
+(tcchannel.py).
 """
 from __future__ import annotations
 
@@ -30,12 +32,15 @@ import errno
 import itertools
 import logging
 import time
-from typing import Dict, Iterable, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Set, Tuple
 
 from flowpacer.model import ApplyResult, FlowKey, OpKind, PoolHolding, PoolOp
 from flowpacer.kernel.tc import nl
-from flowpacer.kernel.tc.nl import RTM_DELTCLASS, tc_handle
+from flowpacer.kernel.tc.nl import tc_handle
 from flowpacer.kernel.backend.filters import LayoutFull
+
+if TYPE_CHECKING:
+    from flowpacer.kernel.backend.tcchannel import Channel
 
 log = logging.getLogger(__name__)
 
@@ -214,35 +219,34 @@ def book(pool: "Pool", op: PoolOp, res: ApplyResult) -> List[Tuple[int, bool, st
     return []
 
 
-def queue_pool_op(b, op: PoolOp, add, res: ApplyResult) -> None:
-    """Queue the netlink requests of one pool op of a plan on TcBackend ``b`` (``add(req,
-    callback)`` as in ``TcBackend.apply``); bookkeeping-only ops take effect at once. A refused
-    request is logged (the engine plans the pool again at the next round), never an OpError."""
+def queue_pool_op(chan: "Channel", pool: Pool, op: PoolOp, add, res: ApplyResult) -> None:
+    """Queue the netlink requests of one pool op of a plan on a tc backend's ``chan`` for its
+    ``pool`` (``add(req, callback)`` as in ``FlowClasses.apply``, tcflows.py); bookkeeping-only
+    ops take effect at once. A refused request is logged (the engine plans the pool again at
+    the next round), never an OpError."""
     if op.kind is OpKind.POOL_CHANGE:
-        _queue_change(b, op, add, res)
+        _queue_change(chan, pool, op, add, res)
     elif op.kind is OpKind.POOL_FILL:
-        _queue_fill(b, op, add, res)
+        _queue_fill(chan, pool, op, add, res)
     else:
-        for cid, claimed, what in book(b.pool, op, res):
-            _queue_delete(b, cid, add, claimed=claimed, what=what)
+        for cid, claimed, what in book(pool, op, res):
+            _queue_delete(chan, pool, cid, add, claimed=claimed, what=what)
 
 
-def _queue_delete(b, cid: int, add, claimed: bool, what: str) -> None:
+def _queue_delete(chan: "Channel", pool: Pool, cid: int, add, claimed: bool, what: str) -> None:
     def done(err):
         if err is not None and err.errno != errno.ENOENT:
-            log.warning("%s: %s", b.interface, err)
+            log.warning("%s: %s", chan.interface, err)
             if not claimed:
                 return          # still there: its id stays taken (adoption removes it later)
         # a claimed id: the socket may still carry it as its priority, reused after its close
-        b.pool.free_minor(cid & 0xFFFF, claimed=claimed)
-    add(b._req(RTM_DELTCLASS, 0, nl.tcmsg(b.ifindex, cid, b._parent_handle()),
-               f"{what} {nl.fmt_handle(cid)}"), done)
+        pool.free_minor(cid & 0xFFFF, claimed=claimed)
+    add(chan.class_del(cid, f"{what} {nl.fmt_handle(cid)}"), done)
 
 
-def _queue_change(b, op: PoolOp, add, res: ApplyResult) -> None:
+def _queue_change(chan: "Channel", pool: Pool, op: PoolOp, add, res: ApplyResult) -> None:
     """Give unclaimed pool classes another shape (a reload reuses them for ``op.rule``)."""
-    pool: Pool = b.pool
-    options = b.codec.flow_class_options(op.shape, b.link_rate_bps)
+    options = chan.codec.flow_class_options(op.shape, chan.link_rate_bps)
     made = res.pool_made.setdefault(op.rule, [])
     for cid in op.classids:
         if cid not in pool.classes:
@@ -253,22 +257,19 @@ def _queue_change(b, op: PoolOp, add, res: ApplyResult) -> None:
                 pool.classes[cid] = op.rule
                 made.append(cid)
                 return
-            log.warning("%s: %s", b.interface, err)
+            log.warning("%s: %s", chan.interface, err)
             pool.classes.pop(cid, None)
-            e2 = b._rtnl.transact([b._req(RTM_DELTCLASS, 0,
-                                          nl.tcmsg(b.ifindex, cid, b._parent_handle()),
-                                          f"delete pool class {nl.fmt_handle(cid)}")])[0]
+            e2 = chan.transact([chan.class_del(cid, f"delete pool class {nl.fmt_handle(cid)}")])[0]
             if e2 is None or e2.errno == errno.ENOENT:
                 pool.free_minor(cid & 0xFFFF, claimed=False)
-        add(b._class_msg(cid & 0xFFFF, b._flow_parent, options, False,
-                         f"change pool class {nl.fmt_handle(cid)}"), done)
+        add(chan.class_msg(cid & 0xFFFF, chan.flow_parent, options, False,
+                           f"change pool class {nl.fmt_handle(cid)}"), done)
 
 
-def _queue_fill(b, op: PoolOp, add, res: ApplyResult) -> None:
+def _queue_fill(chan: "Channel", pool: Pool, op: PoolOp, add, res: ApplyResult) -> None:
     """Make up to ``op.count`` ready classes of ``op.shape`` (fewer when the kernel refused
     some or ids ran out)."""
-    pool: Pool = b.pool
-    options = b.codec.flow_class_options(op.shape, b.link_rate_bps)
+    options = chan.codec.flow_class_options(op.shape, chan.link_rate_bps)
     made = res.pool_made.setdefault(op.rule, [])
     for _ in range(op.count):
         try:
@@ -282,8 +283,8 @@ def _queue_fill(b, op: PoolOp, add, res: ApplyResult) -> None:
                 pool.classes[cid] = op.rule
                 made.append(cid)
                 return
-            log.warning("%s: %s", b.interface, err)
+            log.warning("%s: %s", chan.interface, err)
             if err.errno != errno.EEXIST:      # never an id someone else holds
                 pool.free_minor(m, claimed=False)
-        add(b._class_msg(m, b._flow_parent, options, True,
-                         f"add pool class {nl.fmt_handle(cid)}"), done)
+        add(chan.class_msg(m, chan.flow_parent, options, True,
+                           f"add pool class {nl.fmt_handle(cid)}"), done)

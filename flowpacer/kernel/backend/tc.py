@@ -3,39 +3,44 @@
 Kernel objects: see ``handles.py`` (root qdisc ``f1f0:``, link and default classes, one class
 per flow, group and pool classes) and ``filters.py`` (u32 filters).
 
-``TcBackend`` keeps the ``Backend`` contract (contract.py). It is split along its jobs:
-  tc.py        the skeleton: setup (create or adopt after a restart), health, forget, teardown
-  tcflows.py   flow classes: a plan's adds, changes and removes in one batch; audit
-  tcgroups.py  group classes (issue 15), planned with groups.py
-  tcstats.py   class statistics, keyed by flow, group and role (class ids stay inside)
-  pool.py      first-byte pool classes (issue 16)
+``TcBackend`` keeps the ``Backend`` contract (contract.py). It is the skeleton (setup: create,
+or adopt after a restart; health; forget, resync; teardown) and wires the objects that do the
+rest, each with its own state, talking to each other through methods only:
+  tcchannel.py  ``Channel``: socket, device, side, codec, link rate, request builders (shared)
+  tcids.py      ``ClassIds``: flow-range class ids (free, next) and spare classes with their cap
+  tcflows.py    ``FlowClasses``: the flows' book, u32 layout and options cache; a plan's adds,
+                changes and removes in one batch; their audit
+  tcgroups.py   ``GroupClasses``: group classes (issue 15), planned with groups.py
+  tcstats.py    ``ClassCounters``: class statistics, keyed by flow, group and role
+  pool.py       ``Pool``: first-byte pool classes (issue 16), ``backend.pool``
 """
 from __future__ import annotations
 
 import errno
 import logging
 import socket
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from flowpacer.errors import BackendError, NetlinkError
-from flowpacer.model import BackendHealth, FlowKey, Protocol, Shape, Side
+from flowpacer.model import (ApplyResult, BackendHealth, ClassStats, FlowKey, GroupView, Op,
+                             Protocol, Shape, Side)
 from flowpacer.kernel.tc import nl, u32
 from flowpacer.kernel.tc.nl import (NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE, RTM_DELQDISC,
-                                    RTM_DELTCLASS, RTM_DELTFILTER, RTM_GETQDISC, RTM_GETTCLASS,
-                                    RTM_GETTFILTER, RTM_NEWQDISC, RTM_NEWTCLASS, RTM_NEWTFILTER,
-                                    TC_H_ROOT, Request, RtnlSocket, tc_handle)
-from flowpacer.kernel.backend.contract import Capabilities, Codec
+                                    RTM_DELTFILTER, RTM_GETQDISC, RTM_GETTCLASS, RTM_GETTFILTER,
+                                    RTM_NEWQDISC, RTM_NEWTFILTER, TC_H_ROOT, Request, RtnlSocket,
+                                    tc_handle)
+from flowpacer.kernel.backend.contract import Capabilities, ClassKey, Codec
 from flowpacer.kernel.backend.filters import (DIVISOR, GUARD, HMASK_LOCAL_PORT, HMASK_REMOTE_PORT,
-                                              L1_HTID, PORTS_OFF, PRIO, PROTO, PROTOCOLS, Layout,
-                                              LayoutFull, all_tables)
-from flowpacer.kernel.backend.groups import GroupTree
+                                              L1_HTID, PORTS_OFF, PRIO, PROTOCOLS, all_tables)
 from flowpacer.kernel.backend.handles import (DEFAULT_MINOR, FIRST_FLOW_MINOR, FLOW_CLASS_IDS,
                                               LAST_FLOW_MINOR, LINK_MINOR, MAJOR, QDISC_HANDLE,
                                               SPARE_FROM,
                                               Installed, handle_text, wire_key)
 from flowpacer.kernel.backend.pool import Pool
+from flowpacer.kernel.backend.tcchannel import Channel
 from flowpacer.kernel.backend.tcflows import FlowClasses
 from flowpacer.kernel.backend.tcgroups import GroupClasses
+from flowpacer.kernel.backend.tcids import ClassIds
 from flowpacer.kernel.backend.tcstats import ClassCounters
 
 __all__ = ["TcBackend", "cleanup", "ifindex_of", "link_speed_bps", "root_qdisc", "wire_key",
@@ -82,8 +87,10 @@ def cleanup(interface: str) -> bool:
         return True
 
 
-class TcBackend(FlowClasses, GroupClasses, ClassCounters):
-    """A ``Backend`` (contract.py) of tc classes: htb or psp, as its ``Codec`` says."""
+class TcBackend:
+    """A ``Backend`` (contract.py) of tc classes: htb or psp, as its ``Codec`` says. The
+    skeleton; flows, groups, class ids, counters and pools are its components (module
+    docstring), public for the tests' and the harness' look inside."""
 
     def __init__(self, codec: Codec, interface: str, link_rate_bps: Optional[int] = None,
                  take_over: bool = False, rtnl: Optional[RtnlSocket] = None,
@@ -93,7 +100,7 @@ class TcBackend(FlowClasses, GroupClasses, ClassCounters):
         ``speed_interface``: whose speed is the link rate (the ifb has none: its interface's);
         ``spare_max``: how many closed flows' classes are kept as spares for new flows (0: none,
         a closed flow's class is deleted), once flows and spares number ``spare_from``
-        (handles.py, tcflows.py)."""
+        (handles.py, tcids.py)."""
         self.codec = codec
         self.kind = codec.kind
         self.name = codec.kind.value
@@ -106,74 +113,46 @@ class TcBackend(FlowClasses, GroupClasses, ClassCounters):
         self.speed_interface = speed_interface or interface
         self.take_over = take_over
         self._want_link_rate = link_rate_bps
-        self.link_rate_bps = 0
-        self.ifindex = 0
-        self._rtnl = rtnl or RtnlSocket()
-        self._flows: Dict[FlowKey, Installed] = {}
-        self._free_minors: List[int] = []
-        self._spares: List[int] = []     # minors of spare classes (tcflows.py)
-        self._spares_queued = 0          # removes of this apply that keep their class (tcflows)
-        self.spare_max = spare_max
-        self.spare_from = spare_from
-        self._next_minor = FIRST_FLOW_MINOR
-        self._layout = Layout()
-        self._options_cache: Dict[tuple, bytes] = {}   # flow class options by rates (tcflows)
-        self._groups = GroupTree()       # group classes of rules with aggregates (groups.py)
-        self._warned_groups = False
         self.adopted = 0
         self.removed_stale = 0
+        self.channel = Channel(codec, interface, side, rtnl or RtnlSocket())
         self.pool = Pool(MAJOR)          # first-byte pools (issue 16, pool.py)
+        self.class_ids = ClassIds(self.pool, spare_max, spare_from)
+        self.group_classes = GroupClasses(self.channel, self.class_ids)
+        self.flow_classes = FlowClasses(self.channel, self.class_ids, self.pool,
+                                        self.group_classes)
+        self.counters = ClassCounters(self.channel, self.flow_classes, self.group_classes)
+        # the reconciler asks for every dirty flow's shape: no delegating call in between
+        self.shape_of = self.flow_classes.shape_of
 
-    # ------------------------------------------------------------ helpers
-    def _req(self, mtype: int, flags: int, body: bytes, what) -> Request:
-        """A request; ``what`` (a string or a callable making one) names it in error messages."""
-        ifname = self.interface
-        if callable(what):
-            return Request(mtype, flags, body, lambda: f"{what()} on {ifname}")
-        return Request(mtype, flags, body, f"{what} on {ifname}")
-
-    def _class_msg(self, minor: int, parent_minor: Optional[int], options: bytes, create: bool,
-                   what) -> Request:
-        parent = tc_handle(MAJOR, parent_minor) if parent_minor else QDISC_HANDLE
-        flags = NLM_F_CREATE | NLM_F_EXCL if create else 0
-        return self._req(RTM_NEWTCLASS, flags,
-                         nl.tcmsg(self.ifindex, tc_handle(MAJOR, minor), parent) + options, what)
-
-    def _filter_msg(self, mtype: int, flags: int, family: int, handle: int, options: bytes,
-                    what) -> Request:
-        info = u32.filter_info(PRIO[family], PROTO[family])
-        return self._req(mtype, flags, nl.tcmsg(self.ifindex, handle, QDISC_HANDLE, info) + options,
-                         what)
+    # ------------------------------------------------------- what it shows
+    @property
+    def link_rate_bps(self) -> int:
+        return self.channel.link_rate_bps
 
     @property
-    def _flow_parent(self) -> Optional[int]:
-        return LINK_MINOR if self.codec.has_link_class else None
+    def ifindex(self) -> int:
+        return self.channel.ifindex
 
-    def _alloc_minor(self) -> int:
-        if self._free_minors:
-            return self._free_minors.pop()
-        if self._next_minor > LAST_FLOW_MINOR:
-            raise LayoutFull("no free class id (49 136 flows shaped)")
-        m = self._next_minor
-        self._next_minor += 1
-        return m
+    @property
+    def _rtnl(self) -> RtnlSocket:
+        return self.channel.rtnl
 
-    def _free_minor(self, minor: int) -> None:
-        if minor > LAST_FLOW_MINOR:
-            self.pool.free_minor(minor)         # a claimed pool class's id goes back to pool.py
-            return
-        self._free_minors.append(minor)
+    @property
+    def spare_max(self) -> int:
+        return self.class_ids.spare_max
 
     # --------------------------------------------------------------- setup
     def setup(self) -> None:
         """Create our root qdisc and skeleton, or adopt the one a previous run left."""
-        self.ifindex = ifindex_of(self.interface)
+        chan = self.channel
+        chan.ifindex = ifindex_of(self.interface)
         rate = self._want_link_rate or link_speed_bps(self.speed_interface)
         if not rate:
             raise BackendError(f"interface {self.interface} reports no speed: set link_rate in the "
                                "rules file")
-        self.link_rate_bps = rate
-        root = root_qdisc(self._rtnl, self.ifindex)
+        chan.link_rate_bps = rate
+        root = root_qdisc(chan.rtnl, chan.ifindex)
         if root is not None and root.handle == QDISC_HANDLE and root.kind == self.codec.qdisc_kind:
             try:
                 self._adopt()
@@ -189,53 +168,57 @@ class TcBackend(FlowClasses, GroupClasses, ClassCounters):
 
     def _create(self) -> None:
         self.forget()
-        c = self.codec
-        reqs = [self._req(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_REPLACE,
-                          nl.tcmsg(self.ifindex, QDISC_HANDLE, TC_H_ROOT)
-                          + c.qdisc_options(self.link_rate_bps, DEFAULT_MINOR),
-                          f"create root {c.qdisc_kind} qdisc")]
+        c, chan = self.codec, self.channel
+        rate = chan.link_rate_bps
+        reqs = [chan.req(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_REPLACE,
+                         nl.tcmsg(chan.ifindex, QDISC_HANDLE, TC_H_ROOT)
+                         + c.qdisc_options(rate, DEFAULT_MINOR),
+                         f"create root {c.qdisc_kind} qdisc")]
         if c.has_link_class:
-            reqs.append(self._class_msg(LINK_MINOR, None, c.link_class_options(self.link_rate_bps),
-                                        True, "create link class"))
+            reqs.append(chan.class_msg(LINK_MINOR, None, c.link_class_options(rate), True,
+                                       "create link class"))
         if not c.makes_default_class:
-            reqs.append(self._class_msg(DEFAULT_MINOR, self._flow_parent,
-                                        c.default_class_options(self.link_rate_bps), True,
-                                        "create default class"))
+            reqs.append(chan.class_msg(DEFAULT_MINOR, chan.flow_parent,
+                                       c.default_class_options(rate), True,
+                                       "create default class"))
         for fam, htid, b1 in all_tables():
-            reqs.append(self._filter_msg(RTM_NEWTFILTER, NLM_F_CREATE | NLM_F_EXCL, fam,
-                                         u32.htid_handle(htid), u32.table_options(htid, DIVISOR),
-                                         f"create u32 table {htid:x}: (IPv{fam})"))
+            reqs.append(chan.filter_msg(RTM_NEWTFILTER, NLM_F_CREATE | NLM_F_EXCL, fam,
+                                        u32.htid_handle(htid), u32.table_options(htid, DIVISOR),
+                                        f"create u32 table {htid:x}: (IPv{fam})"))
             if b1 is None:      # L1: linked from the root table, hashed by the remote port
                 for proto in PROTOCOLS:     # TCP and UDP (issue 17)
-                    reqs.append(self._filter_msg(
+                    reqs.append(chan.filter_msg(
                         RTM_NEWTFILTER, NLM_F_CREATE | NLM_F_EXCL, fam, 0,
                         u32.link_options(htid, GUARD[fam](proto), PORTS_OFF[fam],
                                          HMASK_REMOTE_PORT),
                         f"create u32 root link (IPv{fam}, IP protocol {proto})"))
             else:               # L2: linked from L1 bucket b1, hashed by the local port
-                reqs.append(self._filter_msg(
+                reqs.append(chan.filter_msg(
                     RTM_NEWTFILTER, NLM_F_CREATE | NLM_F_EXCL, fam,
                     u32.htid_handle(L1_HTID[fam], b1, 1),
                     u32.link_options(htid, [], PORTS_OFF[fam], HMASK_LOCAL_PORT,
                                      in_table=u32.htid_handle(L1_HTID[fam], b1)),
                     f"link u32 table {htid:x}:"))
-        for err in self._rtnl.transact(reqs):
+        for err in chan.transact(reqs):
             if err is not None:
                 raise BackendError(f"cannot set up {self.interface}: {err}")
         log.info("%s: root %s qdisc %s created, link rate %d bit/s", self.interface, c.qdisc_kind,
-                 nl.fmt_handle(QDISC_HANDLE), self.link_rate_bps * 8)
+                 nl.fmt_handle(QDISC_HANDLE), rate * 8)
 
     def _adopt(self) -> None:
-        """Rebuild our bookkeeping from the kernel; drop objects that do not fit together."""
+        """Rebuild the components' books from the kernel; drop objects that do not fit
+        together."""
+        chan, codec = self.channel, self.codec
+        ifindex = chan.ifindex
         classes: Dict[int, nl.TcObject] = {}
-        for mtype, body in self._rtnl.dump(RTM_GETTCLASS, nl.tcmsg(self.ifindex)):
+        for mtype, body in chan.rtnl.dump(RTM_GETTCLASS, nl.tcmsg(ifindex)):
             obj = nl.parse_tcmsg(mtype, body)
-            if obj.ifindex == self.ifindex and obj.handle >> 16 == MAJOR:
+            if obj.ifindex == ifindex and obj.handle >> 16 == MAJOR:
                 classes[obj.handle & 0xFFFF] = obj
-        if DEFAULT_MINOR not in classes or (self.codec.has_link_class and LINK_MINOR not in classes):
+        if DEFAULT_MINOR not in classes or (codec.has_link_class and LINK_MINOR not in classes):
             raise BackendError("skeleton classes missing")
         tables, leaves, links = set(), [], 0
-        for mtype, body in self._rtnl.dump(RTM_GETTFILTER, nl.tcmsg(self.ifindex, 0, QDISC_HANDLE)):
+        for mtype, body in chan.rtnl.dump(RTM_GETTFILTER, nl.tcmsg(ifindex, 0, QDISC_HANDLE)):
             obj = nl.parse_tcmsg(mtype, body)
             if obj.kind != "u32":
                 continue
@@ -252,22 +235,23 @@ class TcBackend(FlowClasses, GroupClasses, ClassCounters):
         if not want_tables <= tables or links < len(want_tables) + 2:
             raise BackendError("u32 hash tables or links missing")
         # link class / default class rates follow the current link rate
+        rate = chan.link_rate_bps
         fix = []
-        if self.codec.has_link_class:
-            fix.append(self._class_msg(LINK_MINOR, None,
-                                       self.codec.link_class_options(self.link_rate_bps), False,
-                                       "update link class"))
-        if self.codec.makes_default_class:
+        if codec.has_link_class:
+            fix.append(chan.class_msg(LINK_MINOR, None, codec.link_class_options(rate), False,
+                                      "update link class"))
+        if codec.makes_default_class:
             # the qdisc owns the link rate (and its default class): change it in place
-            fix.append(self._req(RTM_NEWQDISC, 0, nl.tcmsg(self.ifindex, QDISC_HANDLE, TC_H_ROOT)
-                                 + self.codec.qdisc_options(self.link_rate_bps, DEFAULT_MINOR),
-                                 "update root qdisc"))
+            fix.append(chan.req(RTM_NEWQDISC, 0, nl.tcmsg(ifindex, QDISC_HANDLE, TC_H_ROOT)
+                                + codec.qdisc_options(rate, DEFAULT_MINOR),
+                                "update root qdisc"))
         else:
-            fix.append(self._class_msg(DEFAULT_MINOR, self._flow_parent,
-                                       self.codec.default_class_options(self.link_rate_bps), False,
-                                       "update default class"))
+            fix.append(chan.class_msg(DEFAULT_MINOR, chan.flow_parent,
+                                      codec.default_class_options(rate), False,
+                                      "update default class"))
         stale_filters = []
         bound = set()
+        flows = self.flow_classes
         for obj in leaves:
             opts = obj.options
             classid = int.from_bytes(opts[u32.TCA_U32_CLASSID][:4], "little")
@@ -286,30 +270,21 @@ class TcBackend(FlowClasses, GroupClasses, ClassCounters):
             key = wire_key(FlowKey(la, lport, ra, rport,
                                    Protocol.UDP if proto == Protocol.UDP.number else Protocol.TCP),
                            self.side)
-            rate, ceil = self.codec.parse_rates(cls.options)
-            self._flows[key] = Installed(classid, obj.handle, Shape("", rate, ceil))
-            self._layout.adopt_leaf(obj.handle)
+            f_rate, f_ceil = codec.parse_rates(cls.options)
+            flows.adopt_leaf(key, classid, obj.handle, Shape("", f_rate, f_ceil))
             bound.add(minor)
-        group_minors = self._adopt_groups(classes, bound)
-        used = set(bound) | group_minors
+        group_minors, under = self.group_classes.adopt(classes, bound)
+        flows.adopt_parents(under)
         # leaf flow classes without a filter (spares, or flows closed while no daemon ran) are
         # kept as spares rather than deleted: both cost a walk of every class in the kernel
         parents = {c.parent & 0xFFFF for c in classes.values() if c.parent >> 16 == MAJOR}
-        for m in sorted(classes):
-            if len(self._spares) >= self.spare_max:
-                break
-            if (FIRST_FLOW_MINOR <= m <= LAST_FLOW_MINOR and m not in used and m not in parents
-                    and classes[m].parent == self._parent_handle()):
-                self._spares.append(m)
-        used.update(self._spares)
-        self._next_minor = max([FIRST_FLOW_MINOR - 1]
-                               + [m for m in classes if m <= LAST_FLOW_MINOR]) + 1
-        self._free_minors = [m for m in range(FIRST_FLOW_MINOR, self._next_minor) if m not in used]
-        self._free_minors.reverse()
+        used = self.class_ids.adopted(
+            classes, bound | group_minors,
+            lambda m: m not in parents and classes[m].parent == chan.parent_handle)
         self.pool.adopted(used)       # pool-range ids of adopted flows stay taken (pool.py)
         for fam, handle in stale_filters:
-            fix.append(self._filter_msg(RTM_DELTFILTER, 0, fam, handle, u32.kind_only(),
-                                        f"delete stale filter {handle:x}"))
+            fix.append(chan.filter_msg(RTM_DELTFILTER, 0, fam, handle, u32.kind_only(),
+                                       f"delete stale filter {handle:x}"))
         orphans = [m for m in classes if m >= FIRST_FLOW_MINOR and m not in used]
 
         def depth(m):          # children before parents (a group class with children is busy)
@@ -319,20 +294,16 @@ class TcBackend(FlowClasses, GroupClasses, ClassCounters):
             return d
         orphans.sort(key=depth, reverse=True)
         for m in orphans:
-            fix.append(self._req(RTM_DELTCLASS, 0,
-                                 nl.tcmsg(self.ifindex, tc_handle(MAJOR, m), self._parent_handle()),
-                                 f"delete stale class {nl.fmt_handle(tc_handle(MAJOR, m))}"))
-        for err in self._rtnl.transact(fix):
+            classid = tc_handle(MAJOR, m)
+            fix.append(chan.class_del(classid, f"delete stale class {nl.fmt_handle(classid)}"))
+        for err in chan.transact(fix):
             if err is not None and err.errno != errno.ENOENT:
                 raise BackendError(str(err))
-        self.adopted = len(self._flows)
+        self.adopted = len(flows)
         self.removed_stale = len(stale_filters) + len(orphans)
         log.info("%s: adopted flowpacer qdisc with %d flow classes (%d stale objects removed, "
                  "%d spare classes kept)", self.interface, self.adopted, self.removed_stale,
-                 len(self._spares))
-
-    def _parent_handle(self) -> int:
-        return tc_handle(MAJOR, self._flow_parent) if self._flow_parent else QDISC_HANDLE
+                 self.class_ids.spare_count())
 
     # -------------------------------------------------------------- health
     def check(self) -> BackendHealth:
@@ -346,10 +317,10 @@ class TcBackend(FlowClasses, GroupClasses, ClassCounters):
             idx = socket.if_nametoindex(self.interface)
         except OSError:
             return BackendHealth.GONE
-        if idx != self.ifindex:
+        if idx != self.channel.ifindex:
             return BackendHealth.LOST             # deleted and made again: nothing of ours is on it
         try:
-            root = root_qdisc(self._rtnl, idx)
+            root = root_qdisc(self.channel.rtnl, idx)
         except NetlinkError:
             return BackendHealth.GONE
         if root is None or root.handle >> 16 == 0:
@@ -358,18 +329,25 @@ class TcBackend(FlowClasses, GroupClasses, ClassCounters):
             return BackendHealth.FOREIGN
         if not self._want_link_rate:
             speed = link_speed_bps(self.speed_interface)
-            if speed and speed != self.link_rate_bps:
+            if speed and speed != self.channel.link_rate_bps:
                 return BackendHealth.SPEED
         return BackendHealth.OK
 
+    def audit(self) -> List[FlowKey]:
+        """Flows whose class someone removed behind our back: forgotten (their filter deleted if
+        it is still there) and returned, so that the caller can plan them again. Spares and
+        group classes someone removed are forgotten too, groups left without flows deleted."""
+        present = set(self.counters.by_class())
+        gone = self.flow_classes.audit(present)
+        self.class_ids.audit_spares(present)
+        self.group_classes.audit(present, self.flow_classes.group_parents())
+        return gone
+
     def forget(self) -> None:
         """Drop our bookkeeping (the kernel objects are gone or not ours any more)."""
-        self._groups = GroupTree()
-        self._flows.clear()
-        self._free_minors.clear()
-        self._spares.clear()
-        self._next_minor = FIRST_FLOW_MINOR
-        self._layout = Layout()
+        self.group_classes.forget()
+        self.flow_classes.forget()
+        self.class_ids.forget()
         self.pool.forget()
 
     def resync(self) -> None:
@@ -380,17 +358,67 @@ class TcBackend(FlowClasses, GroupClasses, ClassCounters):
     # ------------------------------------------------------------ teardown
     def teardown(self) -> None:
         """Remove everything we made (the root qdisc and all under it)."""
+        chan = self.channel
         try:
-            root = root_qdisc(self._rtnl, self.ifindex) if self.ifindex else None
+            root = root_qdisc(chan.rtnl, chan.ifindex) if chan.ifindex else None
             if root is not None and root.handle == QDISC_HANDLE:
-                self._rtnl.request(self._req(RTM_DELQDISC, 0,
-                                             nl.tcmsg(self.ifindex, QDISC_HANDLE, TC_H_ROOT),
-                                             "delete root qdisc"))
+                chan.rtnl.request(chan.req(RTM_DELQDISC, 0,
+                                           nl.tcmsg(chan.ifindex, QDISC_HANDLE, TC_H_ROOT),
+                                           "delete root qdisc"))
                 log.info("%s: flowpacer qdisc removed", self.interface)
         except NetlinkError as e:
             log.warning("teardown: %s", e)
-        self._flows.clear()
-        self._spares.clear()
+        self.flow_classes.forget()
+        self.class_ids.drop_spares()
 
     def close(self) -> None:
-        self._rtnl.close()
+        self.channel.rtnl.close()
+
+    # ------------------------------------------------ flows (FlowClasses)
+    def apply(self, plan: Sequence[Op]) -> ApplyResult:
+        """Carry out a plan (``FlowClasses.apply``: flows, their groups and the first-byte
+        pool ops in one batch)."""
+        return self.flow_classes.apply(plan)
+
+    def installed(self) -> Dict[FlowKey, Shape]:
+        return self.flow_classes.installed()
+
+    # shape_of: ``FlowClasses.shape_of``, bound in __init__
+
+    def classid_of(self, key: FlowKey) -> Optional[int]:
+        return self.flow_classes.classid_of(key)
+
+    def flows_snapshot(self) -> List[Tuple[FlowKey, str, Shape]]:
+        """[(key, handle, shape)] of every installed flow (a copy; ``handle`` for display)."""
+        return self.flow_classes.snapshot()
+
+    # --------------------------------------------------- spares (ClassIds)
+    def spare_count(self) -> int:
+        return self.class_ids.spare_count()
+
+    def spare_handles(self) -> Tuple[str, ...]:
+        return tuple(handle_text(tc_handle(MAJOR, m)) for m in self.class_ids.spare_minors())
+
+    # ----------------------------------------------- groups (GroupClasses)
+    def group_views(self) -> Tuple[GroupView, ...]:
+        return self.group_classes.views()
+
+    def groups_snapshot(self) -> List[tuple]:
+        """[(kind, id, classid, rate_bps, ceil_bps)] of the group classes (kernel rates)."""
+        return self.group_classes.snapshot()
+
+    # ---------------------------------------------- counters (ClassCounters)
+    def open_stats_channel(self) -> RtnlSocket:
+        return self.counters.open_channel()
+
+    def stats_by_class(self, rtnl: Optional[RtnlSocket] = None) -> Dict[int, ClassStats]:
+        return self.counters.by_class(rtnl)
+
+    def class_stats(self, channel: Optional[RtnlSocket] = None) -> Dict[ClassKey, ClassStats]:
+        return self.counters.class_stats(channel)
+
+    def stats(self) -> Dict[FlowKey, ClassStats]:
+        return self.counters.stats()
+
+    def default_stats(self) -> ClassStats:
+        return self.counters.default_stats()

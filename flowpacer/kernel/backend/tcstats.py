@@ -1,55 +1,63 @@
-"""Class statistics of ``TcBackend``: the kernel's counters read in one class dump, keyed by
-what each class shapes (a flow's ``FlowKey``, a group's ``GroupKey``, the default class); the
-class ids stay in here.
+"""Class statistics of ``TcBackend``: ``ClassCounters``, the kernel's counters read in one class
+dump, keyed by what each class shapes (a flow's ``FlowKey`` from ``FlowClasses``, a group's
+``GroupKey`` from ``GroupClasses``, the default class); the class ids stay in here. It keeps no
+state of its own: it reads the others' books through their methods.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional
 
-from flowpacer.model import ClassRole, ClassStats, FlowKey, GroupKey, Shape
+from flowpacer.model import ClassRole, ClassStats, FlowKey
 from flowpacer.kernel.tc import nl
 from flowpacer.kernel.tc.nl import RTM_GETTCLASS, RtnlSocket, tc_handle
 from flowpacer.kernel.backend.contract import ClassKey
-from flowpacer.kernel.backend.handles import DEFAULT_MINOR, MAJOR, handle_text, less
+from flowpacer.kernel.backend.handles import DEFAULT_MINOR, MAJOR, less
+from flowpacer.kernel.backend.tcchannel import Channel
+from flowpacer.kernel.backend.tcflows import FlowClasses
+from flowpacer.kernel.backend.tcgroups import GroupClasses
 
 
 class ClassCounters:
-    """The statistics part of ``TcBackend``."""
+    """The counters of one tc backend's classes."""
 
-    def flows_snapshot(self) -> List[Tuple[FlowKey, str, Shape]]:
-        """[(key, handle, shape)] of every installed flow (a copy; ``handle`` for display)."""
-        return [(k, handle_text(v.classid), v.shape) for k, v in list(self._flows.items())]
+    def __init__(self, chan: Channel, flows: FlowClasses, groups: GroupClasses):
+        self._chan = chan
+        self._flows = flows
+        self._groups = groups
 
-    def open_stats_channel(self) -> RtnlSocket:
+    @staticmethod
+    def open_channel() -> RtnlSocket:
         """A netlink socket of its own for ``class_stats`` from another thread (the
         reconciler's socket is the backend's, used under the reconciler's lock)."""
         return RtnlSocket()
 
-    def stats_by_class(self, rtnl: Optional[RtnlSocket] = None) -> Dict[int, ClassStats]:
+    def by_class(self, rtnl: Optional[RtnlSocket] = None) -> Dict[int, ClassStats]:
         """{classid: ClassStats} of our classes, read now (``rtnl``: another thread's socket).
-        Inside the tc backends only: the daemon reads ``class_stats``."""
+        Inside the tc backends only (and the audit's list of what the kernel has): the daemon
+        reads ``class_stats``."""
         out: Dict[int, ClassStats] = {}
-        for mtype, body in (rtnl or self._rtnl).dump(RTM_GETTCLASS, nl.tcmsg(self.ifindex)):
+        ifindex = self._chan.ifindex
+        for mtype, body in (rtnl or self._chan.rtnl).dump(RTM_GETTCLASS, nl.tcmsg(ifindex)):
             obj = nl.parse_tcmsg(mtype, body)
-            if obj.ifindex == self.ifindex and obj.handle >> 16 == MAJOR:
+            if obj.ifindex == ifindex and obj.handle >> 16 == MAJOR:
                 out[obj.handle] = ClassStats(**nl.parse_stats2(obj))
         return out
 
     def class_stats(self, channel: Optional[RtnlSocket] = None) -> Dict[ClassKey, ClassStats]:
         """The counters of our classes now, by what they shape: each flow's ``FlowKey``, each
         group's ``GroupKey``, ``ClassRole.DEFAULT``. Safe outside the reconciler's lock with
-        a ``channel`` of the caller's own: the bookkeeping is copied in one step (under the
+        a ``channel`` of the caller's own: the books are copied in one step each (under the
         GIL) after the dump."""
-        by_class = self.stats_by_class(channel)
+        by_class = self.by_class(channel)
         out: Dict[ClassKey, ClassStats] = {}
         default = by_class.get(tc_handle(MAJOR, DEFAULT_MINOR))
         if default is not None:
             out[ClassRole.DEFAULT] = default
-        for m, n in list(self._groups.nodes.items()):
-            st = by_class.get(tc_handle(MAJOR, m))
+        for classid, gk in self._groups.stat_keys():
+            st = by_class.get(classid)
             if st is not None:
-                out[GroupKey(n.kind, n.gid)] = st
-        for k, v in list(self._flows.items()):
+                out[gk] = st
+        for k, v in self._flows.records():
             st = by_class.get(v.classid)
             if st is not None:
                 out[k] = less(st, v.base)     # a reused spare: from the flow's start
