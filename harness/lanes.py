@@ -7,7 +7,7 @@
 - **untimed** (``nice`` UNTIMED_NICE): the tests marked ``untimed``: the guest's virtual-clock
   suite (its time is the instructions it runs, independent of the host), the Debian roots' builds,
   DKMS, lintian and ``make check`` in trixie, the module's W=1 builds, the Debian 13 server VM
-  and the packages' unit under systemd in the VM (loose bounds, generous waits). The two lanes' scheduler groups share the CPU equally
+  (loose bounds, generous waits). The two lanes' scheduler groups share the CPU equally
   (UNTIMED_GROUP_NICE: why not less for this one).
 
 One after the other they took ~60 min on the project's 2-core machine. A first try split by

@@ -25,8 +25,8 @@ FORBIDDEN = {
 EXCEPTIONS: Dict[str, Tuple[FrozenSet[str], str]] = {
     # app.py is the daemon's composition root: it makes the stages, the control and metrics
     # servers among them, and answers status and explain through the view. Wiring the servers
-    # from a module above both rooms (e.g. flowpacer/main.py) moves most of app.py; its status()
-    # assembly is being moved into surfaces/view.py on another branch first (issue 25).
+    # from a module above both rooms (e.g. flowpacer/main.py) moves most of app.py (its
+    # status() assembly is already in surfaces/view.py's status_json; issue 25).
     "flowpacer.daemon.app": (frozenset({
         "flowpacer.surfaces", "flowpacer.surfaces.view", "flowpacer.surfaces.explain",
         "flowpacer.surfaces.control", "flowpacer.surfaces.metrics",

@@ -182,6 +182,28 @@ def test_one_interfaces_health_does_not_disturb_the_others(tmp_path):
         assert m["used"][("fk0", "send")] == 2 and m["used"][("fk1", "send")] == 1
 
 
+def test_an_interface_seen_gone_and_then_back_as_it_was_gets_its_flows_again(tmp_path):
+    """A check that saw the interface gone (its bookkeeping dropped) and then sees it as it was,
+    our qdisc still on it: the qdisc is adopted again and every flow re-applied, not left
+    unshaped with nothing telling the reconciler (CI stop 34: a flow unshaped for good after a
+    spurious GONE in the unit-under-systemd VM)."""
+    router = FakeRouter({"10.2.0.0/16": "fk0"})
+    sd = FakeSockDiag()
+    a = v4(0)
+    sd.flows = {a: flow(a)}
+    with inprocess_daemon(tmp_path, rules("fk0"), sockdiag=sd, tracer_enabled=False,
+                          router=router) as d:
+        wait_for(lambda: on(d, "fk0") == {a}, 5, what="shaped")
+        p0 = d.supervisor.port("fk0")
+        p0.backend.health = BackendHealth.GONE
+        wait_for(lambda: p0.health is BackendHealth.GONE and not on(d, "fk0"), 5, what="gone")
+        b = v4(5)                                          # a flow that starts meanwhile
+        sd.flows[b] = flow(b)
+        p0.backend.health = BackendHealth.OK
+        wait_for(lambda: on(d, "fk0") == {a, b} and p0.health is BackendHealth.OK, 5,
+                 what="both flows shaped again")
+
+
 def per_interface(d) -> dict:
     """The per-interface series (issue 29): states at 1, info, class ids used, limits."""
     out = {"state": set(), "info": set(), "used": {}, "limit": set()}

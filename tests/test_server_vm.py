@@ -5,9 +5,10 @@ One boot of qemu (TCG) with trixie's root, kernel and systemd as PID 1 (``harnes
 inside, ``vm/server/job.py``: the two .debs of ``make deb`` installed with apt, ``systemctl
 enable --now flowpacer``, nginx serving an IPv4 and an IPv6 client through a veth, shaped with
 psp at the rule's rate, ``systemctl reload`` after a rules edit, a long download of both across
-``systemctl restart`` and across an upgrade of the package (the same .deb with a bumped version:
-apt runs prerm upgrade, postinst configure OLD, which restarts the service), then ``systemctl
-stop``: no qdisc, class, filter or ifb left. The receiver's bytes are read from its interface
+``systemctl restart``, a ``kill -9`` (Restart=on-failure), a hung main loop (WatchdogSec=) and
+an upgrade of the package (the same .deb with a bumped version: apt runs prerm upgrade,
+postinst configure OLD, which restarts the service), each time with the flows' classes adopted
+by the next process and none leaked, then ``systemctl stop``: no qdisc, class, filter or ifb left. The receiver's bytes are read from its interface
 counter every 20 ms in the guest; the peak in any 100 ms window across a restart or upgrade must
 stay near the rules' sum.
 
@@ -31,6 +32,7 @@ around the pytest run, as tests/test_vm.py's callers do) and the Debian root cac
 the root is made.
 """
 import hashlib
+import re
 import shutil
 import subprocess
 import sys
@@ -138,10 +140,21 @@ def test_debian13_server_enable_reload_restart_upgrade_stop(root, debs, tmp_path
     # paced pair catch up in a burst, so single 100 ms windows of a shaped pair reached 1.2-2.2
     # times the rules' sum (89 of 40 Mbit/s across one upgrade, the guest at a quarter of a
     # core); a gap is seconds long at many times it
-    for name in ("restart", "upgrade"):
-        ph = r["phases"][name]
+    # The same across a kill -9 and a hung main loop, which systemd restarts (Restart=, the
+    # watchdog). After each of the four, the next process adopted the flows' classes (the same
+    # ids) and no class is left that is neither the qdisc's own nor a flow's.
+    assert set(r["phases"]) == {"restart", "kill -9", "watchdog", "upgrade"}, r["phases"]
+    for name, ph in r["phases"].items():
         assert ph["peak_across_mbit"] <= 2 * ph["limit_mbit"], (name, ph)
         assert ph["peak_before_mbit"] >= 0.5 * ph["limit_mbit"], (name, ph)   # it was flowing
+        assert len(ph["classes_before"]) == 2 and ph["classes_after"] == ph["classes_before"], \
+            (name, ph)
+        assert not ph["classes_leaked"], (name, ph)
+    assert len(r["base_classes"]) >= 1, r["base_classes"]
+    assert r["kill_9"]["after"]["NRestarts"] == "1", r["kill_9"]
+    assert r["watchdog"]["after"]["NRestarts"] == "2", r["watchdog"]
+    assert any(re.search(r"[Ww]atchdog timeout", ln) for ln in r["watchdog"]["journal"]), \
+        r["watchdog"]
     assert r["version_after_upgrade"].endswith("+fpupgrade1") and r["active_after_upgrade"] == "active"
     # systemctl stop leaves nothing
     assert r["before_stop"]["f1f0"], r["before_stop"]

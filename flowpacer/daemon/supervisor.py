@@ -324,7 +324,10 @@ class BackendSupervisor:
         prev, self.health = self.health, state
         if state is BackendHealth.OK:
             if prev is not BackendHealth.OK:
-                log.info("%s: flowpacer's qdisc is in place again", b.interface)
+                # its bookkeeping was dropped when it went (or a rebuild failed half-way):
+                # whatever is there now (our own qdisc, adopted with its classes) is taken up
+                # again and every flow re-applied
+                return self._take_up_again(b, prev)
             now = self.clock()
             if now >= self._next_audit:
                 self._next_audit = now + AUDIT_S
@@ -361,6 +364,27 @@ class BackendSupervisor:
             self.problem = ""
         self._episode_failures = 0
         log.warning("%s: %s: rebuilt, re-applying every flow", b.interface, why)
+        out.mark_all = True
+        out.installed = list(b.installed().keys())
+        return out
+
+    def _take_up_again(self, b, prev: BackendHealth) -> Recheck:
+        """The interface (or flowpacer's own root qdisc) is back after GONE/FOREIGN/a failed
+        rebuild: adopt
+        what is there and re-apply every flow. A flow kept unshaped because its bookkeeping
+        was forgotten while nothing tells the reconciler is what this prevents."""
+        out = Recheck()
+        self.health = BackendHealth.LOST         # until it is taken up
+        try:
+            b.forget()
+            b.setup()
+        except (OSError, FlowpacerError) as e:
+            return self._rebuild_failed(b, f"back after being {prev.value}", e)
+        self.health = BackendHealth.OK
+        self.problem = ""
+        self._episode_failures = 0
+        log.warning("%s: flowpacer's qdisc is in place again (it was %s): re-applying every "
+                    "flow", b.interface, prev.value)
         out.mark_all = True
         out.installed = list(b.installed().keys())
         return out

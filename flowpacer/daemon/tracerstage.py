@@ -85,11 +85,7 @@ class TracerStage:
                   self.flow_source.text, self._rescan_s)
         self._rec.udp_adopter = None
         t, self.tracer = self.tracer, None
-        if t is not None:
-            try:
-                t.close()
-            except Exception as e:
-                log.debug("tracer close: %s", e)
+        _close_quietly(t)
 
     def rules_changed(self, rs: RuleSet) -> None:
         """New rules (a reload): what the tracer watches and its UDP idle timeouts."""
@@ -98,11 +94,16 @@ class TracerStage:
             set_udp_idle(self.tracer, rs)
 
     def close(self) -> None:
-        if self.tracer is not None:
-            try:
-                self.tracer.close()
-            except Exception as e:
-                log.debug("tracer close: %s", e)
+        _close_quietly(self.tracer)
+
+
+def _close_quietly(tracer) -> None:
+    """Close the tracer (None: nothing); a failure there is only logged."""
+    if tracer is not None:
+        try:
+            tracer.close()
+        except Exception as e:
+            log.debug("tracer close: %s", e)
 
 
 def set_udp_idle(tracer, rs: RuleSet) -> None:

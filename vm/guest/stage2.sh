@@ -15,7 +15,6 @@ off() {
 say() { echo "fp-vm: $*" > /dev/console; }
 fail() { say "FAIL stage2: $*"; echo "stage2: $*" > $O/stage2-error; off; }
 
-if [ "$1" != job ]; then
 mkdir -p /dev/pts /dev/shm /run/netns /run/lock /var/tmp 2>/dev/null
 mount -t devpts -o gid=5,mode=620,ptmxmode=666 devpts /dev/pts
 mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /dev/shm
@@ -40,25 +39,6 @@ fi
 for ko in $FP_INSMOD; do
     insmod "$ko" > $O/insmod.log 2>&1 || { cat $O/insmod.log > /dev/console; fail "insmod $ko"; }
 done
-# fp.init=systemd on the kernel command line (FLOWPACER_VM_APPEND): systemd becomes PID 1 and
-# runs the job as the unit fp-job.service (this script again, "job" part only), then powers off.
-if grep -qw fp.init=systemd /proc/cmdline; then
-    mkdir -p /run/systemd/system
-    printf '%s\n' '[Unit]' 'Description=flowpacer VM job' 'DefaultDependencies=no' \
-        'Wants=sysinit.target' 'After=sysinit.target' '[Service]' 'Type=oneshot' \
-        'TimeoutStartSec=infinity' 'ExecStart=/bin/sh /run/fp-stage2.sh job' \
-        > /run/systemd/system/fp-job.service
-    printf '%s\n' '[Unit]' 'Description=flowpacer VM job' 'Requires=fp-job.service' \
-        'After=fp-job.service' > /run/systemd/system/fp-job.target
-    # no boot-time clean-up of /tmp: on this overlay of the host's root it would walk (and hide)
-    # every checkout and venv under the host's /tmp over 9p, the job's own among them
-    ln -sf /dev/null /run/systemd/system/systemd-tmpfiles-setup.service
-    ln -sf /dev/null /run/systemd/system/systemd-tmpfiles-clean.timer
-    say "starting systemd as PID 1"
-    exec /lib/systemd/systemd --system --unit=fp-job.target
-fi
-fi   # end of the set-up ("job": run by fp-job.service under systemd)
-. $O/job.env
 cut -d' ' -f1 /proc/uptime > $O/ready
 say "ready at $(cat $O/ready) s, running the job in $FP_CWD"
 

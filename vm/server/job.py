@@ -7,7 +7,9 @@ As an admin would: apt-get install the two .debs, write the rules, systemctl ena
 nginx serving IPv4 and IPv6 clients shaped with psp, systemctl reload after a rules edit (its
 rate in tc's byte unit, which the daemon warns about: the warning read back from journald at
 its syslog priority), a long download across systemctl restart and across an upgrade of the
-package (a .deb with a bumped version), systemctl stop leaves nothing. The receiver's bytes are
+package (a .deb with a bumped version), across a kill -9 and a hung main loop (systemd's
+watchdog) that systemd restarts, each time with the live flows' classes adopted and none leaked;
+systemctl stop leaves nothing. The receiver's bytes are
 read from its interface counter every 20 ms; every phase's peak over 100 ms windows goes into
 result.json.
 
@@ -24,8 +26,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -39,6 +43,7 @@ RATE_MBIT = 4
 WINDOW_S = 0.5          # the restart/upgrade checks' window: a stall's catch-up averages out in
                         # it, a gap (seconds unshaped while a daemon is down) does not
 CONTROL = "/run/flowpacer/control.sock"
+BASE_CLASSES = set()   # the qdisc's own classes (link, default): read before any flow
 result = {"steps": [], "phases": {}}
 T0 = time.monotonic()
 
@@ -199,10 +204,13 @@ def shaped_flows(n, timeout=60):
 
 
 def across(name, action, sampler, rate_mbit, before_s=3.0, after_s=4.0):
-    """Two downloads, ``action`` while they run, the peak 100 ms rate before and across."""
-    procs = downloads(300)
+    """Two downloads, ``action`` while they run, the peak 100 ms rate before and across; after
+    it, the flows' classes: the same class ids as before (adopted by the next process, not
+    made again) and no class in the kernel that is neither the qdisc's own nor a flow's."""
+    procs = downloads(900)
     try:
-        shaped_flows(2)
+        st = shaped_flows(2)
+        before = owned(st)
         t_shaped = time.monotonic()
         wait(lambda: time.monotonic() > t_shaped + before_s, before_s + 5, "shaped downloads")
         t_act = time.monotonic()
@@ -210,6 +218,9 @@ def across(name, action, sampler, rate_mbit, before_s=3.0, after_s=4.0):
         t_done = time.monotonic()
         wait(lambda: time.monotonic() > t_done + after_s, after_s + 5, "downloads after")
         t_end = time.monotonic()
+        st = shaped_flows(2)
+        after = owned(st)
+        leaked = kernel_classes() - BASE_CLASSES - after
     except BaseException as e:
         # the downloads go, and this error is the one reported (stop()'s wait for the flows'
         # removal would time out when the action left no daemon, and hide it)
@@ -221,9 +232,87 @@ def across(name, action, sampler, rate_mbit, before_s=3.0, after_s=4.0):
           "peak_before_mbit": round(sampler.peak(t_shaped + 0.5, t_act, WINDOW_S) / 1e6, 2),
           "peak_across_mbit": round(sampler.peak(t_act - 0.2, t_end, WINDOW_S) / 1e6, 2),
           "peak_across_100ms_mbit": round(sampler.peak(t_act - 0.2, t_end) / 1e6, 2),
-          "action_s": round(t_done - t_act, 2)}
+          "action_s": round(t_done - t_act, 2),
+          "classes_before": sorted(before), "classes_after": sorted(after),
+          "classes_leaked": sorted(leaked)}
     result["phases"][name] = ph
     log(f"{name}: {ph}")
+
+
+def show(*props):
+    """``systemctl show`` of the unit: {property: value}."""
+    out = sh(f"systemctl show flowpacer.service -p {','.join(props)}").stdout
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def kernel_classes():
+    """The class ids on the server's interface, as tc prints them."""
+    return set(re.findall(r"^class \S+ (\S+)", sh(f"tc class show dev {SRV}").stdout, re.M))
+
+
+def owned(st):
+    """The class ids status gives the flows (and their groups)."""
+    return ({f["classid"] for f in st.get("flows", []) if f.get("classid")}
+            | {g["classid"] for g in st.get("groups", []) if g.get("classid")})
+
+
+def restarted(old_pid, restarts):
+    """Once systemd has the unit active again under a new main process, ``restarts`` + 1."""
+    s = show("MainPID", "ActiveState", "NRestarts")
+    return (s.get("ActiveState") == "active" and s.get("MainPID") not in ("0", str(old_pid))
+            and s.get("NRestarts") == str(restarts + 1) and s)
+
+
+def kill_9():
+    """SIGKILL to the daemon: Restart=on-failure starts the next one, which adopts the classes
+    the dead one left (nothing removes them: no ExecStopPost cleanup while a restart is due)."""
+    s = show("MainPID", "NRestarts")
+    pid, n = int(s["MainPID"]), int(s["NRestarts"])
+    os.kill(pid, signal.SIGKILL)
+    got = wait(lambda: restarted(pid, n), 300, "the restart after kill -9")
+    result["kill_9"] = {"old_pid": pid, "after": got}
+
+
+# Run as a separate process: stops thread TID only (PTRACE_SEIZE + PTRACE_INTERRUPT) and stays its
+# tracer until the process is a zombie or LIMIT seconds pass, then exits, which detaches it (the
+# parent, systemd, hears of the death once the tracer is gone).
+HANG = r"""
+import ctypes, sys, time
+tid, limit = int(sys.argv[1]), float(sys.argv[2])
+libc = ctypes.CDLL(None, use_errno=True)
+libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+for req in (0x4206, 0x4207):          # PTRACE_SEIZE, PTRACE_INTERRUPT
+    if libc.ptrace(req, tid, None, None) != 0:
+        sys.exit(f"ptrace {req:#x} of {tid}: errno {ctypes.get_errno()}")
+print("stopped", flush=True)
+end = time.monotonic() + limit
+while time.monotonic() < end:
+    try:
+        state = open(f"/proc/{tid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        break
+    if state in ("Z", "X"):
+        break
+    time.sleep(0.2)
+"""
+
+
+def hung_main_loop():
+    """The daemon's main thread stopped (its other threads run on): it stops sending
+    WATCHDOG=1, systemd kills it after WatchdogSec and starts the next one."""
+    s = show("MainPID", "NRestarts")
+    pid, n = int(s["MainPID"]), int(s["NRestarts"])
+    tracer = subprocess.Popen([sys.executable, "-c", HANG, str(pid), "400"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = tracer.stdout.readline().strip()
+    if line != "stopped":
+        tracer.wait(timeout=30)
+        raise RuntimeError(f"could not stop thread {pid}: {tracer.stderr.read().strip()}")
+    got = wait(lambda: restarted(pid, n), 400, "the watchdog's restart of the hung daemon")
+    tracer.wait(timeout=60)
+    lines = sh("journalctl -u flowpacer -b --no-pager -o cat").stdout.splitlines()
+    result["watchdog"] = {"old_pid": pid, "after": got,
+                          "journal": [ln for ln in lines if "atchdog" in ln][-5:]}
 
 
 def unshaped(sampler, seconds=4):
@@ -349,6 +438,8 @@ ip -n {NS} link set {CLI} up; ip -n {NS} link set lo up""")
     step("rules check", "flowpacer rules check /etc/flowpacer/rules.yaml")
     step("enable --now", "systemctl enable --now flowpacer", timeout=600)
     st = wait(cli_status, 300, "flowpacer status")
+    BASE_CLASSES.update(kernel_classes() - owned(st))
+    result["base_classes"] = sorted(BASE_CLASSES)
     result["backend"] = st.get("backend")
     result["module_loaded_srcversion"] = loaded_srcversion()
     result["qdisc_running"] = sh(f"tc qdisc show dev {SRV}").stdout.strip()
@@ -381,6 +472,10 @@ ip -n {NS} link set {CLI} up; ip -n {NS} link set lo up""")
     # a long download across systemctl restart
     across("restart", lambda: step("restart", "systemctl restart flowpacer", timeout=600),
            sampler, RATE_MBIT)
+    # a crash (kill -9) and a hung main loop (the watchdog) while they run: restarted by
+    # systemd, the live flows adopted
+    across("kill -9", kill_9, sampler, RATE_MBIT)
+    across("watchdog", hung_main_loop, sampler, RATE_MBIT)
     # and across an upgrade of the package
     across("upgrade", lambda: step("upgrade", f"{apt} /fp-out/flowpacer_0.1.0+fpupgrade1_all.deb",
                                    timeout=900),

@@ -321,8 +321,10 @@ class TcBackend:
             return BackendHealth.LOST             # deleted and made again: nothing of ours is on it
         try:
             root = root_qdisc(self.channel.rtnl, idx)
-        except NetlinkError:
-            return BackendHealth.GONE
+        except NetlinkError as e:
+            if e.errno == errno.ENODEV:          # went between the two looks
+                return BackendHealth.GONE
+            raise                                # a failed look, not a missing interface
         if root is None or root.handle >> 16 == 0:
             return BackendHealth.LOST
         if root.handle != QDISC_HANDLE or root.kind != self.codec.qdisc_kind:
