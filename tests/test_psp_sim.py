@@ -522,6 +522,104 @@ def test_default_class_fills_the_link_despite_late_timers(late_us):
         assert max_burst(of_class(d, b)["t"], tx_ns(MTU, 10 * MBIT) / 2) <= 2
 
 
+def run_jittered(s, cls, until, late_ns, log=None):
+    """Drive the qdisc to ``until`` waking each time ``late_ns()`` after the time it asked for
+    (random lateness, as a starved vCPU gives); bytes/s of each class, departures into ``log``."""
+    sent = dict.fromkeys(cls, 0)
+    now = s.now
+    while now < until:
+        p, wake = s.dequeue(now)
+        if p is not None:
+            sent[p.cls] += p.len
+            if log is not None:
+                log.append((now, p.cls, p.len))
+            continue
+        now = wake + late_ns()
+    return [sent[c] * NSEC / until for c in cls]
+
+
+LOW_LINK = 10 * MBIT           # the guests' pacing test: A 2 ceil 6, B 8 on a 10 Mbit/s link
+
+
+@pytest.mark.parametrize("late", ["1.5ms", "exp1ms", "5%6ms"])
+def test_a_borrower_keeps_its_ceil_where_timers_are_later_than_a_millisecond(late):
+    """A starved vCPU wakes the qdisc a millisecond or more late, longer than a packet's time
+    at 6 Mbit/s is to a 1 ms window: a lone borrower (2, ceil 6) reaches its ceil as a paced
+    class of rate 6 reaches its rate (it lost a quarter of it when its ceil clock kept only
+    1 ms of lag and its catch-up pairs were judged on its rate clock), without a burst."""
+    rnd = np.random.default_rng(7)
+    late_ns = {"1.5ms": lambda: 1_500_000,
+               "exp1ms": lambda: int(rnd.exponential(1e6)),
+               "5%6ms": lambda: 6_000_000 if rnd.random() < 0.05 else 50_000}[late]
+    until = 4 * NSEC
+    with Sim(LOW_LINK) as s:
+        paced = s.add_class(6 * MBIT)
+        s.greedy(paced, MTU, now=0)
+        (r_paced,) = run_jittered(s, (paced,), until, late_ns)
+    log = []
+    with Sim(LOW_LINK) as s:
+        a = s.add_class(2 * MBIT, 6 * MBIT)
+        s.greedy(a, MTU, now=0)
+        (r_a,) = run_jittered(s, (a,), until, late_ns, log)
+        assert s.class_xstats(a).borrowed_pkts > 0
+    assert r_paced >= 6 * MBIT * 0.99, r_paced / MBIT
+    assert r_a >= r_paced * 0.99 and r_a <= 6 * MBIT * 1.002, (r_a / MBIT, r_paced / MBIT)
+    t = np.array([e[0] for e in log])
+    assert max_burst(t, tx_ns(MTU, 6 * MBIT) / 2) <= 2
+
+
+def test_rates_summing_to_a_slow_link_are_kept_where_timers_are_late():
+    """A (2, ceil 6) and B (8) fill a 10 Mbit/s link and every wake is 1.5 ms late, more than a
+    packet's time on the link: the link clock keeps up to two link packets of lag, so both
+    keep their rates (they lost 9 % of the link, A 27 % of its rate, with a 1 ms window)."""
+    with Sim(LOW_LINK) as s:
+        a = s.add_class(2 * MBIT, 6 * MBIT)
+        b = s.add_class(8 * MBIT)
+        for c in (a, b):
+            s.greedy(c, MTU, now=0)
+        until = 4 * NSEC
+        d = s.run(until=until, late_ns=1_500_000, max_log=4_000_000)
+        r = {c: float(of_class(d, c)["len"].sum()) * NSEC / until for c in (a, b)}
+        assert abs(r[a] - 2 * MBIT) / (2 * MBIT) <= 0.01, r
+        assert abs(r[b] - 8 * MBIT) / (8 * MBIT) <= 0.01, r
+        for c, rate in ((a, 2 * MBIT), (b, 8 * MBIT)):
+            assert max_burst(of_class(d, c)["t"], tx_ns(MTU, rate) / 2) <= 2
+
+
+@pytest.mark.parametrize("late", [None, "exp1ms"])
+@pytest.mark.parametrize("other", ["borrower", "paced", "unpaced"])
+def test_a_borrower_held_back_by_others_gets_no_credit_above_its_ceil(other, late):
+    """A (2, ceil 6) shares a 10 Mbit/s link with another borrower, a class at rate 8 or
+    unmatched traffic; the other stops. The lag the others' traffic left on A's ceil clock is
+    not owed: A's first 50 ms alone hold its ceil plus the two packets of lag a ceil clock may
+    keep (and the window's first packet), and with exact timers no 50 ms window after does
+    better. Late timers (the lag a late dequeue made is owed, and made up as a paced class
+    makes up its own) do not turn the time A waited for the others into credit."""
+    rnd = np.random.default_rng(11)
+    late_ns = (lambda: 0) if late is None else (lambda: int(rnd.exponential(1e6)))
+    window = 50 * MS
+    bound = 6 * MBIT * window / NSEC + 3 * MTU
+    with Sim(LOW_LINK) as s:
+        a = s.add_class(2 * MBIT, 6 * MBIT)
+        o = {"borrower": lambda: s.add_class(2 * MBIT, 6 * MBIT),
+             "paced": lambda: s.add_class(8 * MBIT), "unpaced": lambda: s.add_class(0)}[other]()
+        for c in (a, o):
+            s.greedy(c, MTU, now=0)
+        run_jittered(s, (a, o), 2 * NSEC, late_ns)
+        stop = s.now
+        s.greedy(o, 0, now=stop)
+        log = []
+        run_jittered(s, (a, o), 3 * NSEC, late_ns, log)
+    t = np.array([e[0] for e in log if e[1] == a], dtype=np.int64)
+    assert len(t) > 100
+    assert int(np.searchsorted(t, stop + window)) * MTU <= bound
+    if late is None:
+        worst = max(int(np.searchsorted(t, t0 + window)) - i for i, t0 in enumerate(t))
+        assert worst * MTU <= bound, worst
+    else:
+        assert len(t) * MTU <= 6 * MBIT * (3 * NSEC - stop) / NSEC + 3 * MTU
+
+
 def test_unmatched_traffic_goes_before_borrowing():
     """Idle link time is lent to borrowers only when the default class does not want it; the
     guaranteed rates hold either way."""

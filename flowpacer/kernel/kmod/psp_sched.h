@@ -86,15 +86,26 @@
  *     host shorter than the window costs no rate; a longer one costs what
  *     lies beyond the window, and the window bounds the extra a class can
  *     send at 2x after it (catchup_ns * rate bytes).
- *   - The ceil clock keeps a lag of at most PSP_CEIL_CATCHUP_NS (or one
- *     packet time at the ceil): the window covers the guaranteed rate,
- *     not borrowed capacity.  A ceil clock advances at the ceil while its
- *     class sends at its rate, so it lags whenever the class cannot borrow
- *     (the link is busy); a lag kept from then would be credit above the
- *     ceil once the link frees.  After a stall a borrower makes up its
- *     rate lag at up to its ceil.  Borrowers pair up against their ceil's
- *     packet time.  The link clock may lag by PSP_LINK_CATCHUP_NS (or one
- *     link packet), which it makes up at the device's speed.
+ *   - The ceil clock keeps a lag of at most PSP_CEIL_CATCHUP_NS (or two
+ *     packet times at the ceil, so that a pair can form), plus what late
+ *     dequeues owe it (ceil_late).  A ceil clock advances at the ceil
+ *     while its class sends at its rate, so it lags whenever the class
+ *     cannot borrow (the link is busy, its groups hold it); a lag kept
+ *     from then would be credit above the ceil once the link frees.  But
+ *     a borrower free to borrow that is sent later than its ceil clock,
+ *     the link clock and its groups' clocks all allowed was late: a
+ *     timer or a starved CPU, nobody else's traffic.  That lateness is
+ *     added to ceil_late (at most catchup_ns, never more than the lag
+ *     left), which the clock keeps as the rate clock keeps its own lag,
+ *     so a lone borrower reaches its ceil wherever a paced class reaches
+ *     its rate (with every wake 1.5 ms late, a borrower of ceil 6 Mbit/s
+ *     sent 4.7 with a 1 ms window; tests/test_psp_sim.py).  While it is
+ *     free to borrow, a borrower's catch-up pairs are judged on its ceil
+ *     clock alone (its rate clock runs ahead of the borrowed packets).
+ *     After a stall a borrower makes up its rate lag at up to its ceil.
+ *     Borrowers pair up against their ceil's packet time.  The link clock
+ *     may lag by PSP_LINK_CATCHUP_NS (or two link packets), which it
+ *     makes up at the device's speed.
  *   - A class that was idle (empty queue) restarts its clocks at
  *     max(clock, now): no credit is hoarded while idle.
  *   - Oversubscription: while the rates of the backlogged paced classes add
@@ -129,8 +140,8 @@
  *     group's rate, so the group clock only holds a member back where the
  *     members would together go faster (catching up after a late timer,
  *     borrowing up to ceil, rates changing); then it is a hard cap: a group
- *     clock may lag by PSP_GROUP_CATCHUP_NS (or one packet at its rate) at
- *     most, as the ceil clock (a cap, not a guarantee).  Borrowing above a
+ *     clock may lag by PSP_GROUP_CATCHUP_NS (or two packets at its rate)
+ *     at most, as the ceil clock (a cap, not a guarantee).  Borrowing above a
  *     class's rate therefore never breaks its groups' caps.
  *   - Cost: the group clocks are checked lazily.  A class keeps t_grp, the
  *     latest of its groups' clocks it has seen (a lower bound on its
@@ -232,6 +243,7 @@ struct psp_sclass {
 	u64			t_ceil;		/* ceil clock, ns */
 	u64			ceil;		/* bytes/s, >= rate */
 	u64			ceil_rem;
+	u64			ceil_late;	/* lag of t_ceil late dequeues made */
 	u64			scale_rem;
 	struct psp_tnode	bnode;		/* btree */
 	/* groups */
@@ -277,6 +289,11 @@ struct psp_sched {
 static inline u64 psp_max(u64 a, u64 b)
 {
 	return a > b ? a : b;
+}
+
+static inline u64 psp_min(u64 a, u64 b)
+{
+	return a < b ? a : b;
 }
 
 /* Time to send @bytes at @rate, exact in the long run: the division
@@ -622,6 +639,7 @@ static inline void psp_class_activate(struct psp_sched *q,
 	if (c->flags & PSP_SC_BORROW) {
 		if (c->t_ceil < now)
 			c->t_ceil = now;
+		c->ceil_late = 0;
 		psp_tree_put(q, &q->btree, &c->bnode, psp_bkey(c));
 	}
 	psp_paced_put(q, c, now);
@@ -944,10 +962,13 @@ static inline void psp_count_run(struct psp_sched *q, struct psp_sclass *c,
 static inline void psp_charge(struct psp_sched *q, struct psp_sclass *c,
 			      int kind, u64 bytes, u64 now, u32 next)
 {
-	u64 tx, late, ref = 0;
+	u64 tx, late, ref = 0, free_at = q->t_link;
+	bool borrowing = (c->flags & PSP_SC_BORROW) &&
+			 q->rate_sum < q->link_rate;
 
-	psp_clock_advance(&q->t_link, psp_tx(bytes, q->link_rate, &q->link_rem),
-			  now, PSP_LINK_CATCHUP_NS);
+	tx = psp_tx(bytes, q->link_rate, &q->link_rem);
+	psp_clock_advance(&q->t_link, tx, now,
+			  psp_max(PSP_LINK_CATCHUP_NS, 2 * tx));
 
 	switch (kind) {
 	case PSP_SEND_PACED:
@@ -984,21 +1005,48 @@ static inline void psp_charge(struct psp_sched *q, struct psp_sclass *c,
 		u64 gate = 0;
 
 		for (g = c->grp; g; g = g->parent) {
-			psp_clock_advance(&g->t_clk,
-					  psp_tx(bytes, g->rate, &g->rem),
-					  now, PSP_GROUP_CATCHUP_NS);
+			u64 gtx = psp_tx(bytes, g->rate, &g->rem);
+
+			if (g->t_clk > free_at)
+				free_at = g->t_clk;	/* held by the cap */
+			psp_clock_advance(&g->t_clk, gtx, now,
+					  psp_max(PSP_GROUP_CATCHUP_NS, 2 * gtx));
 			psp_group_est_add(g, bytes, now);
 			gate = psp_max(gate, g->t_clk);
 		}
 		c->t_grp = gate;
 	}
 	if (c->flags & PSP_SC_BORROW) {
+		u64 lag, keep;
+
 		tx = psp_tx(bytes, c->ceil, &c->ceil_rem);
-		psp_clock_advance(&c->t_ceil, tx, now, PSP_CEIL_CATCHUP_NS);
+		keep = psp_max(PSP_CEIL_CATCHUP_NS, 2 * tx);
+
+		if (borrowing) {
+			/* free to borrow, yet sent later than its ceil clock,
+			 * the link and its groups allowed: a late dequeue,
+			 * owed as a paced class's lag is
+			 */
+			u64 from = psp_max(c->t_ceil, free_at);
+
+			if (now > from)
+				c->ceil_late = psp_min(c->ceil_late + now - from,
+						       q->catchup_ns);
+		}
+		psp_clock_advance(&c->t_ceil, tx, now,
+				  psp_max(keep, c->ceil_late));
+		/* what is made up is no longer owed */
+		lag = c->t_ceil < now ? now - c->t_ceil : 0;
+		if (c->ceil_late > lag)
+			c->ceil_late = lag;
 		ref = tx;	/* a borrower may go as fast as its ceil */
 	}
 	if (c->rate) {
-		u64 clk = c->flags & PSP_SC_BORROW ?
+		/* the clock its next departure waits for: a borrower free
+		 * to borrow goes on its ceil clock alone
+		 */
+		u64 clk = borrowing ? c->t_ceil :
+			  c->flags & PSP_SC_BORROW ?
 			  psp_max(c->t_rate, c->t_ceil) : c->t_rate;
 
 		psp_count_run(q, c, now, bytes);
