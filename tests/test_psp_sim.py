@@ -620,6 +620,24 @@ def test_a_borrower_held_back_by_others_gets_no_credit_above_its_ceil(other, lat
         assert len(t) * MTU <= 6 * MBIT * (3 * NSEC - stop) / NSEC + 3 * MTU
 
 
+@pytest.mark.parametrize("late", [None, "exp1ms"])
+def test_borrowers_held_by_a_client_cap_share_it_evenly(late):
+    """Three borrowers (rate 1, ceil 4) under a client cap of 6 get 2 each, exact or late
+    timers (the guest's test_borrowing_up_to_ceil_inside_the_client_cap in small): a borrower
+    that a group clock holds does not pair on its own ceil clock's lag (it took two slots in a
+    row and the split became 1.5 / 2.0 / 2.5)."""
+    rnd = np.random.default_rng(5)
+    late_ns = (lambda: 0) if late is None else (lambda: int(rnd.exponential(1e6)))
+    with Sim(1000 * MBIT) as s:
+        g = s.add_group(6 * MBIT)
+        cls = grouped(s, g, [1 * MBIT] * 3, ceil=lambda r: 4 * MBIT)
+        for c in cls:
+            s.greedy(c, MTU, now=0)
+        r = np.array(run_jittered(s, cls, 3 * NSEC, late_ns))
+    assert r.sum() <= 6 * MBIT * 1.002, r / MBIT
+    assert np.all(np.abs(r - r.mean()) / r.mean() <= 0.03), r / MBIT
+
+
 def test_unmatched_traffic_goes_before_borrowing():
     """Idle link time is lent to borrowers only when the default class does not want it; the
     guaranteed rates hold either way."""

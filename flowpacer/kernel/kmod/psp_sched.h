@@ -1045,7 +1045,8 @@ static inline void psp_charge(struct psp_sched *q, struct psp_sclass *c,
 		/* the clock its next departure waits for: a borrower free
 		 * to borrow goes on its ceil clock alone
 		 */
-		u64 clk = borrowing ? c->t_ceil :
+		u64 clk = borrowing ? psp_max(c->t_ceil, (c->flags & PSP_SC_GROUP) ?
+						   c->t_grp : 0) :
 			  c->flags & PSP_SC_BORROW ?
 			  psp_max(c->t_rate, c->t_ceil) : c->t_rate;
 
