@@ -16,6 +16,7 @@ from flowpacer.kernel.backend.filters import LayoutFull
 from flowpacer.kernel.backend.handles import FLOW_CLASS_IDS
 from flowpacer.kernel.backend.pool import Pool, book
 from flowpacer.errors import BackendError
+from flowpacer.sources.sockdiag import Snapshot
 from flowpacer.sources.firstbyte import (COUNTERS, EVENT, FB_DIR_INBOUND, FB_DIR_OUTBOUND,
                                          FB_F_CLOSED, POOL_SLOTS, FirstByte)
 from flowpacer.model import (ApplyResult, BackendHealth, BackendKind, ClassRole, ClassStats,
@@ -298,11 +299,11 @@ class FakeSockDiag:
         self.error: Optional[Exception] = None
         self.scans = 0
 
-    def snapshot(self):
+    def snapshot(self) -> Snapshot:
         self.scans += 1
         if self.error is not None:
             raise self.error
-        return dict(self.flows)
+        return Snapshot(self.flows)
 
 
 class FakeTracer:
@@ -320,6 +321,8 @@ class FakeTracer:
         self.closed = False
         self._lock = threading.Lock()
         self._idle = threading.Event()      # never set: poll's own timeout
+        self.udp_idle: Optional[tuple] = None   # set_udp_idle's last (shortest, longest) ns
+        self.adopted_udp: List[dict] = []       # adopt_udp_connected's calls
 
     def set_watch(self, comms, uids) -> None:
         pass
@@ -342,6 +345,12 @@ class FakeTracer:
                 return self.queue.pop(0)
         self._idle.wait(timeout_ms / 1000)
         return []
+
+    def set_udp_idle(self, shortest_ns: int, longest_ns: int) -> None:
+        self.udp_idle = (shortest_ns, longest_ns)
+
+    def adopt_udp_connected(self, socks) -> None:
+        self.adopted_udp.append(dict(socks))
 
     def stats(self) -> dict:
         return {"lost": 0, "unattributed": 0}

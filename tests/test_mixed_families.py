@@ -17,6 +17,7 @@ from flowpacer.model import (BackendKind, Direction, EventKind, Flow, FlowEvent,
                              FlowSource, FlowSourceStatus, Match, Op, OpKind, ProcessInfo,
                              Protocol, Rule, RuleSet, Shape)
 from flowpacer.daemon.reconciler import Reconciler
+from flowpacer.sources.sockdiag import Snapshot
 from flowpacer.daemon.supervisor import BackendSupervisor
 from flowpacer.surfaces.top import Tracker
 from harness.fakes import FakeFactory
@@ -94,7 +95,7 @@ def test_mixed_batches_through_table_engine_backend_view_metrics_top(ks, extra, 
     rec.on_events([FlowEvent(EventKind.OPEN, flow(k, seen=1)) for k in ks])
     assert set(sup.backend.installed()) == set(ks)
     keep = data.draw(st.sets(st.sampled_from(ks)))
-    snap = {k: flow(k, src=FlowSource.RECONCILE, seen=5) for k in keep | set(extra)}
+    snap = Snapshot({k: flow(k, src=FlowSource.RECONCILE, seen=5) for k in keep | set(extra)})
     rec.reconcile(snap, started_ns=10)
     want = keep | set(extra)
     assert set(sup.backend.installed()) == want
@@ -139,9 +140,9 @@ def test_flow_table_snapshot_diff_with_mixed_families():
     ks = [FlowKey.wire(ipaddress.ip_address(x), 80, ipaddress.ip_address(y), 5000 + i)
           for i, (x, y) in enumerate([("10.0.0.1", "10.0.0.2"), ("fd00::1", "fd00::2"),
                                       ("::ffff:10.0.0.1", "::ffff:10.0.0.3")])]
-    t.on_snapshot({k: flow(k, src=FlowSource.RECONCILE, seen=1) for k in ks}, 2)
+    t.on_snapshot(Snapshot({k: flow(k, src=FlowSource.RECONCILE, seen=1) for k in ks}), 2)
     assert set(t.take_dirty()) == set(ks)
-    t.on_snapshot({ks[1]: flow(ks[1], src=FlowSource.RECONCILE, seen=1)}, 3)
+    t.on_snapshot(Snapshot({ks[1]: flow(ks[1], src=FlowSource.RECONCILE, seen=1)}), 3)
     assert set(t.take_dirty()) == {ks[0], ks[2]} and set(t.flows) == {ks[1]}
 
 

@@ -20,6 +20,7 @@ from dataclasses import replace
 from typing import Dict, Iterable, Mapping, Set
 
 from flowpacer.model import EventKind, Flow, FlowEvent, FlowKey, FlowSource, Protocol
+from flowpacer.sources.sockdiag import Snapshot
 
 
 class FlowTable:
@@ -62,7 +63,7 @@ class FlowTable:
                 self.expired.add(key)
                 self.events[("idle", "close")] += 1
 
-    def on_snapshot(self, snap: Mapping[FlowKey, Flow], started_ns: int) -> None:
+    def on_snapshot(self, snap: Snapshot, started_ns: int) -> None:
         self.snapshots += 1
         self.expired.intersection_update(snap.keys())     # the others' sockets are gone
         for key, flow in snap.items():
@@ -77,9 +78,9 @@ class FlowTable:
             elif cur.source is FlowSource.RECONCILE and flow.proc.pid and cur.proc != flow.proc:
                 self.flows[key] = replace(flow, seen_ns=cur.seen_ns)
                 self.dirty.add(key)
-        udp_ports = getattr(snap, "udp_ports", None)    # local ports of open UDP sockets
+        udp_ports = snap.udp_ports          # local ports of open (unconnected) UDP sockets
         for key in [k for k, f in self.flows.items() if k not in snap and f.seen_ns < started_ns
-                    and not (udp_ports is not None and k.protocol is Protocol.UDP
+                    and not (k.protocol is Protocol.UDP
                              and f.source is FlowSource.TRACER and k.local_port in udp_ports)]:
             del self.flows[key]
             self.idle_since.pop(key, None)

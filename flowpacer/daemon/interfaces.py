@@ -86,15 +86,84 @@ class InterfaceSet:
     def primary(self) -> Optional[BackendSupervisor]:
         return next(iter(self._ports.values()), None)
 
-    def __getattr__(self, name):
-        # what the surfaces read of "the" backend (backend, health, rx, reason, ...): the
-        # first port's. Only reached for names this class does not have.
-        if name.startswith("__") or name in ("_ports",):
-            raise AttributeError(name)
+    # What the surfaces read of "the" backend, declared one by one: the first interface's
+    # (status' top-level backend fields; every interface's are in ``ports()``).
+    @property
+    def backend(self):
         p = self.primary
         if p is None:
-            raise AttributeError(name)
-        return getattr(p, name)
+            raise AttributeError("backend: no interface is managed yet")
+        return p.backend
+
+    @property
+    def rx(self):
+        p = self.primary
+        if p is None:
+            raise AttributeError("rx: no interface is managed yet")
+        return p.rx
+
+    @property
+    def health(self):
+        p = self.primary
+        if p is None:
+            raise AttributeError("health: no interface is managed yet")
+        return p.health
+
+    @property
+    def problem(self):
+        p = self.primary
+        if p is None:
+            raise AttributeError("problem: no interface is managed yet")
+        return p.problem
+
+    @property
+    def reason(self):
+        p = self.primary
+        if p is None:
+            raise AttributeError("reason: no interface is managed yet")
+        return p.reason
+
+    @property
+    def fell_back(self):
+        p = self.primary
+        if p is None:
+            raise AttributeError("fell_back: no interface is managed yet")
+        return p.fell_back
+
+    @property
+    def fallback(self):
+        p = self.primary
+        if p is None:
+            raise AttributeError("fallback: no interface is managed yet")
+        return p.fallback
+
+    @property
+    def rx_health(self):
+        p = self.primary
+        if p is None:
+            raise AttributeError("rx_health: no interface is managed yet")
+        return p.rx_health
+
+    @property
+    def rx_problem(self):
+        p = self.primary
+        if p is None:
+            raise AttributeError("rx_problem: no interface is managed yet")
+        return p.rx_problem
+
+    @property
+    def rx_usable(self):
+        p = self.primary
+        if p is None:
+            raise AttributeError("rx_usable: no interface is managed yet")
+        return p.rx_usable
+
+    def kind_of(self, rs: RuleSet) -> BackendKind:
+        """The backend kind the rules (or the command line) ask for."""
+        p = self.primary
+        if p is None:
+            raise AttributeError("kind_of: no interface is managed yet")
+        return p.kind_of(rs)
 
     def ports(self) -> List[BackendSupervisor]:
         return list(self._ports.values())

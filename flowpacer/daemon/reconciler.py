@@ -135,8 +135,8 @@ class Reconciler:
         """The connected UDP sockets of the snapshot that a rule shapes, by cookie, to the
         tracer: one opened before it (a restart) ends by idleness too (issue 17)."""
         adopt = self.udp_adopter
-        cookies = getattr(snap, "udp_cookies", None)
-        if adopt is None or cookies is None:
+        cookies = snap.udp_cookies
+        if adopt is None or not cookies:
             return
         shaped = engine.desired({k: snap[k] for k in cookies}, self.rules)
         adopt({cookies[k]: snap[k] for k in shaped})

@@ -168,6 +168,10 @@ class BackendSupervisor:
         """The per-interface supervisors (one here; several in an InterfaceSet)."""
         return [self]
 
+    # what an InterfaceSet adds, as one interface has it: no routing, no flow elsewhere
+    routed = False
+    unmanaged: Dict[FlowKey, str] = {}
+
     def start(self, rs: RuleSet) -> None:
         """Set up the backend for ``rs``. Raises FlowpacerError."""
         self.backend, self.reason = self.factory.make(self.kind_of(rs), self.interface_of(rs),

@@ -15,6 +15,7 @@ from flowpacer.daemon.stages import GiveUp, Stage, StageContext
 from flowpacer.errors import TracerUnavailable
 from flowpacer.model import FlowSourceMode, FlowSourceStatus, RuleSet
 from flowpacer.policy import engine
+from flowpacer.sources.contract import FlowTracer
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +63,9 @@ class TracerStage:
             self.flow_source = FlowSourceStatus(FlowSourceMode.TRACER_UNAVAILABLE, str(e))
         else:
             self.tracer = t
-            rec.udp_adopter = getattr(t, "adopt_udp_connected", None)
+            rec.udp_adopter = t.adopt_udp_connected
             release_compiler_memory()
-            self.flow_source = FlowSourceStatus(FlowSourceMode.TRACER, getattr(t, "hooks", ""))
+            self.flow_source = FlowSourceStatus(FlowSourceMode.TRACER, t.hooks)
             return self._make_stage("tracer", self._trace, GiveUp.DEGRADE, stall_s=10.0,
                                     on_degrade=self._degraded)
         log.warning("%s", self.flow_source.text)
@@ -106,8 +107,6 @@ def _close_quietly(tracer) -> None:
             log.debug("tracer close: %s", e)
 
 
-def set_udp_idle(tracer, rs: RuleSet) -> None:
-    """The rules' UDP idle timeouts to the tracer (issue 17; test stand-ins may lack it)."""
-    set_idle = getattr(tracer, "set_udp_idle", None)
-    if set_idle is not None:
-        set_idle(*engine.udp_idle_timeouts(rs))
+def set_udp_idle(tracer: FlowTracer, rs: RuleSet) -> None:
+    """The rules' UDP idle timeouts to the tracer (issue 17)."""
+    tracer.set_udp_idle(*engine.udp_idle_timeouts(rs))

@@ -52,7 +52,7 @@ def _classed(supervisor, key: FlowKey) -> bool:
 
 
 def _why(supervisor, key: FlowKey, e, ok: bool, health: str) -> str:
-    unmanaged = getattr(supervisor, "unmanaged", {})
+    unmanaged = supervisor.unmanaged
     if key in unmanaged:
         name = unmanaged[key]
         return (f"it leaves by {name}, an interface flowpacer does not shape" if name

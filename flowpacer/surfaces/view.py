@@ -91,8 +91,8 @@ def build(rec, sup, stages: Iterable, *, rules_path: str, flow_source: FlowSourc
         backend_wanted=(sup.kind_of(sup._rules).value if sup._rules is not None else ""),
         backend_fallback=sup.fallback,
         interfaces=tuple(ifaces),
-        unmanaged=tuple(sorted(getattr(sup, "unmanaged", {}).items())),
-        routed=bool(getattr(sup, "routed", False)),
+        unmanaged=tuple(sorted(sup.unmanaged.items())),
+        routed=sup.routed,
     )
 
 
