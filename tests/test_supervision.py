@@ -2,6 +2,7 @@
 control socket) wired to in-memory fakes of the backend and the flow sources. What the kernel
 does is tested elsewhere with the real backend; here: stage failures, degradation, exit for
 systemd, the watchdog, apply failures part-way, restart adoption, fall-back and reload."""
+import dataclasses
 import ipaddress
 import logging
 import time
@@ -289,6 +290,39 @@ def test_reload_reads_the_rules_before_taking_the_reconcilers_lock(tmp_path):
         assert d.reload().ok
         state["reconciler"] = None
     assert held == [False]
+
+
+def test_reload_hands_the_new_rules_to_the_tracer_with_the_lock_free(tmp_path):
+    """The tracer's watch filter and UDP timeouts (BPF map writes) follow a reload after the
+    reconciler's lock is released, and only after a reload that took (issue 25)."""
+    import threading
+    seen = []
+    state = {"reconciler": None}
+
+    class Probing(FakeTracer):
+        def set_watch(self, comms, uids):
+            rec = state["reconciler"]
+            if rec is None:
+                return
+            got = []
+
+            def probe():
+                got.append(rec.lock.acquire(blocking=False))
+                if got[0]:
+                    rec.lock.release()
+            t = threading.Thread(target=probe)
+            t.start()
+            t.join(5)
+            seen.append((rec.rules is RULES2, got[0]))
+
+    RULES2 = dataclasses.replace(RULES, rules=(Rule("web", Match(process=("nginx",)), 2 * RATE),))
+    rules = {"now": RULES}
+    with inprocess_daemon(tmp_path, lambda: rules["now"], tracer=Probing()) as d:
+        state["reconciler"] = d.reconciler
+        rules["now"] = RULES2
+        assert d.reload().ok
+        state["reconciler"] = None
+    assert seen == [(True, True)]      # the new rules in place, the lock free
 
 
 def test_stage_backoff_doubles_and_gives_up_within_its_window():

@@ -282,16 +282,19 @@ class Reconciler:
             else:
                 sup.adopt_rules(new)
             self.rules = new
-            on_rules(new)
             for b in sup.backends():
                 self.table.mark_all(b.installed().keys())
             res = self.apply_dirty()
             self.counters.reloads_ok += 1
-            return ReloadResult(True, tuple(e.reason for e in res.errors) if res else (),
-                                rules_changed=new != old, switched_backend=bool(switch),
-                                added=res.added if res else 0,
-                                changed=res.changed if res else 0,
-                                removed=res.removed if res else 0)
+            out = ReloadResult(True, tuple(e.reason for e in res.errors) if res else (),
+                               rules_changed=new != old, switched_backend=bool(switch),
+                               added=res.added if res else 0,
+                               changed=res.changed if res else 0,
+                               removed=res.removed if res else 0)
+        # after the lock: what the sources watch follows the new rules (the tracer's BPF maps;
+        # an event judged meanwhile by the new rules under the old filter is only early or late)
+        on_rules(new)
+        return out
 
     def _fresh_routes(self):
         """Issue 29: the route of every flow whose interface matters, looked up again (called
