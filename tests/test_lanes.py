@@ -103,3 +103,33 @@ def test_run_lanes_waits_for_both_and_fails_when_one_fails(monkeypatch, tmp_path
     assert (tmp_path / "untimed.log").read_text().endswith("FAILED tests/x.py::y\n")
     # each lane's time is its own: the failing one ended first, not when the other's wait returned
     assert untimed.seconds < timed.seconds and timed.seconds >= 1.5
+
+
+def test_the_server_vm_runs_first_in_the_untimed_lane_and_apart_from_real_clock_guests(tmp_path,
+                                                                                       monkeypatch):
+    """The untimed lane starts with the Debian 13 server VM (done while the timed lane runs its
+    host tests), and vm.apart keeps it and the real-clock guests from running side by side."""
+    import threading
+    from harness import vm
+    _, untimed = lanes.lanes()
+    files = [a for a in untimed.args if a.startswith("tests/")]
+    assert files[0] == "tests/test_server_vm.py" and "tests/test_vm.py" in files
+    assert len(files) == len(set(files))
+    monkeypatch.setattr(vm, "APART_LOCK", str(tmp_path / "apart.lock"))
+    inside, release, entered = threading.Event(), threading.Event(), threading.Event()
+
+    def hold(name, got, until=None):
+        with vm.apart(name):
+            got.set()
+            if until is not None:
+                until.wait(10)
+    first = threading.Thread(target=hold, args=("first", inside, release))
+    first.start()
+    assert inside.wait(5)
+    second = threading.Thread(target=hold, args=("second", entered))
+    second.start()
+    assert not entered.wait(0.5)          # blocked while the first holds it
+    release.set()
+    assert entered.wait(5)                # and in once it is released
+    first.join(5)
+    second.join(5)

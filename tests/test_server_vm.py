@@ -40,7 +40,7 @@ import time
 
 import pytest
 
-from harness import debroot, servervm
+from harness import debroot, servervm, vm
 
 # untimed: the rates it checks are loose (0.4-1.1 x the rule), its waits generous
 pytestmark = [pytest.mark.vm, pytest.mark.deb, pytest.mark.heavy, pytest.mark.untimed]
@@ -70,7 +70,8 @@ def test_debian13_server_enable_reload_restart_upgrade_stop(root, debs, tmp_path
     files = {fp.name: fp, psp.name: psp, upgraded.name: upgraded, tarball.name: tarball}
     if fp.name != "flowpacer_0.1.0_all.deb":
         pytest.fail(f"vm/server/job.py installs flowpacer_0.1.0_all.deb, make deb made {fp.name}")
-    res = servervm.run(rootdir, tmp_path / "out", files, timeout=2400)
+    with vm.apart("the Debian 13 server VM"):       # never beside a real-clock guest
+        res = servervm.run(rootdir, tmp_path / "out", files, timeout=2400)
     r = res["result"]
     diag = f"rc {res['rc']}\n--- output\n{res['output']}\n--- console\n{res['console']}"
     assert r is not None, diag

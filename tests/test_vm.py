@@ -36,6 +36,7 @@ where, and the figures.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -54,6 +55,7 @@ if str(REPO) not in sys.path:
 from vm import build as vmbuild  # noqa: E402
 from vm import kmod as vmkmod  # noqa: E402
 from vm import run as vmrun  # noqa: E402
+from harness import vm as hvm  # noqa: E402
 
 pytestmark = pytest.mark.vm
 
@@ -263,9 +265,13 @@ class GuestRuns:
         env.setdefault("FLOWPACER_HOST_IMPORT_S", f"{host_import_s():.4f}")
         cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfE",
                f"--junitxml={out / 'guest.xml'}", *targets]
+        # a real-clock guest never shares the host with the server VM (harness/vm.apart)
+        held = (hvm.apart(f"the {series or 'main'} kernel's real-clock guest")
+                if clock is vmrun.Clock.REAL else contextlib.nullcontext())
         try:
-            gr.result = vmrun.run(cmd, cwd=str(REPO), timeout=TIMEOUT_S, env=env, out_dir=out,
-                                  clock=clock, kernel=series or None)
+            with held:
+                gr.result = vmrun.run(cmd, cwd=str(REPO), timeout=TIMEOUT_S, env=env,
+                                      out_dir=out, clock=clock, kernel=series or None)
         except vmrun.VMError as e:
             gr.error = e
         try:    # after a crash too: what the guest reported before it died

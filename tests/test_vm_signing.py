@@ -29,9 +29,10 @@ def test_unsigned_module_refused_auto_falls_back_to_htb(tmp_path, monkeypatch):
                        (os.environ.get("FLOWPACER_VM_APPEND", "") + " module.sig_enforce=1").strip())
     out = tmp_path / "vm"
     try:
-        res = vm.run([sys.executable, str(vm.REPO / "tests/signing_guest.py")], cwd=str(vm.REPO),
-                     timeout=600, out_dir=out, env={"FLOWPACER_PSP_KO": str(ko),
-                                                   "FLOWPACER_MODULE_INDEX": str(index)})
+        with vm.apart("the signing guest"):          # a real-clock guest
+            res = vm.run([sys.executable, str(vm.REPO / "tests/signing_guest.py")],
+                         cwd=str(vm.REPO), timeout=600, out_dir=out,
+                         env={"FLOWPACER_PSP_KO": str(ko), "FLOWPACER_MODULE_INDEX": str(index)})
     except vm.VMError as e:
         pytest.fail(f"the VM: {e.details()[-4000:]}", pytrace=False)
     report = out / "signing_guest.json"
