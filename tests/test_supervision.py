@@ -264,56 +264,50 @@ def test_reload_with_a_broken_file_changes_nothing(tmp_path):
         assert d.supervisor.backend.shape_of(f.key) == Shape("web2", RATE * 2, RATE * 2)
 
 
+def _lock_free(rec) -> bool:
+    """Whether another thread can take the reconciler's lock right now (it is not held)."""
+    import threading
+    got = []
+
+    def probe():
+        got.append(rec.lock.acquire(blocking=False))
+        if got[0]:
+            rec.lock.release()
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join(5)
+    return bool(got and got[0])
+
+
 def test_reload_reads_the_rules_before_taking_the_reconcilers_lock(tmp_path):
     """The rules file is read and parsed with the lock free: a slow disk or a large file does
     not hold up the reconcile passes (issue 25: no I/O under the reconciler's lock)."""
-    import threading
-    held = []
+    free = []
     state = {"reconciler": None}
 
     def load():
         rec = state["reconciler"]
         if rec is not None:           # at a reload, not at the start
-            got = []
-
-            def probe():
-                got.append(rec.lock.acquire(blocking=False))
-                if got[0]:
-                    rec.lock.release()
-            t = threading.Thread(target=probe)
-            t.start()
-            t.join(5)
-            held.append(not got[0])
+            free.append(_lock_free(rec))
         return RULES
     with inprocess_daemon(tmp_path, load, tracer_enabled=False) as d:
         state["reconciler"] = d.reconciler
         assert d.reload().ok
         state["reconciler"] = None
-    assert held == [False]
+    assert free == [True]
 
 
 def test_reload_hands_the_new_rules_to_the_tracer_with_the_lock_free(tmp_path):
     """The tracer's watch filter and UDP timeouts (BPF map writes) follow a reload after the
     reconciler's lock is released, and only after a reload that took (issue 25)."""
-    import threading
     seen = []
     state = {"reconciler": None}
 
     class Probing(FakeTracer):
         def set_watch(self, comms, uids):
             rec = state["reconciler"]
-            if rec is None:
-                return
-            got = []
-
-            def probe():
-                got.append(rec.lock.acquire(blocking=False))
-                if got[0]:
-                    rec.lock.release()
-            t = threading.Thread(target=probe)
-            t.start()
-            t.join(5)
-            seen.append((rec.rules is RULES2, got[0]))
+            if rec is not None:
+                seen.append((rec.rules is RULES2, _lock_free(rec)))
 
     RULES2 = dataclasses.replace(RULES, rules=(Rule("web", Match(process=("nginx",)), 2 * RATE),))
     rules = {"now": RULES}
