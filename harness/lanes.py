@@ -54,6 +54,9 @@ UNTIMED_NICE = 5
 UNTIMED_GROUP_NICE = 0
 
 
+# Each lane's pytest has its name here (tests/conftest.py: the untimed lane holds vm.apart
+# until its virtual-clock guest)
+LANE_ENV = "FLOWPACER_LANE"
 # The untimed lane's files to run before the rest, in this order
 UNTIMED_FIRST = ("tests/test_server_vm.py",)
 
@@ -141,7 +144,8 @@ def run_lanes() -> int:
         # its own session (stopped as one process group), its own scheduler group
         lane.proc = subprocess.Popen(lane.args, cwd=REPO, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True,
+                                     env={**os.environ, LANE_ENV: lane.name})
         if lane.group_nice:
             _group_nice(lane.proc.pid, lane.group_nice)
         t = threading.Thread(target=_pump, args=(lane,), name=f"lane-{lane.name}", daemon=True)
