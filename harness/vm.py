@@ -14,6 +14,7 @@ import fcntl
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -40,7 +41,6 @@ def apart(what: str):
     then 7.6 Mbit/s where it must offer 15+, its borrowing upload reached 84 % of the ceil.
     Beside the virtual-clock guest alone it passed (stop 33). Waits as long as the other holder
     runs; the wait is printed. Re-entrant within one thread."""
-    import threading
     me = threading.get_ident()
     if _apart_owner["thread"] == me:
         yield 0.0

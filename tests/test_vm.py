@@ -255,8 +255,7 @@ class GuestRuns:
         report = out / "guest-report.json"
         env = {k: v for k, v in os.environ.items()
                if k.startswith("FLOWPACER_")
-               and k not in ("FLOWPACER_COLLECT_GUEST", "FLOWPACER_IN_VM", "FLOWPACER_VM_CLOCK",
-                             "FLOWPACER_LANE")}
+               and k not in ("FLOWPACER_COLLECT_GUEST", "FLOWPACER_IN_VM", "FLOWPACER_VM_CLOCK")}
         env["FLOWPACER_GUEST_REPORT"] = str(report)
         ko = self._build_extra(series) if series else self.psp_ko
         env["FLOWPACER_PSP_KO"] = str(ko if isinstance(ko, Path) else out / "kmod" / "sch_psp.ko")

@@ -17,7 +17,7 @@ it again; only the tracer does (its next datagram), or the socket's end forgets 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Dict, Iterable, Mapping, Set
+from typing import Dict, Iterable, Set
 
 from flowpacer.model import EventKind, Flow, FlowEvent, FlowKey, FlowSource, Protocol
 from flowpacer.sources.sockdiag import Snapshot

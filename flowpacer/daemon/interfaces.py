@@ -61,6 +61,16 @@ class Router:
         self._lookup.close()
 
 
+def _primary_field(name: str) -> property:
+    """A read-only attribute of InterfaceSet that is its first port's ``name``."""
+    def get(self):
+        p = self.primary
+        if p is None:
+            raise AttributeError(f"{name}: no interface is managed yet")
+        return getattr(p, name)
+    return property(get, doc=f"The first interface's ``{name}``.")
+
+
 class InterfaceSet:
     """The supervisors of every managed interface, for the reconciler and the surfaces."""
 
@@ -88,75 +98,16 @@ class InterfaceSet:
 
     # What the surfaces read of "the" backend, declared one by one: the first interface's
     # (status' top-level backend fields; every interface's are in ``ports()``).
-    @property
-    def backend(self):
-        p = self.primary
-        if p is None:
-            raise AttributeError("backend: no interface is managed yet")
-        return p.backend
-
-    @property
-    def rx(self):
-        p = self.primary
-        if p is None:
-            raise AttributeError("rx: no interface is managed yet")
-        return p.rx
-
-    @property
-    def health(self):
-        p = self.primary
-        if p is None:
-            raise AttributeError("health: no interface is managed yet")
-        return p.health
-
-    @property
-    def problem(self):
-        p = self.primary
-        if p is None:
-            raise AttributeError("problem: no interface is managed yet")
-        return p.problem
-
-    @property
-    def reason(self):
-        p = self.primary
-        if p is None:
-            raise AttributeError("reason: no interface is managed yet")
-        return p.reason
-
-    @property
-    def fell_back(self):
-        p = self.primary
-        if p is None:
-            raise AttributeError("fell_back: no interface is managed yet")
-        return p.fell_back
-
-    @property
-    def fallback(self):
-        p = self.primary
-        if p is None:
-            raise AttributeError("fallback: no interface is managed yet")
-        return p.fallback
-
-    @property
-    def rx_health(self):
-        p = self.primary
-        if p is None:
-            raise AttributeError("rx_health: no interface is managed yet")
-        return p.rx_health
-
-    @property
-    def rx_problem(self):
-        p = self.primary
-        if p is None:
-            raise AttributeError("rx_problem: no interface is managed yet")
-        return p.rx_problem
-
-    @property
-    def rx_usable(self):
-        p = self.primary
-        if p is None:
-            raise AttributeError("rx_usable: no interface is managed yet")
-        return p.rx_usable
+    backend = _primary_field("backend")
+    rx = _primary_field("rx")
+    health = _primary_field("health")
+    problem = _primary_field("problem")
+    reason = _primary_field("reason")
+    fell_back = _primary_field("fell_back")
+    fallback = _primary_field("fallback")
+    rx_health = _primary_field("rx_health")
+    rx_problem = _primary_field("rx_problem")
+    rx_usable = _primary_field("rx_usable")
 
     def kind_of(self, rs: RuleSet) -> BackendKind:
         """The backend kind the rules (or the command line) ask for."""

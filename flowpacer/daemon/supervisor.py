@@ -15,7 +15,8 @@ import fnmatch
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Protocol
+from types import MappingProxyType
+from typing import Callable, Dict, List, Mapping, Optional, Protocol
 
 from flowpacer.errors import BackendError, FlowpacerError
 from flowpacer.kernel.backend import registry
@@ -113,8 +114,10 @@ class Recheck:
 
 
 class BackendSupervisor:
-    # one supervisor shapes every flow (no route lookups): see InterfaceSet (interfaces.py)
+    # one supervisor shapes every flow (no route lookups, no flow leaving by an interface it
+    # does not manage): see InterfaceSet (interfaces.py)
     routed = False
+    unmanaged: Mapping[FlowKey, str] = MappingProxyType({})
 
     def __init__(self, factory: BackendFactory, *, interface: Optional[str] = None,
                  kind: Optional[BackendKind] = None, clock: Callable[[], float] = time.monotonic,
@@ -167,10 +170,6 @@ class BackendSupervisor:
     def ports(self) -> list:
         """The per-interface supervisors (one here; several in an InterfaceSet)."""
         return [self]
-
-    # what an InterfaceSet adds, as one interface has it: no routing, no flow elsewhere
-    routed = False
-    unmanaged: Dict[FlowKey, str] = {}
 
     def start(self, rs: RuleSet) -> None:
         """Set up the backend for ``rs``. Raises FlowpacerError."""
@@ -328,10 +327,10 @@ class BackendSupervisor:
         prev, self.health = self.health, state
         if state is BackendHealth.OK:
             if prev is not BackendHealth.OK:
-                # its bookkeeping was dropped when it went (or a rebuild failed half-way):
-                # whatever is there now (our own qdisc, adopted with its classes) is taken up
-                # again and every flow re-applied
-                return self._take_up_again(b, prev)
+                # its bookkeeping was dropped when it went (or a rebuild failed half-way): a
+                # flow left unshaped with nothing telling the reconciler is what this prevents
+                self.health = BackendHealth.LOST          # until that works
+                return self._set_up_again(b, f"in place again after being {prev.value}")
             now = self.clock()
             if now >= self._next_audit:
                 self._next_audit = now + AUDIT_S
@@ -356,6 +355,11 @@ class BackendSupervisor:
             return out
         why = {BackendHealth.LOST: "root qdisc missing (interface re-created or qdisc deleted)",
                BackendHealth.SPEED: "link speed changed"}[state]
+        return self._set_up_again(b, why)
+
+    def _set_up_again(self, b, why: str) -> Recheck:
+        """Drop the bookkeeping, set up again (our qdisc adopted with its classes if it is
+        there, made if not) and re-apply every flow; a failure is counted and retried."""
         try:
             b.forget()
             b.setup()
@@ -368,30 +372,7 @@ class BackendSupervisor:
             self.problem = ""
         self._episode_failures = 0
         log.warning("%s: %s: rebuilt, re-applying every flow", b.interface, why)
-        out.mark_all = True
-        out.installed = list(b.installed().keys())
-        return out
-
-    def _take_up_again(self, b, prev: BackendHealth) -> Recheck:
-        """The interface (or flowpacer's own root qdisc) is back after GONE/FOREIGN/a failed
-        rebuild: adopt
-        what is there and re-apply every flow. A flow kept unshaped because its bookkeeping
-        was forgotten while nothing tells the reconciler is what this prevents."""
-        out = Recheck()
-        self.health = BackendHealth.LOST         # until it is taken up
-        try:
-            b.forget()
-            b.setup()
-        except (OSError, FlowpacerError) as e:
-            return self._rebuild_failed(b, f"back after being {prev.value}", e)
-        self.health = BackendHealth.OK
-        self.problem = ""
-        self._episode_failures = 0
-        log.warning("%s: flowpacer's qdisc is in place again (it was %s): re-applying every "
-                    "flow", b.interface, prev.value)
-        out.mark_all = True
-        out.installed = list(b.installed().keys())
-        return out
+        return Recheck(mark_all=True, installed=list(b.installed().keys()))
 
     def _rebuild_failed(self, b, why: str, err: Exception) -> Recheck:
         """The lost qdisc cannot be made again (e.g. the psp module was unloaded): counted,
