@@ -10,6 +10,10 @@
   (loose bounds, generous waits). The two lanes' scheduler groups share the CPU equally
   (UNTIMED_GROUP_NICE: why not less for this one).
 
+Each lane starts with its guests (TIMED_FIRST, UNTIMED_FIRST): the real-clock guests beside the
+virtual-clock guest, then the host tests beside the server VM and the Debian roots' builds;
+``GuestPhase`` (vm.apart) keeps a real-clock guest from ever running beside the latter.
+
 One after the other they took ~60 min on the project's 2-core machine. A first try split by
 "boots the VM or not" and niced the host lane: both halves measure on the wall clock, and each
 starved the other into failures (a real-clock guest's psp rate at 87 % of its rule; the host
@@ -25,6 +29,7 @@ or SIGTERM stops both lanes (their process groups).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -54,18 +59,69 @@ UNTIMED_NICE = 5
 UNTIMED_GROUP_NICE = 0
 
 
-# Each lane's pytest has its name here (tests/conftest.py: the untimed lane holds vm.apart
-# until its virtual-clock guest)
+# Each lane's pytest has its name here (tests/conftest.py: the two lanes' guest phases, below)
 LANE_ENV = "FLOWPACER_LANE"
-# The untimed lane's files to run before the rest, in this order
-UNTIMED_FIRST = ("tests/test_server_vm.py",)
+TIMED = "timed"
+# Each lane starts with its guest phase: the timed lane with its real-clock guests (the main
+# kernel's, the extra kernels', the signing guest), the untimed lane with its virtual-clock guest.
+# The two phases run side by side (the pairing CI passed with: two emulated CPUs on real time
+# beside one in virtual time). The timed lane holds vm.apart from its start until its guest
+# phase ends; the untimed lane takes it when its guest phase ends and holds it to its end: its
+# heavy work (the Debian 13 server VM, the Debian roots' builds) never runs beside a real-clock
+# guest, and runs beside the timed lane's host tests instead.
+TIMED_FIRST = ("tests/test_vm.py", "tests/test_vm_signing.py")
+UNTIMED_FIRST = ("tests/test_vm.py", "tests/test_server_vm.py")
+# the tests of each lane's guest phase (node ids start so)
+GUEST_PHASE = {
+    TIMED: ("tests/test_vm.py::", "tests/test_vm_signing.py::"),
+    UNTIMED: ("tests/test_vm.py::test_guest[", "tests/test_vm.py::test_guest_run_clean["),
+}
 
 
-def _untimed_files() -> List[str]:
-    """Every test file, UNTIMED_FIRST first (pytest runs files in the order given; a directory
+def _files(first) -> List[str]:
+    """Every test file, ``first`` first (pytest runs files in the order given; a directory
     given after one of its files would be collected in its own order)."""
     rest = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py"))
-    return [*UNTIMED_FIRST, *(f for f in rest if f not in UNTIMED_FIRST)]
+    return [*first, *(f for f in rest if f not in first)]
+
+
+def in_guest_phase(lane: str, nodeid: str) -> bool:
+    return nodeid.startswith(GUEST_PHASE.get(lane, ()))
+
+
+class GuestPhase:
+    """One lane's hold of vm.apart (tests/conftest.py calls it): ``start`` at its session's start,
+    ``before`` each test, ``finish`` at its end. Outside make test's lanes (``lane`` None) it does
+    nothing: the guests' own runs still take the lock."""
+
+    def __init__(self, lane: Optional[str]):
+        self.lane = lane
+        self._held: Optional[contextlib.ExitStack] = None
+        self._taken = False
+
+    def _take(self, what: str) -> None:
+        from harness import vm
+        self._taken = True
+        stack = contextlib.ExitStack()
+        stack.enter_context(vm.apart(what))
+        self._held = stack
+
+    def finish(self) -> None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            held.close()
+
+    def start(self) -> None:
+        if self.lane == TIMED:
+            self._take("the timed lane's real-clock guests")
+
+    def before(self, nodeid: str) -> None:
+        if self.lane is None or in_guest_phase(self.lane, nodeid):
+            return
+        if self.lane == TIMED:
+            self.finish()
+        elif self.lane == UNTIMED and not self._taken:
+            self._take("the untimed lane after its virtual-clock guest")
 
 
 @dataclass
@@ -86,12 +142,11 @@ def lanes() -> List[Lane]:
     # the slowest tests of each lane at the end of its log: where the next minutes go
     py = [sys.executable, "-m", "pytest", "-ra", "--durations=25"]
     return [
-        Lane("timed", [*py, "-m", f"not {UNTIMED}"], LOG_DIR / "timed.log", echo=True),
+        Lane(TIMED, [*py, "-m", f"not {UNTIMED}", *_files(TIMED_FIRST)], LOG_DIR / "timed.log",
+             echo=True),
         # its own cache provider off: two sessions writing one .pytest_cache would race
-        # the server VM first: it is done before the timed lane's host tests end and its
-        # real-clock guests start (they and it take vm.apart: never side by side)
-        Lane("untimed", ["nice", "-n", str(UNTIMED_NICE), *py, "-p", "no:cacheprovider",
-                         "-m", UNTIMED, *_untimed_files()], LOG_DIR / "untimed.log",
+        Lane(UNTIMED, ["nice", "-n", str(UNTIMED_NICE), *py, "-p", "no:cacheprovider",
+                       "-m", UNTIMED, *_files(UNTIMED_FIRST)], LOG_DIR / "untimed.log",
              echo=False, group_nice=UNTIMED_GROUP_NICE),
     ]
 

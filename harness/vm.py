@@ -23,7 +23,7 @@ from vm.run import VMError, VMResult, dmesg_problems, run
 
 REPO = Path(__file__).resolve().parents[1]
 LOCK = "/tmp/flowpacer-vm.lock"
-# Held around every real-clock guest run and around the Debian 13 server VM (``apart``)
+# Held around every real-clock guest run and the untimed lane's heavy work (``apart``)
 APART_LOCK = "/tmp/flowpacer-vm-apart.lock"
 GUEST_TESTS = REPO / "tests" / "guest"
 
@@ -33,16 +33,17 @@ _apart_owner = {"thread": None}      # the thread of this process that holds APA
 
 @contextlib.contextmanager
 def apart(what: str):
-    """Run ``what`` never beside another holder of APART_LOCK: every real-clock guest (timed
-    lane) takes it, and the untimed lane holds it from its start until its virtual-clock guest
-    (tests/conftest.py), i.e. through the Debian 13 server VM and the Debian roots' builds.
-    Rehearsals ci22 and ci23: the real-clock guest (two emulated CPUs) beside the server VM, or
-    beside the roots' builds (dpkg, gcc, mmdebstrap), was starved: its UDP sender offered 15 and
-    then 7.6 Mbit/s where it must offer 15+, its borrowing upload reached 84 % of the ceil.
-    Beside the virtual-clock guest alone it passed (stop 33). Waits as long as the other holder
-    runs; the wait is printed. Re-entrant within one thread."""
-    me = threading.get_ident()
-    if _apart_owner["thread"] == me:
+    """Run ``what`` never beside another holder of APART_LOCK: the timed lane holds it through
+    its real-clock guests (each of which takes it too, for runs outside the lanes), the untimed
+    lane from the end of its virtual-clock guest to its end, i.e. through the Debian 13 server VM
+    and the Debian roots' builds (harness/lanes.GuestPhase). Rehearsals ci22 and ci23: the
+    real-clock guest (two emulated CPUs) beside the server VM, or beside the roots' builds (dpkg,
+    gcc, mmdebstrap), was starved: its UDP sender offered 15 and then 7.6 Mbit/s where it must
+    offer 15+, its borrowing upload reached 84 % of the ceil. Beside the virtual-clock guest alone
+    it passed (stop 33). Waits as long as the other holder runs; the wait is printed. Re-entrant
+    within one thread."""
+    me = threading.current_thread()      # not its ident: a later thread may reuse that
+    if _apart_owner["thread"] is me:
         yield 0.0
         return
     with open(APART_LOCK, "a") as f:

@@ -1,5 +1,4 @@
 """Fixtures of the host tests; the harness they use is the top-level ``harness`` package."""
-import contextlib
 import os
 
 import pytest
@@ -38,34 +37,28 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_sessionstart(session):
-    """make test's untimed lane (harness/lanes.py) holds vm.apart from its start until its
-    virtual-clock guest: the server VM and the Debian roots' builds never run beside a real-clock
-    guest of the timed lane, which waits for them (harness/vm.py: why)."""
+    """make test's lanes (harness/lanes.py) each start with their guest phase: the timed lane
+    holds vm.apart from its start until its real-clock guests are done; the untimed lane takes it
+    when its virtual-clock guest is done and holds it to its end, so that the server VM and the
+    Debian roots' builds never run beside a real-clock guest (harness/vm.py: why)."""
     from harness import lanes
     # taken out of the environment: a pytest this one starts (collections, the guest) is not
     # the lane and must not wait for the lock this process holds
-    if os.environ.pop(lanes.LANE_ENV, None) == lanes.UNTIMED:
-        from harness import vm
-        stack = contextlib.ExitStack()
-        stack.enter_context(vm.apart("the untimed lane until its virtual-clock guest"))
-        session.config._flowpacer_apart = stack
-
-
-def _release_apart(config) -> None:
-    stack = getattr(config, "_flowpacer_apart", None)
-    if stack is not None:
-        config._flowpacer_apart = None
-        stack.close()
+    session.config._flowpacer_phase = lanes.GuestPhase(os.environ.pop(lanes.LANE_ENV, None))
+    session.config._flowpacer_phase.start()
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-    if item.nodeid.startswith("tests/test_vm.py"):
-        _release_apart(item.config)
+    phase = getattr(item.config, "_flowpacer_phase", None)
+    if phase is not None:
+        phase.before(item.nodeid)
 
 
 def pytest_sessionfinish(session):
-    _release_apart(session.config)
+    phase = getattr(session.config, "_flowpacer_phase", None)
+    if phase is not None:
+        phase.finish()
 
 
 def pytest_configure(config):

@@ -105,31 +105,51 @@ def test_run_lanes_waits_for_both_and_fails_when_one_fails(monkeypatch, tmp_path
     assert untimed.seconds < timed.seconds and timed.seconds >= 1.5
 
 
-def test_the_server_vm_runs_first_in_the_untimed_lane_and_apart_from_real_clock_guests(tmp_path,
-                                                                                       monkeypatch):
-    """The untimed lane starts with the Debian 13 server VM (done while the timed lane runs its
-    host tests), and vm.apart keeps it and the real-clock guests from running side by side."""
+def test_each_lane_starts_with_its_guest_phase_and_the_untimed_heavy_work_waits_for_the_real_guests(
+        tmp_path, monkeypatch):
+    """The timed lane starts with its real-clock guests, the untimed lane with its virtual-clock
+    guest, side by side; the untimed lane's heavy work (the server VM first, the Debian roots)
+    waits for vm.apart until the timed lane's guest phase is over, and holds it to its end."""
     import threading
     from harness import vm
-    _, untimed = lanes.lanes()
-    files = [a for a in untimed.args if a.startswith("tests/")]
-    assert files[0] == "tests/test_server_vm.py" and "tests/test_vm.py" in files
-    assert len(files) == len(set(files))
+    timed, untimed = lanes.lanes()
+    tfiles = [a for a in timed.args if a.startswith("tests/")]
+    ufiles = [a for a in untimed.args if a.startswith("tests/")]
+    assert tfiles[:2] == ["tests/test_vm.py", "tests/test_vm_signing.py"]
+    assert ufiles[:2] == ["tests/test_vm.py", "tests/test_server_vm.py"]
+    assert len(tfiles) == len(set(tfiles)) == len(ufiles) == len(set(ufiles))
     monkeypatch.setattr(vm, "APART_LOCK", str(tmp_path / "apart.lock"))
-    inside, release, entered = threading.Event(), threading.Event(), threading.Event()
+    t_phase, u_phase = lanes.GuestPhase(lanes.TIMED), lanes.GuestPhase(lanes.UNTIMED)
+    t_phase.start()                                   # the timed lane's session start
+    u_phase.start()                                   # takes nothing: its virtual guest runs now
+    steps = []
 
-    def hold(name, got, until=None):
-        with vm.apart(name):
-            got.set()
-            if until is not None:
-                until.wait(10)
-    first = threading.Thread(target=hold, args=("first", inside, release))
-    first.start()
-    assert inside.wait(5)
-    second = threading.Thread(target=hold, args=("second", entered))
-    second.start()
-    assert not entered.wait(0.5)          # blocked while the first holds it
-    release.set()
-    assert entered.wait(5)                # and in once it is released
-    first.join(5)
-    second.join(5)
+    def untimed_lane():
+        u_phase.before("tests/test_vm.py::test_guest[test_psp_pacing.py::test_a]")
+        steps.append("virtual guest")
+        u_phase.before("tests/test_server_vm.py::test_debian13_server")    # waits for the lock
+        steps.append("server VM")
+    u = threading.Thread(target=untimed_lane)
+    u.start()
+    for nodeid in ("tests/test_vm.py::test_guest[test_psp_daemon.py::test_x]",
+                   "tests/test_vm.py::test_guest_on_kernel[7.3:test_psp_module.py::test_y]",
+                   "tests/test_vm_signing.py::test_unsigned"):
+        t_phase.before(nodeid)                        # still the timed guest phase: still held
+    u.join(0.5)
+    assert steps == ["virtual guest"]                 # the server VM waits for the real guests
+    t_phase.before("tests/test_aggregates.py::test_z")     # the host tests: released
+    u.join(5)
+    assert steps == ["virtual guest", "server VM"]
+    # and the untimed lane holds it to its end: a real-clock guest started now would wait
+    other = lanes.GuestPhase(lanes.TIMED)
+    got = threading.Event()
+    threading.Thread(target=lambda: (other.start(), got.set(), other.finish()), daemon=True).start()
+    assert not got.wait(0.5)
+    u_phase.before("tests/test_deb.py::test_roots")
+    u_phase.finish()
+    assert got.wait(5)
+    # outside make test's lanes nothing is held
+    none = lanes.GuestPhase(None)
+    none.start()
+    none.before("tests/test_daemon.py::x")
+    assert none._held is None
