@@ -13,6 +13,7 @@ import logging
 import os
 from typing import Callable, Optional
 
+from flowpacer.daemon.memory import release_compiler_memory
 from flowpacer.daemon.stages import GiveUp, Stage, StageContext
 from flowpacer.errors import TracerUnavailable
 
@@ -62,6 +63,10 @@ class FirstByteStage:
             log.warning("first-byte shaping unavailable (%s): flows get their class after "
                         "the handshake", e)
             return Stage.disabled("firstbyte", f"unavailable: {e}")
+        finally:
+            # its compile came after the tracer's release: ~54 MB of LLVM heap and library
+            # pages stayed resident (idle RSS 121 MB instead of 67 since first-byte shaping)
+            release_compiler_memory()
         self.firstbyte = fb
         self._round(fb, [])
         return self._make_stage("firstbyte", self._run, GiveUp.DEGRADE, stall_s=10.0,
