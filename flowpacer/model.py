@@ -629,6 +629,14 @@ class InterfaceView:
     rebuild_failures: int = 0            # failed rebuilds of its lost root qdisc, ever
     class_id_limit: int = 0              # ids each side has for flow and group classes (its
     #                                      backend's capabilities.class_ids; 0: no backend now)
+    # its receive side (issue 29: one per shaped interface while a rule has a receive_rate):
+    # the ifb's name ("" when there is none), its state and why it cannot be set up
+    receive_interface: str = ""
+    receive_health: BackendHealth = BackendHealth.OK
+    receive_problem: str = ""
+    fallback: str = ""                   # why backend auto runs another kind here ("": it
+    #                                      does not; BackendSupervisor.fallback)
+    wanted: str = ""                     # the kind the rules or the command line ask for
 
 
 @dataclass(frozen=True, slots=True)
@@ -706,6 +714,12 @@ class FirstByteView:
     counters: FirstByteCounters
     ids_held: int                        # pool ids open sockets carry, not handed out
     ids_awaiting: int                    # claimed ids whose class went, waiting for the socket
+    # several interfaces (issue 29): the pools are on the first one (``interface``); a flow
+    # claimed at its handshake whose route leaves by another gets its class there after the
+    # handshake (``elsewhere`` counts them; ``note`` says so in one line)
+    interface: str = ""
+    elsewhere: int = 0
+    note: str = ""
 
 
 @dataclass(frozen=True, slots=True)

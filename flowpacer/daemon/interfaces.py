@@ -15,7 +15,10 @@ overrides the file) there is one port and no route lookup: every flow is shaped 
 interface, as before. Each port keeps its own health (a qdisc removed on one interface does not
 disturb the others), rebuild and fall-back. What the surfaces read of a single backend
 (``backend``, ``health``, ``rx``, ...) is the first port's; ``backends()``, ``check()``,
-``class_stats()`` and ``shutdown()`` cover them all. Only the first port has a receive side.
+``class_stats()`` and ``shutdown()`` cover them all. Every port has its own receive side while
+a rule has a ``receive_rate`` (its ifb ``fpi-<interface>``, ingress.py): a flow's receive class
+is on the ifb of the interface its route leaves by, which is the one its packets arrive by when
+routing is symmetric (docs/rules.md says what happens when it is not).
 
 A flow that a rule shapes but whose egress is an interface not managed (or that has no route) is
 counted (``unmanaged``: by flow, its interface's name, "" without a route) for status and the
@@ -164,9 +167,9 @@ class InterfaceSet:
             out.extend(n for n in names if n not in out)
         return out
 
-    def _make_port(self, name: str, rs: RuleSet, first: bool) -> BackendSupervisor:
+    def _make_port(self, name: str, rs: RuleSet) -> BackendSupervisor:
         p = BackendSupervisor(self.factory, interface=name or self.interface_override,
-                              kind=self.kind_override, clock=self.clock, receive=first)
+                              kind=self.kind_override, clock=self.clock)
         p.start(rs)
         return p
 
@@ -180,7 +183,7 @@ class InterfaceSet:
         made: Dict[str, BackendSupervisor] = {}
         try:
             for n in names:
-                made[n] = self._make_port(n, rs, first=not made)
+                made[n] = self._make_port(n, rs)
         except FlowpacerError:
             for p in made.values():
                 p.shutdown()
@@ -279,7 +282,7 @@ class InterfaceSet:
             if n in self._ports:
                 continue
             try:
-                self._ports[n] = self._make_port(n, self._rules, first=not self._ports)
+                self._ports[n] = self._make_port(n, self._rules)
             except FlowpacerError as e:
                 if self._port_problems.get(n) != str(e):
                     log.warning("%s: matches the rules' interfaces but cannot be shaped: %s; "
@@ -332,10 +335,9 @@ class InterfaceSet:
             for n in names:
                 p = self._ports.get(n)
                 if p is None:
-                    p = self._make_port(n, new, first=not kept)
+                    p = self._make_port(n, new)
                     kept[n] = p
                     continue
-                p.receive = not kept     # a receive side only on the first
                 if p.needs_switch(new):
                     p.switch(new)
                 else:
