@@ -207,6 +207,12 @@ class Flow:
     source: FlowSource = FlowSource.RECONCILE
     netns_ino: int = 0       # network namespace inode, 0 when unknown
     seen_ns: int = 0         # CLOCK_MONOTONIC time it was first seen
+    # what the kernel's output route lookup of its socket uses besides the tuple and the uid
+    # (issue 29: which interface it leaves by): the socket's mark (SO_MARK, policy routing by
+    # fwmark) and the device it is bound to (SO_BINDTODEVICE, or the VRF of an l3mdev
+    # socket); 0 when none, or not known yet (a tracer flow until a sock_diag pass saw it)
+    mark: int = 0
+    bound_if: int = 0
 
 
 class EventKind(str, enum.Enum):

@@ -449,3 +449,25 @@ def test_first_byte_pools_live_on_the_first_interface_and_claims_follow_the_rout
         assert set(fb.ring(0)) == set(b1.pool.classes)
         assert on(d, "fk0") == {a, m} and on(d, "fk1") == {b}
         assert d.status()["first_byte"]["interface"] == "fk1"
+
+
+def test_a_sockets_mark_routes_its_flow_and_a_new_mark_moves_it(tmp_path):
+    """Item 6 of the issue 29 follow-up, in-process: the route lookup is asked with the
+    socket's mark and bound device (what sock_diag reports of it); a mark that a later pass
+    finds changed moves the flow at that pass."""
+    router = FakeRouter({"10.2.0.0/16": "fk0", "fd00:2::/64": "fk0"})
+    router.by_mark = {0x29: "fk1"}                 # ip rule fwmark 0x29 lookup (via fk1)
+    sd = FakeSockDiag()
+    a, b, c = v4(0), v6(0), mapped(0)
+    sd.flows = {a: flow(a), b: flow(b), c: flow(c)}
+    sd.flows[b] = Flow(b, Direction.INBOUND, ProcessInfo(pid=100, comm="nginx"),
+                       FlowSource.RECONCILE, mark=0x29)
+    with inprocess_daemon(tmp_path, rules("fk0", "fk1"), sockdiag=sd, tracer_enabled=False,
+                          router=router) as d:
+        wait_for(lambda: on(d, "fk0") == {a, c} and on(d, "fk1") == {b}, 5,
+                 what="the marked IPv6 flow on fk1, the others on fk0")
+        sd.flows[c] = Flow(c, Direction.INBOUND, ProcessInfo(pid=100, comm="nginx"),
+                           FlowSource.RECONCILE, mark=0x29)      # the mapped socket marked now
+        wait_for(lambda: on(d, "fk0") == {a} and on(d, "fk1") == {b, c}, 5,
+                 what="the newly marked flow moved")
+        assert d.supervisor.route_moves == 1

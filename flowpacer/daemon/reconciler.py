@@ -154,6 +154,9 @@ class Reconciler:
                 self.table.mark_all(r.installed)
             if snap is not None:
                 self.table.on_snapshot(snap, started_ns)
+                if self.table.rerouted:     # a socket's mark or bound device changed
+                    self.supervisor.recheck_routes(self.table.rerouted)
+                    self.table.rerouted = set()
             self.expire_idle()
             self.table.dirty.update(self._retry)
             self._retry.clear()

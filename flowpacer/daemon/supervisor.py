@@ -143,6 +143,9 @@ class BackendSupervisor:
         self._rx_problem_logged_at = 0.0
 
     # ------------------------------------------------------------- set-up
+    def recheck_routes(self, keys) -> None:
+        """(One interface: no route is looked up, nothing to look up again.)"""
+
     def interface_of(self, rs: RuleSet) -> str:
         ifname = self.interface_override or rs.interface
         if not ifname:
