@@ -32,6 +32,7 @@ veth 1, an IPv6 one from client 2 over veth 2.
 import json
 import re
 import signal
+import subprocess
 import time
 import urllib.request
 from textwrap import dedent
@@ -372,4 +373,213 @@ def test_flows_are_shaped_on_the_interface_they_leave_by_through_route_changes_f
           f"{t_flowing - t0:.1f}, kill {t_kill - t0:.1f}, adopted {t_adopted - t0:.1f}, "
           f"cleanup {t_cleanup - t0:.1f}")
     for what, (g, want, _span) in got.items():
+        assert g == pytest.approx(want, rel=0.07), what
+
+
+# ------------------------------------------------------------------ the receive side (item 5)
+
+R_UP = 8                # Mbit/s: the receive_rate of every upload
+P_UP4, P_UPM, P_UP6 = 5401, 5402, 5403
+UPLOAD_S = 18           # each upload's length (iperf3 -t): every step below happens within it
+UP_GONE_AT = 5.0        # veth 2 deleted (seconds into the uploads)
+UP_KILL_AT = 11.0       # kill -9, a new daemon
+
+
+def iperf3_receiver(tb, port: int, bind: str = ""):
+    """``iperf3 -s`` in the server namespace reporting every 0.5 s of what it received (its
+    JSON goes to the client: ``--get-server-output``)."""
+    tb.popen(tb.server_ns, ["iperf3", "-s", "-p", str(port), "-i", "0.5", "-J",
+                            *(["-B", bind] if bind else [])])
+    tb.wait_listening(port)
+
+
+def upload(tb, ns: str, host, port: int, seconds: float):
+    """An ``iperf3 -c`` upload from namespace ``ns``, and the monotonic time it started."""
+    p = tb.popen(ns, ["iperf3", "-c", str(host), "-p", str(port), "-t", str(seconds), "-J",
+                      "--get-server-output"], stdout=subprocess.PIPE, text=True)
+    return p, time.monotonic()
+
+
+def received_doc(doc: dict, t0: float, a: float, b: float):
+    """What the server received (payload bytes/s) in its 0.5 s intervals that lie within the
+    monotonic window [a, b] (the intervals count from the upload's start, ``t0``), and the span,
+    from the client's JSON report (``doc``)."""
+    ivs = [(iv["sum"]["start"], iv["sum"]["end"], iv["sum"]["bytes"])
+           for iv in doc["server_output_json"]["intervals"]]
+    got = [(s, e, n) for s, e, n in ivs if t0 + s >= a and t0 + e <= b]
+    span = sum(e - s for s, e, _n in got)
+    return (sum(n for _s, _e, n in got) / span if span else None), span
+
+
+def rx_dev(dev: str) -> str:
+    from flowpacer.kernel.backend.ingress import ifb_name
+    return ifb_name(dev)
+
+
+def receive_flows(d, dev=None) -> list:
+    return [f for f in d.flows() if f["side"] == "receive" and (dev is None
+                                                                or f["interface"] == dev)]
+
+
+def test_every_interface_has_its_own_receive_side_through_a_deleted_interface_a_crash_and_cleanup(
+        testbed, tmp_path):
+    """Uploads (iperf3, the server receives: measured where they arrive) shaped by a
+    receive-only rule on two interfaces at once: an IPv4 and an IPv4-mapped upload from client 1
+    over veth 1, an IPv6 one from client 2 over veth 2; each interface has its own ifb
+    (``fpi-IF``) with the receive classes of the flows that leave (and arrive) by it. Then, under
+    load: veth 2 deleted (its receive side reported gone, the IPv6 flow unmanaged, veth 1's
+    receive classes untouched) and created again (its receive side rebuilt on the same ifb, the
+    upload shaped again); kill -9 and a new daemon (both ifbs' classes adopted as they are);
+    kill -9 again and ``flowpacer cleanup --interface`` of veth 1 (its ifb, clsact and qdisc
+    gone, veth 2's left as they were), then ``--all``. Status and metrics give each interface's
+    receive side and class ids."""
+    tb = testbed
+    s1 = tb.server_if
+    c2 = tb.add_client(2)
+    s2 = c2.server_if
+    i1, i2 = rx_dev(s1), rx_dev(s2)
+    iperf3_receiver(tb, P_UP4, bind=str(tb.server_v4))     # plain IPv4 flows
+    iperf3_receiver(tb, P_UPM)                             # dual-stack: the mapped upload
+    iperf3_receiver(tb, P_UP6)                             # dual-stack: the IPv6 upload
+    rules = f"""\
+        backend: htb
+        link_rate: 1gbit
+        interfaces: [{s1}, {s2}]
+        rules:
+          - name: up
+            match: {{process: iperf3, direction: inbound}}
+            receive_rate: {R_UP}mbit
+        """
+    d = Daemon(tb, tmp_path, dedent(rules), "--no-tracer", "--rescan", "0.5")
+    d2 = None
+    d.start()
+    try:
+        ups = {"v4": upload(tb, tb.client_ns, tb.server_v4, P_UP4, UPLOAD_S),
+               "mapped": upload(tb, tb.client_ns, tb.server_v4, P_UPM, UPLOAD_S),
+               "v6": upload(tb, c2.ns, c2.server_v6, P_UP6, UPLOAD_S)}
+        t0 = min(t for _p, t in ups.values())
+
+        def at(s, what):
+            wait_for(lambda: time.monotonic() - t0 > s, s + 10, 0.05, what)
+
+        # -- each upload's receive class on its own interface's ifb (control connections too)
+        def placed():
+            fl = receive_flows(d)
+            return len(fl) == 6 and sorted((f["family"], f["interface"]) for f in fl)
+        got = waited(tb, d, (s1, s2, i1, i2), placed, 10, "six receive classes")
+        assert got == [(4, s1)] * 4 + [(6, s2)] * 2
+        assert not [f for f in d.flows() if f["side"] == "send"]      # a receive-only rule
+        assert len(flow_classes(tb, i1)) == 4 and len(flow_classes(tb, i2)) == 2
+        st = d.status()
+        assert [(i["name"], i["receive"]) for i in st["interfaces"]] == [
+            (s1, {"interface": i1, "state": "ok", "problem": ""}),
+            (s2, {"interface": i2, "state": "ok", "problem": ""})]
+        m = scrape(tb)
+        rx_states = lambda m: {(dict(lab)["interface"], dict(lab)["ifb"], dict(lab)["state"])
+                               for (nm, lab), v in m.items()
+                               if nm == "flowpacer_receive_state" and v == 1}
+        used = lambda m, i, side: m[("flowpacer_class_ids_used",
+                                     (("interface", i), ("side", side)))]
+        assert rx_states(m) == {(s1, i1, "ok"), (s2, i2, "ok")}
+        assert (used(m, s1, "receive"), used(m, s2, "receive")) == (4, 2)
+        assert {dict(lab)["interface"] for (nm, lab) in m if nm == "flowpacer_info"} == {s1, s2}
+
+        # -- veth 2 deleted under load, then created again ----------------------------------
+        at(UP_GONE_AT, "the first window")
+        on_i1 = class_bytes(tb, i1)
+        t_gone = time.monotonic()
+        sh("ip", "-n", tb.server_ns, "link", "del", s2)
+
+        def gone():
+            st = d.status()
+            return ([(i["name"], i["state"], (i["receive"] or {}).get("state"))
+                     for i in st["interfaces"]] == [(s1, "ok", "ok"), (s2, "gone", "gone")]
+                    and st["unmanaged_interface"]["count"] == 2 and st)
+        waited(tb, d, (s1, i1, i2), gone, 5, f"{s2} and its receive side gone, its flows unmanaged")
+        assert rx_states(scrape(tb)) == {(s1, i1, "ok"), (s2, i2, "gone")}
+        # (veth 2's ifb and its classes stay, idle, to be fed again when veth 2 returns)
+        assert len(receive_flows(d, s1)) == 4 and len(flow_classes(tb, i2)) == 2
+        tb._veth((tb.server_ns, s2, c2.server_v4, c2.server_v6),
+                 (c2.ns, c2.client_if, c2.client_v4, c2.client_v6))
+        t_recreated = time.monotonic()
+        v6_bytes = {}
+
+        def back():
+            st = d.status()
+            fl = [f for f in st["flows"] if f["side"] == "receive" and f["interface"] == s2]
+            if ([(i["name"], i["state"], (i["receive"] or {}).get("state"))
+                 for i in st["interfaces"]] != [(s1, "ok", "ok"), (s2, "ok", "ok")]
+                    or len(fl) != 2 or st["unmanaged_interface"]["count"]):
+                return None
+            now = sum(f["bytes"] for f in fl)
+            first = v6_bytes.setdefault("first", now)
+            return now > first + 100_000 and st       # the upload is flowing again
+        waited(tb, d, (s2, i2), back, 15, f"{s2}'s receive side rebuilt, the IPv6 upload on it")
+        t_back = time.monotonic()
+        assert "ingress redirected to" in d.log_text().split("interface is gone")[-1]
+        # veth 1's receive classes were never made again: the same, their counters never reset,
+        # the two uploads' grown (the control connections' are idle)
+        now_i1 = class_bytes(tb, i1)
+        assert now_i1.keys() == on_i1.keys() and all(now_i1[k] >= on_i1[k] for k in on_i1)
+        assert sum(now_i1[k] > on_i1[k] + 100_000 for k in on_i1) == 2, (on_i1, now_i1)
+
+        # -- kill -9 and a new daemon: each interface's receive classes adopted ------------
+        at(UP_KILL_AT, "the windows after veth 2's return")
+        before = {(f["local"], f["remote"], f["interface"], f["classid"])
+                  for f in receive_flows(d)}
+        objects = {dev: (sorted(class_bytes(tb, dev)), filters(tb, dev)) for dev in (i1, i2)}
+        d.kill()
+        t_kill = time.monotonic()
+        log = d.log_text()
+        d2 = Daemon(tb, tmp_path, None, "--no-tracer", "--rescan", "0.5", log_mode="a")
+        d2.start()
+        waited(tb, d2, (i1, i2), lambda: {(f["local"], f["remote"], f["interface"], f["classid"])
+                                          for f in receive_flows(d2)} == before
+               and all(f["pid"] is not None for f in d2.flows()), 15,
+               "every receive class adopted where it was, and a pass")
+        assert {dev: (sorted(class_bytes(tb, dev)), filters(tb, dev)) for dev in (i1, i2)} \
+            == objects                            # nothing made, removed or leaked
+        log2 = d2.log_text()[len(log):]
+        assert f"{i1}: adopted flowpacer qdisc with 4 flow classes" in log2, log2
+        assert f"{i2}: adopted flowpacer qdisc with 2 flow classes" in log2, log2
+        t_end = t0 + UPLOAD_S
+        rates = {
+            "v4 through veth 2's loss and the crash": ("v4", t0 + 1.5, t_end - 0.5, False),
+            "mapped through veth 2's loss and the crash": ("mapped", t0 + 1.5, t_end - 0.5,
+                                                           False),
+            "v6 before veth 2's loss": ("v6", t0 + 1.0, t_gone, True),
+            "v6 on the re-created veth 2, through the crash": ("v6", t_back + 0.5, t_end - 0.5,
+                                                               True),
+        }
+        done = {k: traffic.iperf3_result(p, timeout=UPLOAD_S + 30) for k, (p, _t) in ups.items()}
+
+        # -- kill -9 again; cleanup one interface, then all -------------------------------
+        d2.kill()
+        out = tb.run(tb.server_ns, [*FLOWPACER, "cleanup", "--interface", s1]).stdout
+        assert f"{s1}: flowpacer qdisc and receive side (ifb) removed" in out, out
+        assert ours_left(tb, s1) == ""
+        assert tb.run(tb.server_ns, ["ip", "link", "show", i1], check=False).returncode != 0
+        assert {dev: (sorted(class_bytes(tb, dev)), filters(tb, dev)) for dev in (i2,)} \
+            == {i2: objects[i2]} and "clsact" in tc(tb, s2, "qdisc")
+        out = tb.run(tb.server_ns, [*FLOWPACER, "cleanup", "--all"]).stdout
+        assert f"{s2}: receive side ({i2}) removed" in out and f"{s2}: flowpacer qdisc removed" \
+            in out, out
+    finally:
+        d.stop()
+        if d2 is not None:
+            d2.stop()
+    for dev in (s1, s2):
+        assert ours_left(tb, dev) == "", f"{dev} after cleanup:\n{ours_left(tb, dev)}"
+    assert "fpi-" not in tb.run(tb.server_ns, ["ip", "-o", "link", "show"]).stdout
+    assert "Traceback" not in d.log_text()
+    got = {}
+    for what, (name, a, b, v6) in rates.items():
+        got[what] = received_doc(done[name], ups[name][1], a, b) + (
+            R_UP * 1e6 / 8 * traffic.wire(v6),)
+    print("\n" + json.dumps({k: f"{g * 8e-6:.2f} of {w * 8e-6:.2f} Mbit/s over {s:.1f} s"
+                             for k, (g, s, w) in got.items()}, indent=1))
+    print(f"marks (s): gone {t_gone - t0:.1f}, re-created {t_recreated - t0:.1f}, back "
+          f"{t_back - t0:.1f}, kill {t_kill - t0:.1f}")
+    for what, (g, span, want) in got.items():
+        assert span >= 2.0, (what, span)
         assert g == pytest.approx(want, rel=0.07), what

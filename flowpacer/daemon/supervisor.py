@@ -261,6 +261,9 @@ class BackendSupervisor:
     def _check_receive(self, out: "Recheck") -> None:
         """The receive side's health, as ``check`` does for the send side: audit while OK,
         rebuild when LOST/SPEED, wait while GONE/FOREIGN, (re)make when missing."""
+        if self.health is BackendHealth.GONE and self.rx is not None:
+            self.rx_health = BackendHealth.GONE      # its interface's ingress went with it
+            return
         if (self._rules is None or not self._rules.receives
                 or self.health is not BackendHealth.OK):
             return
