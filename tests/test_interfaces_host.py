@@ -40,7 +40,7 @@ from textwrap import dedent
 import pytest
 
 from harness.scenarios import gap_goodput
-from harness.servers import Nginx
+from harness.servers import Nginx, blaster_server
 from harness.testbed import FLOWPACER, Daemon, in_netns, sh, wait_for
 from harness import traffic
 
@@ -582,4 +582,129 @@ def test_every_interface_has_its_own_receive_side_through_a_deleted_interface_a_
           f"{t_back - t0:.1f}, kill {t_kill - t0:.1f}")
     for what, (g, span, want) in got.items():
         assert span >= 2.0, (what, span)
+        assert g == pytest.approx(want, rel=0.07), what
+
+
+# ------------------------------------------------- policy routing by mark, bound sockets (item 1)
+
+MARK = 0x29
+P_MARKED, P_PLAIN = 7601, 7602           # blaster: a marked dual-stack listener, a plain one
+P_BOUND4, P_BOUND6 = 5501, 5502          # iperf3 servers in client 1's namespace
+TABLE = 2977
+
+
+def join(tb, c2) -> None:
+    """A veth between client 2 and client 1 (10.79.x/24, fd79:x::/64); client 2 forwards to
+    client 1's addresses over it: what the server sends to client 1 by veth 2 arrives; client 1
+    reaches veth 2's server addresses over it. Reverse path filters off (replies may come back
+    the other way)."""
+    n = tb._n
+    j1, j2 = f"fp{tb.tag}j1", f"fp{tb.tag}j2"
+    sh("ip", "-n", c2.ns, "link", "add", j2, "type", "veth", "peer", "name", j1,
+       "netns", tb.client_ns)
+    for ns, dev, v4, v6 in ((c2.ns, j2, f"10.79.{n}.2", f"fd79:{n:x}::2"),
+                            (tb.client_ns, j1, f"10.79.{n}.1", f"fd79:{n:x}::1")):
+        sh("ip", "-n", ns, "addr", "add", f"{v4}/24", "dev", dev)
+        sh("ip", "-n", ns, "addr", "add", f"{v6}/64", "dev", dev, "nodad")
+        sh("ip", "-n", ns, "link", "set", dev, "up")
+    for ns in (tb.server_ns, tb.client_ns, c2.ns):
+        tb.run(ns, ["sh", "-c", "for f in /proc/sys/net/ipv4/conf/*/rp_filter; do "
+                                "echo 0 > $f; done"])
+    tb.run(c2.ns, ["sysctl", "-qw", "net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1"])
+    sh("ip", "-n", c2.ns, "route", "add", f"{tb.client_v4}/32", "via", f"10.79.{n}.1")
+    sh("ip", "-n", c2.ns, "-6", "route", "add", f"{tb.client_v6}/128", "via", f"fd79:{n:x}::1")
+    # client 1 answers a socket bound to veth 2 (its source is veth 2's address) by client 2
+    sh("ip", "-n", tb.client_ns, "route", "add", f"{c2.server_v4}/32", "via", f"10.79.{n}.2")
+    sh("ip", "-n", tb.client_ns, "-6", "route", "add", f"{c2.server_v6}/128", "via",
+       f"fd79:{n:x}::2")
+    wait_for(lambda: "LOWER_UP" in sh("ip", "-n", c2.ns, "-o", "link", "show", j2).stdout, 10,
+             0.02, "the join's carrier")
+
+
+def test_the_route_lookup_follows_the_sockets_mark_and_bound_device(testbed, tmp_path):
+    """Policy routing by the socket's mark and a socket bound to a device, on the real kernel:
+    ``ip rule fwmark 0x29`` (IPv4 and IPv6) sends client 1's replies of a marked server (its
+    listener's SO_MARK, which its accepted sockets inherit) out by veth 2; ``ip rule oif veth2``
+    routes sockets bound to veth 2 (``iperf3 --bind-dev``) the same way. In one batch: the
+    marked server's IPv4-mapped and IPv6 downloads and two bound iperf3 uploads to client 1
+    (IPv4, IPv6) are shaped on veth 2, a plain IPv4 download from an unmarked server on veth 1,
+    each at its rule's rate measured at client 1. (A VRF's l3mdev device is the same bound-device
+    lookup: not made here, the host kernel has no CONFIG_NET_VRF.)"""
+    tb = testbed
+    s1 = tb.server_if
+    c2 = tb.add_client(2)
+    s2 = c2.server_if
+    join(tb, c2)
+    n = tb._n
+    for fam, dst, via in (("-4", f"{tb.client_v4}/32", c2.client_v4),
+                          ("-6", f"{tb.client_v6}/128", c2.client_v6)):
+        tb.s("ip", fam, "route", "add", dst, "via", str(via), "dev", s2, "table", str(TABLE))
+        tb.s("ip", fam, "rule", "add", "fwmark", hex(MARK), "lookup", str(TABLE), "pref", "1000")
+        tb.s("ip", fam, "rule", "add", "oif", s2, "lookup", str(TABLE), "pref", "1001")
+    # what the kernel itself says, as the daemon will ask it
+    got = tb.s("ip", "route", "get", str(tb.client_v4), "mark", hex(MARK)).stdout
+    assert f"dev {s2}" in got, got
+    blaster_server(tb, [P_MARKED], name="fp-mark-srv", v6=True, mark=MARK)
+    blaster_server(tb, [P_PLAIN], name="fp-plain-srv")
+    for port in (P_BOUND4, P_BOUND6):
+        tb.popen(tb.client_ns, ["iperf3", "-s", "-p", str(port)])
+        tb.wait_listening(port, ns=tb.client_ns)
+    rules = f"""\
+        backend: htb
+        link_rate: 1gbit
+        interfaces: [{s1}, {s2}]
+        rules:
+          - name: dl
+            match: {{process: [fp-mark-srv, fp-plain-srv], direction: inbound}}
+            rate: {C1}mbit
+          - name: push
+            match: {{process: iperf3, direction: outbound}}
+            rate: {C2}mbit
+        """
+    d = Daemon(tb, tmp_path, dedent(rules), "--no-tracer", "--rescan", "0.5")
+    d.start()
+    seconds, warm = 5.0, 2.0
+    try:
+        fetches = {"marked mapped": traffic.fetch(tb, tb.server_v4, P_MARKED, seconds, warm,
+                                                  name="fp-m4"),
+                   "marked v6": traffic.fetch(tb, tb.server_v6, P_MARKED, seconds, warm,
+                                              name="fp-m6"),
+                   "plain v4": traffic.fetch(tb, tb.server_v4, P_PLAIN, seconds, warm,
+                                             name="fp-p4")}
+        pushes = {fam: tb.popen(tb.server_ns, [
+            "iperf3", "-c", str(dst), "-p", str(port), "--bind-dev", s2, "-t", str(seconds),
+            "-O", str(warm), "-J"], stdout=subprocess.PIPE, text=True)
+            for fam, dst, port in (("bound v4", tb.client_v4, P_BOUND4),
+                                   ("bound v6", tb.client_v6, P_BOUND6))}
+
+        def placed():
+            fl = [f for f in d.flows() if f["side"] == "send"]
+            return len(fl) == 7 and sorted((f["rule"], f["family"], f["interface"],
+                                            int(f["local"].rsplit(":", 1)[1]) in (P_MARKED,
+                                                                                  P_PLAIN))
+                                           for f in fl)
+        got = waited(tb, d, (s1, s2), placed, 10, "seven flows shaped")
+        # the marked IPv4-mapped and IPv6 downloads on veth 2, the plain one on veth 1; the two
+        # bound uploads (each with its iperf3 control connection) on veth 2
+        assert got == sorted([("dl", 4, s2, True), ("dl", 6, s2, True), ("dl", 4, s1, True)]
+                             + [("push", 4, s2, False)] * 2 + [("push", 6, s2, False)] * 2), got
+        by_port = {(f["family"], int(f["local"].rsplit(":", 1)[1])): f["interface"]
+                   for f in d.flows() if f["rule"] == "dl"}
+        assert by_port == {(4, P_MARKED): s2, (6, P_MARKED): s2, (4, P_PLAIN): s1}, by_port
+        assert len(flow_classes(tb, s1)) == 1 and len(flow_classes(tb, s2)) == 6
+        assert d.status()["unmanaged_interface"]["count"] == 0
+        results = {k: traffic.fetch_result(p, timeout=seconds + 30) for k, p in fetches.items()}
+        pushed = {k: traffic.iperf3_result(p, timeout=seconds + 30) for k, p in pushes.items()}
+    finally:
+        d.stop()
+    assert ours_left(tb, s1) == "" and ours_left(tb, s2) == ""
+    assert "Traceback" not in d.log_text()
+    got = {k: (r["goodput_bps"], C1 * 1e6 / 8 * traffic.wire(k.endswith("v6")))
+           for k, r in results.items()}
+    # what client 1's iperf3 server received after the omitted warm-up (iperf3 -O)
+    got.update({k: (doc["end"]["sum_received"]["bits_per_second"] / 8,
+                    C2 * 1e6 / 8 * traffic.wire(k.endswith("v6"))) for k, doc in pushed.items()})
+    print("\n" + json.dumps({k: f"{g * 8e-6:.2f} of {w * 8e-6:.2f} Mbit/s"
+                             for k, (g, w) in got.items()}, indent=1))
+    for what, (g, want) in got.items():
         assert g == pytest.approx(want, rel=0.07), what
