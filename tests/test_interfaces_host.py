@@ -708,3 +708,83 @@ def test_the_route_lookup_follows_the_sockets_mark_and_bound_device(testbed, tmp
                              for k, (g, w) in got.items()}, indent=1))
     for what, (g, want) in got.items():
         assert g == pytest.approx(want, rel=0.07), what
+
+
+# ------------------------------------------------- first-byte pools with several interfaces
+
+def minor(classid: str) -> int:
+    return int(classid.split(":")[1], 16)
+
+
+def test_first_byte_claims_end_up_on_the_interface_their_route_says(testbed, tmp_path):
+    """The full daemon (tracer, first-byte programs) shaping two interfaces: the pools are on
+    veth 1, and nginx's three downloads (IPv4 and IPv4-mapped from client 1 over veth 1, IPv6
+    from client 2 over veth 2) are each claimed at the handshake. The two on veth 1 keep their
+    claimed pool classes (paced from their first byte); the one on veth 2 gets a class of its
+    own there (no pool-range class ever exists on veth 2) and its claim on veth 1 is deleted;
+    status says where the pools are and counts it. Each at its rule's rate at the receiver."""
+    from flowpacer.kernel.backend.pool import POOL_FIRST_MINOR
+    from flowpacer.sources.firstbyte import POOL_TARGET
+    tb = testbed
+    s1 = tb.server_if
+    c2 = tb.add_client(2)
+    s2 = c2.server_if
+    ng = Nginx(tb, tmp_path / "nginx", files={"big": 64 << 30}).start()
+    rules = f"""\
+        backend: htb
+        link_rate: 1gbit
+        interfaces: [{s1}, {s2}]
+        rules:
+          - name: dl
+            match: {{process: nginx, direction: inbound}}
+            rate: {C1}mbit
+        """
+    d = Daemon(tb, tmp_path, dedent(rules), "--rescan", "0.5")
+    d.start(timeout=90)
+    seconds, warm = 5.0, 1.5
+    try:
+        def pools_ready():
+            fb = d.status()["first_byte"]
+            return (fb and [(p["rule"], p["ready"]) for p in fb["pools"]] == [("dl", POOL_TARGET)]
+                    and fb)
+        fb = wait_for(pools_ready, 20, 0.05, "the pool of rule dl filled")
+        assert fb["interface"] == s1 and f"pools on {s1} only" in fb["note"], fb
+        assert len(flow_classes(tb, s1)) == POOL_TARGET and flow_classes(tb, s2) == []
+        claimed0 = fb["counters"]["claimed"]
+        fetches = {"v4": traffic.fetch(tb, tb.server_v4, ng.port, seconds, warm, path="/big",
+                                       name="fp-fb4"),
+                   "mapped": traffic.fetch(tb, tb.server_v4, ng.dual_port, seconds, warm,
+                                           path="/big", name="fp-fbm"),
+                   "v6": traffic.fetch(tb, c2.server_v6, ng.dual_port, seconds, warm,
+                                       path="/big", name="fp-fb6", ns=c2.ns)}
+
+        def placed():
+            st = d.status()
+            fl = [f for f in st["flows"] if f["side"] == "send"]
+            fb = st["first_byte"]
+            pool_ready = sum(p["ready"] for p in fb["pools"])
+            ok = (len(fl) == 3 and fb["counters"]["claimed"] == claimed0 + 3
+                  and fb["elsewhere"] == 1 and pool_ready == POOL_TARGET
+                  and len(flow_classes(tb, s1)) == 2 + pool_ready)    # the released claim gone
+            return ok and sorted((f["family"], f["interface"], f["classid"]) for f in fl)
+        got = waited(tb, d, (s1, s2), placed, 10,
+                     "three flows claimed, placed, the pool refilled, the moved claim deleted")
+        (f4a, f4b, f6) = got
+        assert (f4a[:2], f4b[:2], f6[:2]) == ((4, s1), (4, s1), (6, s2)), got
+        # veth 1's two flows send into the classes their sockets claimed at the handshake
+        assert minor(f4a[2]) >= POOL_FIRST_MINOR and minor(f4b[2]) >= POOL_FIRST_MINOR, got
+        # veth 2 has only the IPv6 flow's own class, of the flow range
+        on2 = [ln.split()[2] for ln in flow_classes(tb, s2)]
+        assert on2 == [f6[2]] and minor(f6[2]) < POOL_FIRST_MINOR, (on2, got)
+        assert filters(tb, s2) and n_filters(tb, s2) == 1 and n_filters(tb, s1) == 2
+        results = {k: traffic.fetch_result(p, timeout=seconds + 30) for k, p in fetches.items()}
+    finally:
+        d.stop()
+    assert ours_left(tb, s1) == "" and ours_left(tb, s2) == ""
+    assert "Traceback" not in d.log_text()
+    got = {k: (r["goodput_bps"], C1 * 1e6 / 8 * traffic.wire(k == "v6"))
+           for k, r in results.items()}
+    print("\n" + json.dumps({k: f"{g * 8e-6:.2f} of {w * 8e-6:.2f} Mbit/s"
+                             for k, (g, w) in got.items()}, indent=1))
+    for what, (g, want) in got.items():
+        assert g == pytest.approx(want, rel=0.07), what
