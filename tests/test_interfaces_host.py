@@ -628,8 +628,10 @@ def test_the_route_lookup_follows_the_sockets_mark_and_bound_device(testbed, tmp
     routes sockets bound to veth 2 (``iperf3 --bind-dev``) the same way. In one batch: the
     marked server's IPv4-mapped and IPv6 downloads and two bound iperf3 uploads to client 1
     (IPv4, IPv6) are shaped on veth 2, a plain IPv4 download from an unmarked server on veth 1,
-    each at its rule's rate measured at client 1. (A VRF's l3mdev device is the same bound-device
-    lookup: not made here, the host kernel has no CONFIG_NET_VRF.)"""
+    each at its rule's rate measured at client 1. The full daemon: the tracer's OPEN carries the
+    mark and the device, so each flow is placed right at once (none is moved by a later pass).
+    (A VRF's l3mdev device is the same bound-device lookup: not made here, the host kernel has
+    no CONFIG_NET_VRF.)"""
     tb = testbed
     s1 = tb.server_if
     c2 = tb.add_client(2)
@@ -661,8 +663,8 @@ def test_the_route_lookup_follows_the_sockets_mark_and_bound_device(testbed, tmp
             match: {{process: iperf3, direction: outbound}}
             rate: {C2}mbit
         """
-    d = Daemon(tb, tmp_path, dedent(rules), "--no-tracer", "--rescan", "0.5")
-    d.start()
+    d = Daemon(tb, tmp_path, dedent(rules), "--rescan", "0.5")     # the tracer reports them
+    d.start(timeout=90)
     seconds, warm = 5.0, 2.0
     try:
         fetches = {"marked mapped": traffic.fetch(tb, tb.server_v4, P_MARKED, seconds, warm,
@@ -691,8 +693,13 @@ def test_the_route_lookup_follows_the_sockets_mark_and_bound_device(testbed, tmp
         by_port = {(f["family"], int(f["local"].rsplit(":", 1)[1])): f["interface"]
                    for f in d.flows() if f["rule"] == "dl"}
         assert by_port == {(4, P_MARKED): s2, (6, P_MARKED): s2, (4, P_PLAIN): s1}, by_port
-        assert len(flow_classes(tb, s1)) == 1 and len(flow_classes(tb, s2)) == 6
+        # one filter per flow (veth 1 also holds the first-byte pools' ready classes)
+        assert n_filters(tb, s1) == 1 and n_filters(tb, s2) == 6
+        assert len(flow_classes(tb, s2)) == 6
         assert d.status()["unmanaged_interface"]["count"] == 0
+        # the tracer's OPEN carried each socket's mark and bound device: every flow was placed
+        # where it leaves by at once, none moved by a later pass
+        assert "now leaves by" not in d.log_text()
         results = {k: traffic.fetch_result(p, timeout=seconds + 30) for k, p in fetches.items()}
         pushed = {k: traffic.iperf3_result(p, timeout=seconds + 30) for k, p in pushes.items()}
     finally:
