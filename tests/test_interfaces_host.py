@@ -1,4 +1,8 @@
-"""Several interfaces on the real kernel (issue 29, host half of item 6; htb).
+"""Several interfaces on the real kernel (issue 29, host half of item 6; htb). Four tests:
+routes, faults and crashes with downloads (below); every interface's receive side with uploads
+through a deleted interface, a crash and ``cleanup --interface``; the route lookup by the
+socket's mark and bound device (``ip rule fwmark``/``oif``); first-byte claims with two
+interfaces. Each says what it does in its docstring. The first:
 
     client ns 1 ── veth 1 ──┐                 ┌── veth 2 ── client ns 2
     10.77.x.2 (v4, mapped)  server ns: nginx  fd78:x::2 (v6)
