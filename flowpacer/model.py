@@ -207,6 +207,12 @@ class Flow:
     source: FlowSource = FlowSource.RECONCILE
     netns_ino: int = 0       # network namespace inode, 0 when unknown
     seen_ns: int = 0         # CLOCK_MONOTONIC time it was first seen
+    # what the kernel's output route lookup of its socket uses besides the tuple and the uid
+    # (issue 29: which interface it leaves by): the socket's mark (SO_MARK, policy routing by
+    # fwmark) and the device it is bound to (SO_BINDTODEVICE, or the VRF of an l3mdev
+    # socket); 0 when none, or not known yet (a tracer flow until a sock_diag pass saw it)
+    mark: int = 0
+    bound_if: int = 0
 
 
 class EventKind(str, enum.Enum):
@@ -629,6 +635,14 @@ class InterfaceView:
     rebuild_failures: int = 0            # failed rebuilds of its lost root qdisc, ever
     class_id_limit: int = 0              # ids each side has for flow and group classes (its
     #                                      backend's capabilities.class_ids; 0: no backend now)
+    # its receive side (issue 29: one per shaped interface while a rule has a receive_rate):
+    # the ifb's name ("" when there is none), its state and why it cannot be set up
+    receive_interface: str = ""
+    receive_health: BackendHealth = BackendHealth.OK
+    receive_problem: str = ""
+    fallback: str = ""                   # why backend auto runs another kind here ("": it
+    #                                      does not; BackendSupervisor.fallback)
+    wanted: str = ""                     # the kind the rules or the command line ask for
 
 
 @dataclass(frozen=True, slots=True)
@@ -706,6 +720,12 @@ class FirstByteView:
     counters: FirstByteCounters
     ids_held: int                        # pool ids open sockets carry, not handed out
     ids_awaiting: int                    # claimed ids whose class went, waiting for the socket
+    # several interfaces (issue 29): the pools are on the first one (``interface``); a flow
+    # claimed at its handshake whose route leaves by another gets its class there after the
+    # handshake (``elsewhere`` counts them; ``note`` says so in one line)
+    interface: str = ""
+    elsewhere: int = 0
+    note: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """Traffic for the demo, tests and benchmarks: a small HTTP delivery server and a measuring client.
 
-    python -m harness.blaster serve --ports 8081,8082 [--name fp-demo-srv] [--v6]
+    python -m harness.blaster serve --ports 8081,8082 [--name fp-demo-srv] [--v6] [--mark 0x29]
     python -m harness.blaster fetch --host H --port P --seconds 5 [--warmup 1]
 
 ``serve`` sets its process name (comm) so that rules can match it, listens on each port and
@@ -85,12 +85,18 @@ def _drain(conn: socket.socket) -> None:
         return
 
 
-def serve(ports, v6: bool, name: str) -> None:
+SO_MARK = 36          # socket(7): the socket's mark (policy routing by fwmark)
+
+
+def serve(ports, v6: bool, name: str, mark: int = 0) -> None:
+    """``mark``: SO_MARK on the listeners, which the sockets they accept inherit."""
     set_comm(name)
     socks = []
     for p in ports:
         s = socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_STREAM)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if mark:
+            s.setsockopt(socket.SOL_SOCKET, SO_MARK, mark)
         if v6:
             s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         s.bind(("::" if v6 else "0.0.0.0", p))
@@ -262,6 +268,8 @@ def main(argv=None) -> int:
     a.add_argument("--ports", required=True)
     a.add_argument("--name", default="fp-demo-srv")
     a.add_argument("--v6", action="store_true")
+    a.add_argument("--mark", type=lambda x: int(x, 0), default=0,
+                   help="SO_MARK of the listeners (and so of the flows they accept)")
     b = sub.add_parser("fetch")
     b.add_argument("--host", required=True)
     b.add_argument("--port", type=int, required=True)
@@ -307,7 +315,7 @@ def main(argv=None) -> int:
         print(json.dumps(hold_connect(args.host, args.port, args.count, args.seconds, args.name)))
         return 0
     if args.cmd == "serve":
-        serve([int(p) for p in args.ports.split(",")], args.v6, args.name)
+        serve([int(p) for p in args.ports.split(",")], args.v6, args.name, args.mark)
         return 0
     signal.signal(signal.SIGTERM, _stop)
     try:

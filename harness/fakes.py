@@ -271,6 +271,7 @@ class FakeRouter:
                  devices: Optional[List[str]] = None):
         self.routes: Dict[str, Optional[str]] = dict(routes or {})
         self.devices: List[str] = list(devices or [])
+        self.by_mark: Dict[int, Optional[str]] = {}     # a socket mark's interface (fwmark)
         self.lookups = 0
 
     def egress(self, items):
@@ -278,8 +279,11 @@ class FakeRouter:
         out = {}
         nets = sorted(((ipaddress.ip_network(n), i) for n, i in self.routes.items()),
                       key=lambda x: -x[0].prefixlen)
-        for key, _uid in items:
+        for key, _uid, mark, _oif in items:
             self.lookups += 1
+            if mark in self.by_mark:            # ip rule fwmark MARK lookup ...
+                out[key] = self.by_mark[mark]
+                continue
             out[key] = next((i for n, i in nets if n.version == key.remote_addr.version
                              and key.remote_addr in n), None)
         return out

@@ -140,9 +140,11 @@ def rsync_daemon(tb, workdir: Path, files: Dict[str, int], port: int = 8730) -> 
     return p
 
 
-def blaster_server(tb, ports, name: str = "fp-test-srv", v6: bool = False) -> subprocess.Popen:
-    """flowpacer's own delivery server (``harness.blaster serve``) on ``ports``."""
-    p = tb.popen(tb.server_ns, server_argv(list(ports), name, v6=v6))
+def blaster_server(tb, ports, name: str = "fp-test-srv", v6: bool = False,
+                   mark: int = 0) -> subprocess.Popen:
+    """flowpacer's own delivery server (``harness.blaster serve``) on ``ports`` (``mark``: the
+    SO_MARK of its listeners, so of every flow it accepts)."""
+    p = tb.popen(tb.server_ns, server_argv(list(ports), name, v6=v6, mark=mark))
     for port in ports:
         tb.wait_listening(port)
     return p

@@ -439,9 +439,11 @@ class Daemon:
         return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def server_argv(ports: Sequence[int], name: str = "fp-demo-srv", v6: bool = False) -> List[str]:
+def server_argv(ports: Sequence[int], name: str = "fp-demo-srv", v6: bool = False,
+                mark: int = 0) -> List[str]:
     return [PY, "-m", "harness.blaster", "serve", "--name", name,
-            "--ports", ",".join(map(str, ports))] + (["--v6"] if v6 else [])
+            "--ports", ",".join(map(str, ports))] + (["--v6"] if v6 else []) + (
+                ["--mark", hex(mark)] if mark else [])
 
 
 def client_argv(host: str, port: int, seconds: float, warmup: float = 1.0,

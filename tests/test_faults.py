@@ -145,7 +145,8 @@ def test_rebuild_that_keeps_failing_is_counted_logged_once_and_healed(testbed, t
         assert log.count("cannot rebuild") == 1, log
         assert "Traceback" not in log
         m = _scrape(tb)
-        assert m[("flowpacer_backend_rebuild_failures_total", ())] >= 8
+        assert m[("flowpacer_backend_rebuild_failures_total",
+                  (("interface", tb.server_if),))] >= 8
         state = lambda st: m[("flowpacer_backend_state",
                               (("interface", tb.server_if), ("state", st)))]
         assert state("lost") == 1

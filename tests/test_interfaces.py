@@ -14,7 +14,8 @@ from flowpacer.model import (BackendHealth, BackendKind, Direction, EventKind, F
                              FlowKey, FlowSource, InterfaceSpec, Match, OpKind, ProcessInfo, Rule,
                              RuleSet)
 from harness.testbed import wait_for
-from harness.fakes import FakeFactory, FakeRouter, FakeSockDiag, FakeTracer, inprocess_daemon
+from harness.fakes import (FakeFactory, FakeFirstByte, FakeRouter, FakeSockDiag, FakeTracer,
+                          inprocess_daemon)
 
 RATE = 5_000_000
 RULE = Rule("web", Match(process=("nginx",)), RATE)
@@ -340,3 +341,133 @@ def test_groups_of_every_interface_are_in_view_status_and_metrics(tmp_path):
         used = {lab["interface"]: val for n, lab, val in m
                 if n == "flowpacer_class_ids_used" and lab["side"] == "send"}
         assert used == {"fk0": 3, "fk1": 3}            # a flow and its two groups each
+
+
+def test_every_interface_has_its_own_receive_side(tmp_path):
+    """Item 5 of issue 29: with several interfaces each has its own receive side (its ifb);
+    a flow's receive class is on the ifb of the interface it leaves by (a receive-only rule's
+    flow too, which has no send class to place it), it moves with the flow's route, status and
+    metrics give each receive side's state, and one receive side that cannot be set up does
+    not disturb the other's."""
+    up = Rule("up", Match(process=("iperf3",)), RATE, receive_rate_bps=RATE // 2)
+    rx_only = Rule("rx-only", Match(process=("rsync",)), None, receive_rate_bps=RATE // 4)
+    rs = RuleSet("", BackendKind.HTB, 125_000_000, (up, rx_only),
+                 interfaces=(InterfaceSpec("fk0"), InterfaceSpec("fk1")))
+    router = FakeRouter({"10.2.0.0/24": "fk0", "10.2.1.0/24": "fk0", "fd00:2::/64": "fk1"})
+    sd = FakeSockDiag()
+    a, m, b = v4(0), mapped(0), v6(0)            # iperf3 uploads: v4 and mapped on fk0, v6 fk1
+    r4, r6 = v4(1), v6(1)                        # rsync uploads: receive-only
+    sd.flows = {**{k: flow(k, "iperf3") for k in (a, m, b)},
+                **{k: flow(k, "rsync") for k in (r4, r6)}}
+    fac = FakeFactory()
+    with inprocess_daemon(tmp_path, rs, factory=fac, sockdiag=sd, tracer_enabled=False,
+                          router=router) as d:
+        p0, p1 = d.supervisor.port("fk0"), d.supervisor.port("fk1")
+
+        def rx_on(p):
+            return set(p.rx.installed()) if p.rx is not None else set()
+        wait_for(lambda: rx_on(p0) == {a, m, r4} and rx_on(p1) == {b, r6}, 5,
+                 what="receive classes on each interface's ifb")
+        assert on(d, "fk0") == {a, m} and on(d, "fk1") == {b}      # rx-only: no send class
+        assert (p0.rx.interface, p1.rx.interface) == ("fpi-fk0", "fpi-fk1")
+        assert {k: s.rate_bps for k, s in p1.rx.installed().items()} == {b: RATE // 2,
+                                                                         r6: RATE // 4}
+        st = d.status()
+        assert [(i["name"], i["receive"]) for i in st["interfaces"]] == [
+            ("fk0", {"interface": "fpi-fk0", "state": "ok", "problem": ""}),
+            ("fk1", {"interface": "fpi-fk1", "state": "ok", "problem": ""})]
+        assert parse_status(st).receives == (("fk0", "fpi-fk0", "ok", ""),
+                                             ("fk1", "fpi-fk1", "ok", ""))
+        rx_state = {(lab["interface"], lab["ifb"], lab["state"])
+                    for n, lab, v in samples(d) if n == "flowpacer_receive_state" and v == 1}
+        assert rx_state == {("fk0", "fpi-fk0", "ok"), ("fk1", "fpi-fk1", "ok")}
+        used = {(lab["interface"], lab["side"]): v for n, lab, v in samples(d)
+                if n == "flowpacer_class_ids_used"}
+        assert used == {("fk0", "send"): 2, ("fk0", "receive"): 3, ("fk1", "send"): 1,
+                        ("fk1", "receive"): 2}
+        # the receive-only IPv4 flow's route moves to fk1: its receive class follows
+        router.routes["10.2.0.0/24"] = "fk1"
+        wait_for(lambda: rx_on(p0) == {m} and rx_on(p1) == {a, b, r4, r6}, 5,
+                 what="receive classes moved with their route")
+        assert on(d, "fk0") == {m} and on(d, "fk1") == {a, b}
+        # fk1's receive side lost and not rebuildable: fk0's receive side is untouched
+        fac.rx_error = OSError("no ifb for you")
+        p1.rx.health = BackendHealth.LOST
+        p1.rx.setup_error = OSError("no ifb for you")
+        wait_for(lambda: p1.rx_problem, 5, what="fk1's receive side failing")
+        st = d.status()
+        got = {i["name"]: i["receive"] for i in st["interfaces"]}
+        assert got["fk0"] == {"interface": "fpi-fk0", "state": "ok", "problem": ""}
+        assert got["fk1"]["state"] == "lost" and "no ifb for you" in got["fk1"]["problem"]
+        assert rx_on(p0) == {m} and p0.rx_health is BackendHealth.OK
+    assert {b.interface for b in fac.made_rx} == {"fpi-fk0", "fpi-fk1"}
+    assert all(b.torn_down for b in fac.made_rx)
+
+
+def test_first_byte_pools_live_on_the_first_interface_and_claims_follow_the_route(tmp_path):
+    """Item 2 of the issue 29 follow-up: first-byte pools while several interfaces are shaped.
+    The pools are the first interface's; a flow claimed at its handshake whose route leaves by
+    that interface keeps its claimed class, one whose route leaves by another gets its class
+    there (never a pool-range id, which no other interface has) and its claim is released; the
+    status says where the pools are and counts those flows. A reload that makes another
+    interface the first deletes the old first one's pool classes and makes pools on the new."""
+    from flowpacer.kernel.backend.pool import POOL_FIRST_MINOR
+    burst = Rule("burst", Match(process=("nginx",), direction=Direction.INBOUND), RATE)
+    state = {"rs": RuleSet("", BackendKind.HTB, 125_000_000, (burst,),
+                           interfaces=(InterfaceSpec("fk0"), InterfaceSpec("fk1")))}
+    router = FakeRouter({"10.2.0.0/24": "fk0", "10.2.1.0/24": "fk0", "fd00:2::/64": "fk1"})
+    tr, sd = FakeTracer(), FakeSockDiag()
+    fb = FakeFirstByte(pool_target=4)
+    a, m, b = v4(0), mapped(0), v6(0)
+    with inprocess_daemon(tmp_path, lambda: state["rs"], tracer=tr, sockdiag=sd, firstbyte=fb,
+                          router=router) as d:
+        p0, p1 = d.supervisor.port("fk0"), d.supervisor.port("fk1")
+        b0, b1 = p0.backend, p1.backend
+        wait_for(lambda: fb.live and fb.ready(0) == 4, 5, what="the pool filled, claims on")
+        assert len(b0.pool.classes) == 4 and not b1.pool.classes
+        claimed = {k: fb.claim(0, k) for k in (a, m, b)}       # three handshakes
+        wait_for(lambda: len(b0.pool.claims) == 3, 5, what="the claims bound on fk0")
+        tr.push([FlowEvent(EventKind.OPEN, flow(k)) for k in (a, m, b)])
+        for k in (a, m, b):
+            sd.flows[k] = flow(k)
+        wait_for(lambda: on(d, "fk0") == {a, m} and on(d, "fk1") == {b} and not b0.pool.claims,
+                 5, what="v4 and mapped on fk0, v6 on fk1, no claim left")
+        assert b0.flows[a][0] == claimed[a] and b0.flows[m][0] == claimed[m]
+        assert b1.flows[b][0] & 0xFFFF < POOL_FIRST_MINOR            # its own flow-range class
+        assert claimed[b] & 0xFFFF in b0.pool.awaiting     # its socket may still carry the id
+        wait_for(lambda: fb.ready(0) == 4, 5, what="the pool refilled")
+        st = d.status()["first_byte"]
+        assert (st["interface"], st["elsewhere"]) == ("fk0", 1), st
+        assert "pools on fk0 only" in st["note"] and "fk1" in st["note"]
+        # fk1 becomes the first interface: fk0's pool classes go, fk1 gets the pools; the flows
+        # keep their classes
+        state["rs"] = RuleSet("", BackendKind.HTB, 125_000_000, (burst,),
+                              interfaces=(InterfaceSpec("fk1"), InterfaceSpec("fk0")))
+        assert d.reload().ok
+        wait_for(lambda: fb.live and fb.ready(0) == 4 and len(b1.pool.classes) == 4
+                 and not b0.pool.classes, 5, what="the pools moved to fk1")
+        assert set(fb.ring(0)) == set(b1.pool.classes)
+        assert on(d, "fk0") == {a, m} and on(d, "fk1") == {b}
+        assert d.status()["first_byte"]["interface"] == "fk1"
+
+
+def test_a_sockets_mark_routes_its_flow_and_a_new_mark_moves_it(tmp_path):
+    """Item 6 of the issue 29 follow-up, in-process: the route lookup is asked with the
+    socket's mark and bound device (what sock_diag reports of it); a mark that a later pass
+    finds changed moves the flow at that pass."""
+    router = FakeRouter({"10.2.0.0/16": "fk0", "fd00:2::/64": "fk0"})
+    router.by_mark = {0x29: "fk1"}                 # ip rule fwmark 0x29 lookup (via fk1)
+    sd = FakeSockDiag()
+    a, b, c = v4(0), v6(0), mapped(0)
+    sd.flows = {a: flow(a), b: flow(b), c: flow(c)}
+    sd.flows[b] = Flow(b, Direction.INBOUND, ProcessInfo(pid=100, comm="nginx"),
+                       FlowSource.RECONCILE, mark=0x29)
+    with inprocess_daemon(tmp_path, rules("fk0", "fk1"), sockdiag=sd, tracer_enabled=False,
+                          router=router) as d:
+        wait_for(lambda: on(d, "fk0") == {a, c} and on(d, "fk1") == {b}, 5,
+                 what="the marked IPv6 flow on fk1, the others on fk0")
+        sd.flows[c] = Flow(c, Direction.INBOUND, ProcessInfo(pid=100, comm="nginx"),
+                           FlowSource.RECONCILE, mark=0x29)      # the mapped socket marked now
+        wait_for(lambda: on(d, "fk0") == {a} and on(d, "fk1") == {b, c}, 5,
+                 what="the newly marked flow moved")
+        assert d.supervisor.route_moves == 1

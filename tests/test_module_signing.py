@@ -138,8 +138,11 @@ def test_fallback_metric_names_wanted_used_and_reason():
     why = backend.refusal("sch_psp", KEY_REJECTED, "module.sig_enforce=1", "unsigned")
     reason = f"auto: psp unavailable ({why}), using htb"
     [s] = _fallback_samples(_view(backend_wanted="auto", backend_fallback=reason))
-    assert s.labels == {"wanted": "psp", "used": "htb", "reason": reason} and s.value == 1
+    assert s.labels == {"wanted": "psp", "used": "htb", "reason": reason,
+                        "interface": "eth0"} and s.value == 1
     [s] = _fallback_samples(_view(backend="psp", backend_wanted="auto"))
-    assert s.labels == {"wanted": "psp", "used": "psp", "reason": ""} and s.value == 0
+    assert s.labels == {"wanted": "psp", "used": "psp", "reason": "", "interface": "eth0"} \
+        and s.value == 0
     [s] = _fallback_samples(_view(backend="htb", backend_wanted="htb"))
-    assert s.labels == {"wanted": "htb", "used": "htb", "reason": ""} and s.value == 0
+    assert s.labels == {"wanted": "htb", "used": "htb", "reason": "", "interface": "eth0"} \
+        and s.value == 0

@@ -48,13 +48,19 @@ def test_requests_carry_addresses_ports_protocol_and_uid_per_family():
     wild = FlowKey(ipaddress.ip_address("0.0.0.0"), 53, ipaddress.ip_address("10.2.0.9"), 53,
                    Protocol.UDP)
     assert route.RTA_SRC not in attrs(route.request(wild, -1, 10))
+    # the socket's mark and the device it is bound to (a VRF's too), only when it has them
+    a = attrs(route.request(v4, 33, 11, mark=0x29, oif=7))
+    assert a[route.RTA_MARK] == struct.pack("=I", 0x29) and a[route.RTA_OIF] == struct.pack("=I", 7)
+    a = attrs(route.request(v6, -1, 12, mark=0, oif=0))
+    assert route.RTA_MARK not in a and route.RTA_OIF not in a
 
 
 def test_a_lookup_in_this_namespace():
     r = route.RouteLookup()
     try:
-        keys = [(FlowKey(ipaddress.ip_address("127.0.0.1"), 80,
-                         ipaddress.ip_address("127.0.0.1"), 40000 + i), -1) for i in range(300)]
+        keys = [route.RouteQuery(FlowKey(ipaddress.ip_address("127.0.0.1"), 80,
+                                         ipaddress.ip_address("127.0.0.1"), 40000 + i))
+                for i in range(300)]
         got = r.egress(keys)          # more than one batch
         assert len(got) == 300 and {route.ifname(i) for i in got.values()} == {"lo"}
     finally:

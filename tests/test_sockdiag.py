@@ -42,3 +42,39 @@ def test_snapshot_attributes_and_directions(testbed):
     assert all(k.local_port == 9301 for k in ins)
     # the second scan found no new socket inode: no /proc walk
     assert src.proc_walks == walks and again.keys() == snap.keys()
+
+
+def test_snapshot_carries_each_sockets_mark_and_bound_device(testbed):
+    """Issue 29: what a socket's route depends on besides its tuple and owner, for the route
+    lookup of several interfaces: its mark (SO_MARK, inherited by accepted sockets) and the
+    device it is bound to (SO_BINDTODEVICE), IPv4, IPv6 and IPv4-mapped; a socket with neither
+    has 0 and 0; a mark set later is seen by the next snapshot."""
+    SO_MARK = 36
+    with in_netns(testbed.server_ns):
+        idx = socket.if_nametoindex(testbed.server_if)
+        lst = socket.socket(socket.AF_INET6)                   # dual-stack listener, marked
+        lst.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        lst.setsockopt(socket.SOL_SOCKET, SO_MARK, 0x29)
+        lst.bind(("::", 9302))
+        lst.listen(8)
+        c4 = socket.create_connection((str(testbed.server_v4), 9302))   # unmarked client
+        a4, _ = lst.accept()                                   # mapped, marked
+        c6 = socket.socket(socket.AF_INET6)                    # bound to the veth, marked
+        c6.setsockopt(socket.SOL_SOCKET, socket.SO_BINDTODEVICE, testbed.server_if.encode())
+        c6.setsockopt(socket.SOL_SOCKET, SO_MARK, 0x30)
+        c6.connect((str(testbed.server_v6), 9302))
+        a6, _ = lst.accept()
+        try:
+            src = SockDiagSource()
+            snap = src.snapshot()
+            c4.setsockopt(socket.SOL_SOCKET, SO_MARK, 0x31)
+            again = src.snapshot()
+        finally:
+            for s in (c4, a4, c6, a6, lst):
+                s.close()
+    got = {(f.direction.value, k.family): (f.mark, f.bound_if) for k, f in snap.items()}
+    assert got == {("inbound", 4): (0x29, 0), ("outbound", 4): (0, 0),
+                   ("inbound", 6): (0x29, 0), ("outbound", 6): (0x30, idx)}, got
+    out4 = next(f for k, f in again.items() if f.direction is Direction.OUTBOUND
+                and k.family == 4)
+    assert out4.mark == 0x31

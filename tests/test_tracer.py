@@ -81,6 +81,8 @@ def agent_main(spec: dict) -> None:
         ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if fam == socket.AF_INET6:
             ls.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0 if spec.get("dualstack") else 1)
+        if spec.get("mark"):        # SO_MARK: its accepted sockets inherit it
+            ls.setsockopt(socket.SOL_SOCKET, 36, spec["mark"])
         ls.bind((spec["bind"], spec.get("port", 0)))
         if spec.get("fastopen"):
             ls.setsockopt(socket.IPPROTO_TCP, socket.TCP_FASTOPEN, 16)
@@ -121,6 +123,8 @@ def agent_main(spec: dict) -> None:
     else:
         def connect_one(i: int):
             s = socket.socket(fam, socket.SOCK_STREAM)
+            if spec.get("bind_dev"):
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_BINDTODEVICE, spec["bind_dev"].encode())
             if spec.get("bind"):
                 s.bind((spec["bind"], 0))
             err = None
@@ -559,6 +563,38 @@ def test_fastopen_child_accepted_before_established(tracer, netns, agents, ev, f
     assert len(ev.of(k)) == 2
 
 
+@FAMILIES
+def test_open_carries_the_sockets_mark_and_bound_device(tracer, netns, agents, ev, fam):
+    """Issue 29: what a flow's route depends on besides its tuple, read at OPEN: an accepted
+    socket's mark (its listener's SO_MARK) and an outbound socket's bound device
+    (SO_BINDTODEVICE); 0 and 0 for a socket with neither."""
+    a_addr, b_addr, _ = ADDR[fam]
+    srv = agents(netns["A"], TARGET, role="server", family=fam, bind=a_addr, count=1,
+                 mark=0x29, after="hold")
+    port = srv.expect("ready")["ready"]
+    agents(netns["B"], PEER, role="client", family=fam, addr=a_addr, port=port, count=1,
+           after="hold").conns()
+    k_in = key_of(srv.conns()[0])
+    peer = agents(netns["B"], PEER, role="server", family=fam, bind=b_addr, count=2,
+                  after="hold")
+    port2 = peer.expect("ready")["ready"]
+    bound = agents(netns["A"], TARGET, role="client", family=fam, addr=b_addr, port=port2,
+                   count=1, bind_dev=VETH_A, after="hold")
+    plain = agents(netns["A"], TARGET, role="client", family=fam, addr=b_addr, port=port2,
+                   count=1, after="hold")
+    k_bound, k_plain = key_of(bound.conns()[0]), key_of(plain.conns()[0])
+    ev.wait_keys([k_in, k_bound, k_plain], model.EventKind.OPEN)
+    got = {k: (ev.of(k, model.EventKind.OPEN)[0].flow.mark,
+               ev.of(k, model.EventKind.OPEN)[0].flow.bound_if)
+           for k in (k_in, k_bound, k_plain)}
+    idx = int(subprocess.run(["ip", "-n", NS_A, "-o", "link", "show", "dev", VETH_A],
+                             capture_output=True, text=True, check=True).stdout.split(":")[0])
+    assert got == {k_in: (0x29, 0), k_bound: (0, idx), k_plain: (0, 0)}, got
+    for a in (srv, bound, plain):
+        a.send("close")
+    ev.wait_keys([k_in, k_bound, k_plain], model.EventKind.CLOSE)
+
+
 def test_dual_stack_listener_reports_ipv4_keys(tracer, netns, agents, ev):
     srv = agents(netns["A"], TARGET, role="server", family=6, bind="::", dualstack=True, count=1)
     port = srv.expect("ready")["ready"]
@@ -930,14 +966,14 @@ def test_watch_set_before_start_is_applied(netns, agents):
 # ------------------------------------------------- record decoding (pure logic)
 
 def _rec(kind, ts, laddr, lport, raddr, rport, flags=tracer_mod.FT_F_ATTRIBUTED, pid=None,
-         direction=1, proto=0, cookie=0):
+         direction=1, proto=0, cookie=0, mark=0, bound_if=0):
     la, ra = ipaddress.ip_address(laddr), ipaddress.ip_address(raddr)
     fam = 2 if la.version == 4 else 10
     pid = os.getpid() if pid is None else pid
     return tracer_mod.EVENT.unpack(tracer_mod.EVENT.pack(
         ts, 77, 4026531840, pid, pid + 1, 1000, fam, lport, rport, kind, direction, flags, proto,
         la.packed.ljust(16, b"\0"), ra.packed.ljust(16, b"\0"), b"nginx".ljust(16, b"\0"),
-        cookie))
+        cookie, mark, bound_if))
 
 
 def test_record_decoding():
@@ -951,6 +987,11 @@ def test_record_decoding():
     assert (p.pid, p.tid, p.uid, p.comm, p.cgroup_id) == (os.getpid(), os.getpid() + 1, 1000,
                                                          "nginx", 77)
     assert p.exe == os.readlink("/proc/self/exe")
+    assert (o.flow.mark, o.flow.bound_if) == (0, 0)
+    # a socket's mark and bound device (issue 29: its route)
+    mk = t._to_event(_rec(tracer_mod.FT_OPEN, 100, "10.1.2.3", 443, "10.9.9.8", 50000,
+                          mark=0x29, bound_if=7))
+    assert (mk.flow.mark, mk.flow.bound_if) == (0x29, 7)
     # a dual-stack socket talking IPv4 gives IPv4 keys (what u32 matches on the wire)
     m = t._to_event(_rec(tracer_mod.FT_OPEN, 101, "::ffff:10.1.2.3", 80, "::ffff:10.0.0.7", 4000))
     assert m.flow.key.family == 4 and str(m.flow.key) == "10.1.2.3:80->10.0.0.7:4000"
@@ -1014,7 +1055,8 @@ def test_python_mirror_of_flowtrace_h(tmp_path):
             ("OUTBOUND", model.Direction.OUTBOUND), ("INBOUND", model.Direction.INBOUND))} \
         == tracer_mod.FT_DIR
     fields = ["ts_ns", "cgroup_id", "netns_ino", "pid", "tid", "uid", "family", "lport", "rport",
-              "kind", "direction", "flags", "protocol", "laddr", "raddr", "comm", "cookie"]
+              "kind", "direction", "flags", "protocol", "laddr", "raddr", "comm", "cookie",
+              "mark", "bound_if"]
     src = tmp_path / "layout.c"
     src.write_text("#include <stdio.h>\n#include <stddef.h>\n#include <linux/types.h>\n"
                    f'#include "{hdr}"\nint main(void) {{\n'

@@ -33,6 +33,9 @@ class FlowTable:
                        ("reconcile", "open"): 0, ("reconcile", "close"): 0,
                        ("idle", "close"): 0}
         self.snapshots = 0
+        # flows whose socket's mark or bound device a snapshot found changed (their route must be
+        # looked up again: ``Reconciler.reconcile`` takes them)
+        self.rerouted: Set[FlowKey] = set()
         self.reconcile_added = 0
         self.reconcile_removed = 0
 
@@ -78,6 +81,14 @@ class FlowTable:
             elif cur.source is FlowSource.RECONCILE and flow.proc.pid and cur.proc != flow.proc:
                 self.flows[key] = replace(flow, seen_ns=cur.seen_ns)
                 self.dirty.add(key)
+                if (cur.mark, cur.bound_if) != (flow.mark, flow.bound_if):
+                    self.rerouted.add(key)
+            elif (cur.mark, cur.bound_if) != (flow.mark, flow.bound_if):
+                # its socket's mark or bound device is new (or the tracer did not know it):
+                # its route is looked up again (issue 29)
+                self.flows[key] = replace(cur, mark=flow.mark, bound_if=flow.bound_if)
+                self.dirty.add(key)
+                self.rerouted.add(key)
         udp_ports = snap.udp_ports          # local ports of open (unconnected) UDP sockets
         for key in [k for k, f in self.flows.items() if k not in snap and f.seen_ns < started_ns
                     and not (k.protocol is Protocol.UDP

@@ -5,8 +5,9 @@ interface each flow leaves by.
         │ resolved at start, on reload and at every reconcile pass (a device that appears)
         v
     InterfaceSet ── ports: {eth0: BackendSupervisor, eth1: ..., vs1: ...}  (first: primary)
-        │ egress(flows): RTM_GETROUTE per flow (kernel/route.py), cached; the reconcile pass
-        │ re-checks every live flow, so a route change moves a live flow
+        │ egress(flows): RTM_GETROUTE per flow (kernel/route.py: tuple, uid, the socket's
+        │ mark and bound device), cached; the reconcile pass re-checks every live flow, so a
+        │ route change moves a live flow (and a socket whose mark changed, at its snapshot)
         v
     Reconciler: each port's backend gets the flows that leave by its interface
 
@@ -15,7 +16,10 @@ overrides the file) there is one port and no route lookup: every flow is shaped 
 interface, as before. Each port keeps its own health (a qdisc removed on one interface does not
 disturb the others), rebuild and fall-back. What the surfaces read of a single backend
 (``backend``, ``health``, ``rx``, ...) is the first port's; ``backends()``, ``check()``,
-``class_stats()`` and ``shutdown()`` cover them all. Only the first port has a receive side.
+``class_stats()`` and ``shutdown()`` cover them all. Every port has its own receive side while
+a rule has a ``receive_rate`` (its ifb ``fpi-<interface>``, ingress.py): a flow's receive class
+is on the ifb of the interface its route leaves by, which is the one its packets arrive by when
+routing is symmetric (docs/rules.md says what happens when it is not).
 
 A flow that a rule shapes but whose egress is an interface not managed (or that has no route) is
 counted (``unmanaged``: by flow, its interface's name, "" without a route) for status and the
@@ -29,6 +33,7 @@ import time
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 from flowpacer.daemon.supervisor import BackendSupervisor, Recheck, StatsChannels
+from flowpacer.kernel.route import RouteQuery
 from flowpacer.errors import BackendError, FlowpacerError
 from flowpacer.model import BackendKind, ClassStats, FlowKey, RuleSet, StatsKey
 
@@ -42,7 +47,7 @@ class Router:
         from flowpacer.kernel.route import RouteLookup
         self._lookup = RouteLookup()
 
-    def egress(self, items: Iterable[Tuple[FlowKey, int]]) -> Dict[FlowKey, Optional[str]]:
+    def egress(self, items: Iterable[RouteQuery]) -> Dict[FlowKey, Optional[str]]:
         """Each flow's output interface name (None: no route)."""
         from flowpacer.kernel.route import ifname
         names: Dict[int, Optional[str]] = {}
@@ -86,6 +91,7 @@ class InterfaceSet:
         self._ports: Dict[str, BackendSupervisor] = {}
         self._rules: Optional[RuleSet] = None
         self._egress: Dict[FlowKey, Optional[str]] = {}    # route cache (under the rec. lock)
+        self._was: Dict[FlowKey, Optional[str]] = {}       # routes to look up again (recheck)
         self.unmanaged: Dict[FlowKey, str] = {}            # shaped by a rule, egress not ours
         self.route_checks = 0            # flows whose route was looked up, ever
         self.route_moves = 0             # flows that moved to another interface, ever
@@ -164,9 +170,9 @@ class InterfaceSet:
             out.extend(n for n in names if n not in out)
         return out
 
-    def _make_port(self, name: str, rs: RuleSet, first: bool) -> BackendSupervisor:
+    def _make_port(self, name: str, rs: RuleSet) -> BackendSupervisor:
         p = BackendSupervisor(self.factory, interface=name or self.interface_override,
-                              kind=self.kind_override, clock=self.clock, receive=first)
+                              kind=self.kind_override, clock=self.clock)
         p.start(rs)
         return p
 
@@ -180,7 +186,7 @@ class InterfaceSet:
         made: Dict[str, BackendSupervisor] = {}
         try:
             for n in names:
-                made[n] = self._make_port(n, rs, first=not made)
+                made[n] = self._make_port(n, rs)
         except FlowpacerError:
             for p in made.values():
                 p.shutdown()
@@ -189,6 +195,7 @@ class InterfaceSet:
         self._rules = rs
         self.routed = self._multi(rs)
         self._egress.clear()
+        self._was.clear()
         self.unmanaged.clear()
         if self.routed:
             log.info("shaping on %s; each flow on the interface it leaves by",
@@ -200,12 +207,20 @@ class InterfaceSet:
         the reconciler's lock)."""
         missing = [k for k in flows if k not in self._egress]
         if missing:
-            self._egress.update(self._lookup({k: flows[k] for k in missing}))
+            got = self._lookup({k: flows[k] for k in missing})
+            self._egress.update(got)
+            for k, name in got.items():
+                if k in self._was:
+                    old = self._was.pop(k)
+                    if old != name:
+                        self.route_moves += 1
+                        log.info("%s now leaves by %s (was %s): its socket's mark or bound "
+                                 "device changed", k, name or "no route", old or "no route")
         return {k: self._egress.get(k) for k in flows}
 
     def _lookup(self, flows: Dict[FlowKey, object]) -> Dict[FlowKey, Optional[str]]:
         try:
-            got = self._router_().egress((k, _uid(f)) for k, f in flows.items())
+            got = self._router_().egress(_query(k, f) for k, f in flows.items())
         except OSError as e:
             log.warning("route lookups failed: %s; retried at the next pass", e)
             return {}
@@ -233,6 +248,8 @@ class InterfaceSet:
             del self._egress[k]
         for k in [k for k in self.unmanaged if k not in live]:
             del self.unmanaged[k]
+        for k in [k for k in self._was if k not in live]:
+            del self._was[k]
         out = []
         for k, name in fresh.items():
             if k not in live:
@@ -248,9 +265,18 @@ class InterfaceSet:
         self.route_moves += len(out)
         return out
 
+    def recheck_routes(self, keys: Iterable[FlowKey]) -> None:
+        """The sockets of ``keys`` have a new mark or bound device (a snapshot saw it, under
+        the lock): their route is looked up again when they are planned (they are dirty), and
+        one that changed counts as a move."""
+        for k in keys:
+            if k in self._egress:
+                self._was[k] = self._egress.pop(k)
+
     def forget_routes(self, keys: Iterable[FlowKey]) -> None:
         for k in keys:
             self._egress.pop(k, None)
+            self._was.pop(k, None)
             self.unmanaged.pop(k, None)
 
     # ------------------------------------------------------------- health
@@ -279,7 +305,7 @@ class InterfaceSet:
             if n in self._ports:
                 continue
             try:
-                self._ports[n] = self._make_port(n, self._rules, first=not self._ports)
+                self._ports[n] = self._make_port(n, self._rules)
             except FlowpacerError as e:
                 if self._port_problems.get(n) != str(e):
                     log.warning("%s: matches the rules' interfaces but cannot be shaped: %s; "
@@ -332,10 +358,9 @@ class InterfaceSet:
             for n in names:
                 p = self._ports.get(n)
                 if p is None:
-                    p = self._make_port(n, new, first=not kept)
+                    p = self._make_port(n, new)
                     kept[n] = p
                     continue
-                p.receive = not kept     # a receive side only on the first
                 if p.needs_switch(new):
                     p.switch(new)
                 else:
@@ -349,6 +374,7 @@ class InterfaceSet:
         self._ports = kept
         self._rules = new
         self._egress.clear()             # re-planned with fresh routes
+        self._was.clear()
 
     def adopt_rules(self, rs: RuleSet) -> None:
         self._rules = rs
@@ -381,7 +407,11 @@ class InterfaceSet:
             self._router.close()
 
 
-def _uid(flow) -> int:
+def _query(key: FlowKey, flow) -> RouteQuery:
+    """What the kernel's output lookup of ``flow``'s socket uses: its tuple, its owner's uid
+    (``ip rule uidrange``), its mark (``ip rule fwmark``) and the device it is bound to
+    (SO_BINDTODEVICE, or the VRF it is in: ``ip rule oif``, l3mdev)."""
     proc = getattr(flow, "proc", None)
     uid = getattr(proc, "uid", -1) if proc is not None else -1
-    return uid if isinstance(uid, int) else -1
+    return RouteQuery(key, uid if isinstance(uid, int) else -1, getattr(flow, "mark", 0) or 0,
+                      getattr(flow, "bound_if", 0) or 0)

@@ -27,8 +27,8 @@ from flowpacer.policy import engine
 from flowpacer.errors import FlowpacerError
 from flowpacer.daemon.flows import FlowTable
 from flowpacer.daemon.latency import LatencyHistogram
-from flowpacer.model import (FlowKey, FlowSource, OpKind, PoolGrant, PoolReport, ReloadResult,
-                             RuleSet)
+from flowpacer.model import (FlowKey, FlowSource, OpKind, PoolGrant, PoolOp, PoolReport,
+                             ReloadResult, RuleSet)
 from flowpacer.daemon.supervisor import BackendSupervisor
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,9 @@ class Counters:
     apply_latency_ns: deque = field(default_factory=lambda: deque(maxlen=4096))
     apply_hist: LatencyHistogram = field(default_factory=LatencyHistogram)
     shape_latency_ns: deque = field(default_factory=lambda: deque(maxlen=4096))
+    # issue 29: flows claimed at their handshake (pools are on the first interface) whose route
+    # leaves by another interface: their class was made there after the handshake
+    first_byte_elsewhere: int = 0
 
 
 class Reconciler:
@@ -82,10 +85,14 @@ class Reconciler:
         with self.lock:
             sup = self.supervisor
             b = sup.backend
-            # several interfaces (issue 29): a class claimed at the handshake is on the first
-            # interface's qdisc, the flow may leave by another: no pools, flows get their
-            # class after the handshake
-            if b is None or not sup.usable or not b.capabilities.pools or sup.routed:
+            # several interfaces (issue 29): the pools are the first interface's. A socket's
+            # priority names a pool-range class id (pool.py), which no other interface ever
+            # has (they allocate from the flow range only): a claimed flow that leaves by
+            # another interface falls to the filters there, gets its class there after the
+            # handshake (``_apply``), and its claim here is released at the next round
+            if sup.routed:
+                self._drop_stray_pools(sup)
+            if b is None or not sup.usable or not b.capabilities.pools:
                 return PoolGrant(False, report.epoch, self.rules)
             pool = b.pool
             flows = self.table.flows
@@ -102,6 +109,28 @@ class Reconciler:
                              ready_classes=len(pool.classes), ids_held=pool.ids_held(),
                              ids_awaiting=pool.ids_waiting(),
                              oldest_wait_s=pool.oldest_wait_s())
+
+    def _drop_stray_pools(self, sup) -> None:
+        """Pools live on the first interface only: a port that holds ready or claimed pool
+        classes without being the first (a reload made another interface the first) has them
+        deleted, so that no id the first interface's pool hands out is a class elsewhere."""
+        for p in sup.ports()[1:]:
+            b = p.backend
+            if b is None or not p.usable or not b.capabilities.pools:
+                continue
+            pool = b.pool
+            if not pool.classes and not pool.claims:
+                continue
+            ops = [PoolOp(OpKind.POOL_RELEASE, key=k) for k in sorted(pool.claims)]
+            if pool.classes:
+                ops.append(PoolOp(OpKind.POOL_DELETE, classids=tuple(sorted(pool.classes))))
+            log.info("%s: no longer the first interface: its %d pool classes are deleted",
+                     b.interface, len(pool.classes) + len(pool.claims))
+            try:
+                b.apply(ops)
+            except (OSError, FlowpacerError) as e:
+                log.warning("%s: pool classes not deleted: %s; tried again next round",
+                            b.interface, e)
 
     def expire_idle(self) -> None:
         """UDP flows idle for their rule's idle_timeout end (the caller holds the lock)."""
@@ -125,6 +154,9 @@ class Reconciler:
                 self.table.mark_all(r.installed)
             if snap is not None:
                 self.table.on_snapshot(snap, started_ns)
+                if self.table.rerouted:     # a socket's mark or bound device changed
+                    self.supervisor.recheck_routes(self.table.rerouted)
+                    self.table.rerouted = set()
             self.expire_idle()
             self.table.dirty.update(self._retry)
             self._retry.clear()
@@ -164,7 +196,10 @@ class Reconciler:
         ports = sup.ports()
         if not sup.routed:               # one interface shapes every flow
             return self._apply_port(ports[0], keys, live, flows, before, after, rebind)
-        want = engine.desired(live, self.rules)
+        # a flow a rule shapes either way has a route (a receive-only one too: its receive
+        # class is on the ifb of the interface it leaves by)
+        want = engine.desired(live, self.rules).keys() | engine.desired_receive(live,
+                                                                               self.rules).keys()
         where = sup.egress({k: live[k] for k in want})
         names = {p.interface_of(self.rules) for p in ports}
         for k in keys:
@@ -173,6 +208,7 @@ class Reconciler:
                 sup.unmanaged[k] = name or ""
             else:
                 sup.unmanaged.pop(k, None)
+        self._count_elsewhere(ports, keys, where)
         res = None
         for i, p in enumerate(ports):
             ifname = p.interface_of(self.rules)
@@ -182,6 +218,20 @@ class Reconciler:
                                     requeue=[k for k in keys if where.get(k) == ifname])
             res = _merge(res, pres)
         return res
+
+    def _count_elsewhere(self, ports, keys, where) -> None:
+        """Flows whose socket claimed a pool class on the first interface and whose route
+        leaves by another, counted once: when their class there is about to be made."""
+        b = ports[0].backend
+        if b is None or not b.capabilities.pools or not b.pool.claims:
+            return
+        first = ports[0].interface_of(self.rules)
+        others = {p.interface_of(self.rules): p.backend for p in ports[1:] if p.usable}
+        for k in keys:
+            name = where.get(k)
+            if (name and name != first and k in b.pool.claims and others.get(name) is not None
+                    and others[name].shape_of(k) is None):
+                self.counters.first_byte_elsewhere += 1
 
     def _apply_port(self, sup, keys, live, flows, before, after, rebind, requeue=None):
         """One interface's backends: ``live`` the flows that leave by it, ``keys`` every key

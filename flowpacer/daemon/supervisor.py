@@ -120,12 +120,9 @@ class BackendSupervisor:
     unmanaged: Mapping[FlowKey, str] = MappingProxyType({})
 
     def __init__(self, factory: BackendFactory, *, interface: Optional[str] = None,
-                 kind: Optional[BackendKind] = None, clock: Callable[[], float] = time.monotonic,
-                 receive: bool = True):
+                 kind: Optional[BackendKind] = None, clock: Callable[[], float] = time.monotonic):
         self.factory = factory
         self.interface_override = interface
-        # issue 29: only the first of several interfaces has a receive side for now
-        self.receive = receive
         self.kind_override = kind
         self.clock = clock
         self.backend = None
@@ -146,6 +143,9 @@ class BackendSupervisor:
         self._rx_problem_logged_at = 0.0
 
     # ------------------------------------------------------------- set-up
+    def recheck_routes(self, keys) -> None:
+        """(One interface: no route is looked up, nothing to look up again.)"""
+
     def interface_of(self, rs: RuleSet) -> str:
         ifname = self.interface_override or rs.interface
         if not ifname:
@@ -213,10 +213,10 @@ class BackendSupervisor:
     def _sync_receive(self, rs: RuleSet, at_start: bool = False) -> bool:
         """Have a receive side exactly while some rule of ``rs`` receives. True when one was
         made now (the caller re-plans every flow)."""
-        if not rs.receives or not self.receive:
+        if not rs.receives:
             if self.rx is not None:
                 self._drop_receive()
-            elif at_start and self.receive:
+            elif at_start:
                 try:
                     self.factory.cleanup_receive(self.backend.interface)
                 except (OSError, FlowpacerError) as e:
@@ -261,7 +261,10 @@ class BackendSupervisor:
     def _check_receive(self, out: "Recheck") -> None:
         """The receive side's health, as ``check`` does for the send side: audit while OK,
         rebuild when LOST/SPEED, wait while GONE/FOREIGN, (re)make when missing."""
-        if (self._rules is None or not self._rules.receives or not self.receive
+        if self.health is BackendHealth.GONE and self.rx is not None:
+            self.rx_health = BackendHealth.GONE      # its interface's ingress went with it
+            return
+        if (self._rules is None or not self._rules.receives
                 or self.health is not BackendHealth.OK):
             return
         rx = self.rx

@@ -831,7 +831,9 @@ TOP_FIELDS: Tuple[Field, ...] = (
           "several interfaces (issue 29): a list of names, globs ('eth*', resolved at start, "
           "on reload and at every reconcile pass) and mappings {name: eth1, link_rate: "
           "10gbit}; each flow is shaped on the interface its packets leave by (a route "
-          "lookup); instead of 'interface'", "[eth0, {name: eth1, link_rate: 10gbit}]",
+          "lookup with the socket's ports, owner, mark and bound device: policy routing by "
+          "fwmark, SO_BINDTODEVICE and VRFs followed); each interface has its own receive "
+          "side; instead of 'interface'", "[eth0, {name: eth1, link_rate: 10gbit}]",
           "only 'interface'"),
     Field("rules", _p_rules, (), False,
           "the list of rules; the first rule that matches a flow wins, a flow that matches "

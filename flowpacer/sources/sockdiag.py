@@ -4,7 +4,9 @@ an unconnected one as CLOSE: those give only their local ports, ``Snapshot.udp_p
 the flows the tracer found for their peers stay while their socket is open).
 
 Used at start-up (flows that existed before the daemon) and periodically as the reconcile pass
-that heals anything the tracer missed. Each socket is attributed to the process holding it by
+that heals anything the tracer missed. Each flow carries what its socket's route depends on
+besides its tuple (issue 29): its mark and the device it is bound to (``Flow.mark``,
+``Flow.bound_if``). Each socket is attributed to the process holding it by
 its inode (``/proc/PID/fd`` -> ``socket:[INODE]``); the /proc walk runs only when a socket
 appears whose inode is not known yet, so a quiet scan costs one netlink dump.
 
@@ -48,8 +50,26 @@ REQ = struct.Struct("=BBBxI48x")
 MSG = struct.Struct("=BBBB")
 PORTS = struct.Struct(">HH")
 TAIL = struct.Struct("=IIIII")
-SRC_OFF, DST_OFF, COOKIE_OFF, TAIL_OFF = 8, 24, 44, 52
+SRC_OFF, DST_OFF, IF_OFF, COOKIE_OFF, TAIL_OFF = 8, 24, 40, 44, 52
 COOKIE = struct.Struct("=Q")      # cookie[2]: low then high 32 bits (sock_gen_cookie, as BPF's)
+MSG_SIZE = 72                     # struct inet_diag_msg; its attributes (rtattr) follow
+RTA = struct.Struct("=HH")
+U32 = struct.Struct("=I")
+INET_DIAG_MARK = 15               # the socket's mark, sent to a requester with CAP_NET_ADMIN
+
+
+def mark_of(body: bytes) -> int:
+    """The INET_DIAG_MARK attribute of one inet_diag_msg (0 when it has none: the requester
+    lacks CAP_NET_ADMIN in the socket's namespace). The kernel puts it among the first few."""
+    at, end = MSG_SIZE, len(body)
+    while at + 4 <= end:
+        n, kind = RTA.unpack_from(body, at)
+        if n < 4:
+            break
+        if kind == INET_DIAG_MARK and n >= 8:
+            return U32.unpack_from(body, at + 4)[0]
+        at += (n + 3) & ~3
+    return 0
 
 
 def read_process(pid: int) -> Optional[ProcessInfo]:
@@ -160,7 +180,10 @@ class SockDiagSource:
         prev = self._prev
         cur: Dict[bytes, Flow] = {}
         for udp, b in established:
-            ident = b[4:TAIL_OFF] + b[TAIL_OFF + 12:TAIL_OFF + 20] + (b"U" if udp else b"")
+            mark = mark_of(b)
+            # (the sockid, with the bound device and the cookie, the uid and inode, the mark)
+            ident = (b[4:TAIL_OFF] + b[TAIL_OFF + 12:TAIL_OFF + 20] + U32.pack(mark)
+                     + (b"U" if udp else b""))
             f = prev.get(ident)
             ino = TAIL.unpack_from(b, TAIL_OFF)[4]
             owner = self._owners.get(ino)
@@ -173,7 +196,8 @@ class SockDiagSource:
                 inbound = not udp and ((la, sport) in listeners or sport in wildcard_ports)
                 proc = owner or ProcessInfo(pid=0, uid=TAIL.unpack_from(b, TAIL_OFF)[3])
                 f = Flow(key, Direction.INBOUND if inbound else Direction.OUTBOUND, proc,
-                         FlowSource.RECONCILE, 0, now)
+                         FlowSource.RECONCILE, 0, now, mark=mark,
+                         bound_if=U32.unpack_from(b, IF_OFF)[0])
             cur[ident] = f
             flows[f.key] = f
             if udp:

@@ -52,8 +52,9 @@ FT_F_ATTRIBUTED, FT_F_UNTRACKED, FT_F_CONNECTED = 0x01, 0x02, 0x04
 FT_C_LOST, FT_C_FILTERED, FT_C_UNATTRIBUTED, FT_C_ACCEPT_UNTRACKED, FT_C_MAX = range(5)
 # struct ft_event: ts_ns cgroup_id netns_ino pid tid uid family lport rport
 #                  kind direction flags protocol pad[6] laddr[16] raddr[16] comm[16] cookie
-EVENT = struct.Struct("<QQIIIIHHHBBBB6x16s16s16sQ")
-assert EVENT.size == 104
+#                  mark bound_if
+EVENT = struct.Struct("<QQIIIIHHHBBBB6x16s16s16sQII")
+assert EVENT.size == 112
 # udptrace.h: struct ft_udp_peer (cookie raddr[16] rport family pad), ft_udp_seen (last, open)
 UDP_PEER = struct.Struct("<Q16sHH4x")
 IPPROTO_UDP = 17
@@ -70,6 +71,9 @@ BTF_FIELDS = (
     ("FT_OFF_FDT_FD", "fdtable", "fd"),
     ("FT_OFF_FILE_PRIVATE", "file", "private_data"),
     ("FT_OFF_SOCKET_SK", "socket", "sk"),
+    # a TCP socket's mark and bound device at OPEN (issue 29: its route)
+    ("FT_OFF_SK_MARK", "sock", "sk_mark"),
+    ("FT_OFF_SKC_BOUND_DEV_IF", "sock", "__sk_common.skc_bound_dev_if"),
     # udptrace.c: a connected UDP socket's protocol and tuple
     ("FT_OFF_SK_PROTOCOL", "sock", "sk_protocol"),
     ("FT_OFF_SKC_FAMILY", "sock", "__sk_common.skc_family"),
@@ -837,7 +841,7 @@ class Tracer:
 
     def _to_event(self, r) -> Optional[model.FlowEvent]:
         (ts, cgid, netns, pid, tid, uid, family, lport, rport,
-         kind, direction, flags, proto, laddr, raddr, comm, cookie) = r
+         kind, direction, flags, proto, laddr, raddr, comm, cookie, mark, bound_if) = r
         if kind not in (FT_OPEN, FT_CLOSE) or family not in (AF_INET, AF_INET6):
             self._bad_records += 1
             return None
@@ -852,7 +856,8 @@ class Tracer:
         else:
             proc = model.ProcessInfo(pid=0)
         flow = model.Flow(key=key, direction=FT_DIR.get(direction, model.Direction.ANY),
-                          proc=proc, source=model.FlowSource.TRACER, netns_ino=netns, seen_ns=ts)
+                          proc=proc, source=model.FlowSource.TRACER, netns_ino=netns, seen_ns=ts,
+                          mark=mark, bound_if=bound_if)
         if kind == FT_OPEN and udp and cookie:
             # ended by the socket's release (and a peer of an unconnected socket by idleness)
             self._udp_by_cookie.setdefault(cookie, set()).add(key)

@@ -167,7 +167,12 @@ def status(socket_path, as_json, all_flows):
         click.echo(f"state:     {printable(a.backend_state)}"
                    + (f" (cannot rebuild, {a.rebuild_failures} attempts failed: "
                       f"{printable(a.backend_problem)})" if a.backend_problem else ""))
-    if a.receive:               # issue 17: the receive side (an ifb fed from the ingress)
+    if len(a.receives) > 1:     # issue 29: one receive side per shaped interface
+        click.echo("receive:   " + ", ".join(
+            f"{printable(n)}: {printable(ifb or '-')} {printable(state)}"
+            + (f" ({printable(problem)})" if problem else "")
+            for n, ifb, state, problem in a.receives))
+    elif a.receive:             # issue 17: the receive side (an ifb fed from the ingress)
         ifb, state, problem = a.receive
         click.echo(f"receive:   {printable(ifb or '-')} {printable(state)}"
                    + (f" ({printable(problem)})" if problem else ""))
@@ -187,6 +192,8 @@ def status(socket_path, as_json, all_flows):
               f"{fb.count('refilled')}, returned unclaimed "
               f"{fb.count('returned') + fb.count('released')}, pool exhausted "
               f"{fb.count('exhausted')}")
+        if fb.note:
+            click.echo(f"            {printable(fb.note)}")
     if a.stages:
         click.echo("stages:    " + ", ".join(
             f"{printable(s.name)} {printable(s.state)}"

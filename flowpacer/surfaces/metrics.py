@@ -303,11 +303,14 @@ class FlowpacerCollector:
         fb = GaugeMetricFamily("flowpacer_backend_fallback",
                                "1 while backend auto runs another kind than the one it wants "
                                "(psp), with why in one line (e.g. the kernel refused the unsigned "
-                               "sch_psp module: Key was rejected by service); 0 otherwise.",
-                               labels=["wanted", "used", "reason"])
-        wanted = _auto_preferred() if v.backend_wanted in ("", "auto") else v.backend_wanted
-        fb.add_metric([wanted if v.backend_fallback else (v.backend or wanted), v.backend or "",
-                       v.backend_fallback], 1 if v.backend_fallback else 0)
+                               "sch_psp module: Key was rejected by service); 0 otherwise. One "
+                               "series per shaped interface.",
+                               labels=["wanted", "used", "reason", "interface"])
+        for i in _interfaces(v):
+            wanted = (_auto_preferred() if (i.wanted or v.backend_wanted) in ("", "auto")
+                      else i.wanted or v.backend_wanted)
+            fb.add_metric([wanted if i.fallback else (i.backend or wanted), i.backend or "",
+                           i.fallback, i.name], 1 if i.fallback else 0)
         yield fb
         ev = CounterMetricFamily("flowpacer_events", "Flow events by source and kind.",
                                  labels=["source", "kind"])
@@ -340,8 +343,11 @@ class FlowpacerCollector:
         yield nle
         rbf = CounterMetricFamily("flowpacer_backend_rebuild_failures",
                                   "Failed attempts to rebuild a lost root qdisc (e.g. the psp "
-                                  "module was unloaded).")
-        rbf.add_metric([], v.counters.backend_rebuild_failures)
+                                  "module was unloaded), per shaped interface.",
+                                  labels=["interface"])
+        for i in _interfaces(v):
+            rbf.add_metric([i.name], i.rebuild_failures if v.interfaces
+                           else v.counters.backend_rebuild_failures)
         yield rbf
         bst = GaugeMetricFamily("flowpacer_backend_state",
                                 "1 for each shaped interface's backend's current state, 0 for the "
@@ -352,6 +358,17 @@ class FlowpacerCollector:
             for st in BackendHealth:
                 bst.add_metric([i.name, st.value], 1 if st is i.health else 0)
         yield bst
+        rst = GaugeMetricFamily("flowpacer_receive_state",
+                                "1 for the current state of each shaped interface's receive side "
+                                "(its ifb, while a rule has a receive_rate), 0 for the others: "
+                                "the states of flowpacer_backend_state.",
+                                labels=["interface", "ifb", "state"])
+        for i in _interfaces(v):
+            if i.receive_interface or i.receive_problem:
+                for st in BackendHealth:
+                    rst.add_metric([i.name, i.receive_interface, st.value],
+                                   1 if st is i.receive_health else 0)
+        yield rst
         sst = GaugeMetricFamily("flowpacer_stage_state",
                                 "1 for each supervised stage's current state (running, restarting, "
                                 "stalled, degraded, failed, disabled, ...), 0 for the others.",
@@ -824,7 +841,10 @@ def _interfaces(v):
         return v.interfaces
     from flowpacer.model import InterfaceView
     return (InterfaceView(v.interface or "", v.backend or "", v.backend_health,
-                          v.backend_problem, v.link_rate_bps, 0, groups=len(v.groups)),)
+                          v.backend_problem, v.link_rate_bps, 0, groups=len(v.groups),
+                          receive_interface=v.receive_interface or "",
+                          receive_health=v.receive_health, receive_problem=v.receive_problem,
+                          fallback=v.backend_fallback, wanted=v.backend_wanted),)
 
 
 def version() -> str:

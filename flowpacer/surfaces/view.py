@@ -56,8 +56,20 @@ def build(rec, sup, stages: Iterable, *, rules_path: str, flow_source: FlowSourc
                                     groups=len(mine),
                                     rebuild_failures=port.rebuild_failures,
                                     class_id_limit=(pb.capabilities.class_ids
-                                                    if pb is not None else 0)))
+                                                    if pb is not None else 0),
+                                    receive_interface=port.rx.interface if port.rx else "",
+                                    receive_health=port.rx_health,
+                                    receive_problem=port.rx_problem,
+                                    fallback=port.fallback,
+                                    wanted=(port.kind_of(port._rules).value
+                                            if port._rules is not None else "")))
     c = rec.counters
+    if first_byte is not None and ifaces:
+        first_byte = dataclasses.replace(
+            first_byte, interface=ifaces[0].name, elsewhere=c.first_byte_elsewhere,
+            note=(f"pools on {ifaces[0].name} only: a flow that leaves by "
+                  f"{', '.join(i.name for i in ifaces[1:])} gets its class there after the "
+                  "handshake, as without first-byte shaping" if len(ifaces) > 1 else ""))
     return DaemonView(
         backend=b.name if b else None,
         backend_reason=sup.reason,
@@ -175,15 +187,16 @@ def to_json(v: DaemonView, stats: Dict[StatsKey, ClassStats]) -> dict:
         "counters": _counters_json(v.counters, v.events),
         "flows": flows,
         "groups": _groups_json(v, stats),
-        "receive": None if v.receive_interface is None and not v.receive_problem else {
-            "interface": v.receive_interface, "state": v.receive_health.value,
-            "problem": v.receive_problem},
+        "receive": _receive_json(v.receive_interface, v.receive_health, v.receive_problem),
         "first_byte": _first_byte_json(v.first_byte),
         # issue 29: every shaped interface, and the flows a rule shapes that leave by another
         "interfaces": [{"name": i.name, "backend": i.backend, "state": i.health.value,
                         "problem": i.problem, "link_rate_bit": i.link_rate_bps * 8,
                         "flows": i.flows, "spare_classes": i.spares, "groups": i.groups,
-                        "rebuild_failures": i.rebuild_failures} for i in v.interfaces],
+                        "rebuild_failures": i.rebuild_failures,
+                        "receive": _receive_json(i.receive_interface, i.receive_health,
+                                                 i.receive_problem)}
+                       for i in v.interfaces],
         "routed": v.routed,
         "unmanaged_interface": {
             "count": len(v.unmanaged),
@@ -194,12 +207,20 @@ def to_json(v: DaemonView, stats: Dict[StatsKey, ClassStats]) -> dict:
     }
 
 
+def _receive_json(ifb: Optional[str], health, problem: str) -> Optional[dict]:
+    """A receive side's status (issue 17), None when there is none and none is wanted."""
+    if not ifb and not problem:
+        return None
+    return {"interface": ifb or None, "state": health.value, "problem": problem}
+
+
 def _first_byte_json(fb: Optional[FirstByteView]) -> Optional[dict]:
     if fb is None:
         return None
     return {"pools": [{"rule": p.rule, "ready": p.ready, "claims": p.claims} for p in fb.pools],
             "counters": dict(fb.counters.items()), "ids_held": fb.ids_held,
-            "ids_awaiting": fb.ids_awaiting}
+            "ids_awaiting": fb.ids_awaiting, "interface": fb.interface,
+            "elsewhere": fb.elsewhere, "note": fb.note}
 
 
 def _pcts(samples_ns) -> Percentiles:
@@ -328,6 +349,7 @@ class StatusFirstByte:
     """First-byte shaping's pools and counters (issue 16) as status shows them."""
     ready: Tuple[Tuple[str, int], ...]   # (rule, ready classes)
     counters: Tuple[Tuple[str, int], ...]
+    note: str = ""                       # several interfaces: where the pools are (29)
 
     def count(self, name: str) -> int:
         return dict(self.counters).get(name, 0)
@@ -351,6 +373,8 @@ class StatusAnswer:
     receive: Optional[Tuple[str, str, str]] = None    # (ifb, state, problem), issue 17
     first_byte: Optional[StatusFirstByte] = None
     interfaces: Tuple[Tuple[str, str, str], ...] = ()   # (name, backend, state), issue 29
+    # (interface, ifb, state, problem) of each interface's receive side (issue 29)
+    receives: Tuple[Tuple[str, str, str, str], ...] = ()
     unmanaged: int = 0                   # flows a rule shapes leaving by an unmanaged interface
 
 
@@ -412,10 +436,14 @@ def parse_status(st: dict) -> StatusAnswer:
                                          _str(rx.get("problem"))),
             interfaces=tuple((_str(i["name"]), _str(i.get("backend")), _str(i.get("state")))
                              for i in st.get("interfaces") or ()),
+            receives=tuple((_str(i["name"]), _str(i["receive"].get("interface")),
+                            _str(i["receive"].get("state")), _str(i["receive"].get("problem")))
+                           for i in st.get("interfaces") or () if i.get("receive")),
             unmanaged=_int((st.get("unmanaged_interface") or {}).get("count", 0)),
             first_byte=None if not fb else StatusFirstByte(
                 tuple((_str(p["rule"]), _int(p["ready"])) for p in fb.get("pools") or ()),
-                tuple((_str(k), _int(n)) for k, n in (fb.get("counters") or {}).items())))
+                tuple((_str(k), _int(n)) for k, n in (fb.get("counters") or {}).items()),
+                _str(fb.get("note"))))
     except (KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"unreadable status answer ({type(e).__name__}: {e})") from None
 

@@ -65,12 +65,15 @@
 #define FT_OFF_SKC_NUM      offsetof(struct sock, __sk_common.skc_num)
 #define FT_OFF_SKC_V6_DADDR offsetof(struct sock, __sk_common.skc_v6_daddr)
 #define FT_OFF_SKC_V6_RCV_SADDR offsetof(struct sock, __sk_common.skc_v6_rcv_saddr)
+#define FT_OFF_SK_MARK      offsetof(struct sock, sk_mark)
+#define FT_OFF_SKC_BOUND_DEV_IF offsetof(struct sock, __sk_common.skc_bound_dev_if)
 #endif
 
 #if !defined(FT_OFF_SK_NET) || !defined(FT_OFF_NET_INUM) || \
     !defined(FT_OFF_TASK_FILES) || !defined(FT_OFF_FILES_FDT) || \
     !defined(FT_OFF_FDT_MAX_FDS) || !defined(FT_OFF_FDT_FD) || \
-    !defined(FT_OFF_FILE_PRIVATE) || !defined(FT_OFF_SOCKET_SK)
+    !defined(FT_OFF_FILE_PRIVATE) || !defined(FT_OFF_SOCKET_SK) || \
+    !defined(FT_OFF_SK_MARK) || !defined(FT_OFF_SKC_BOUND_DEV_IF)
 #error "flowtrace.c needs the FT_OFF_* struct offsets (tracer.py passes them)"
 #endif
 
@@ -192,6 +195,16 @@ static __always_inline void emit(struct ft_event *src, u8 kind, u8 flags, u64 ts
 		}								\
 	} while (0)
 
+/* what the socket's output route depends on besides its tuple and owner (issue 29:
+ * which interface it leaves by): its mark and the device it is bound to, as they are
+ * when it becomes established (a passive child has both from its listener by then) */
+static __always_inline void fill_route(struct ft_event *e, u64 sk)
+{
+	bpf_probe_read_kernel(&e->mark, sizeof(e->mark), (void *)(sk + FT_OFF_SK_MARK));
+	bpf_probe_read_kernel(&e->bound_if, sizeof(e->bound_if),
+			      (void *)(sk + FT_OFF_SKC_BOUND_DEV_IF));
+}
+
 static __always_inline int was_established(int state)
 {
 	return state == FT_TCP_ESTABLISHED || state == FT_TCP_FIN_WAIT1 ||
@@ -262,6 +275,7 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
 			return 0;
 		}
 		FILL_TUPLE(&s->ev, args);
+		fill_route(&s->ev, sk);
 		old = __sync_fetch_and_or(&s->bits, FT_B_EST);
 		if ((old & (FT_B_WATCHED | FT_B_EST | FT_B_CLOSED)) == FT_B_WATCHED)
 			emit(&s->ev, FT_OPEN, FT_F_ATTRIBUTED, ts);

@@ -71,7 +71,11 @@ struct ft_event {
 	__u8  raddr[16];
 	char  comm[FT_COMM_LEN];
 	__u64 cookie;     /* UDP: the socket's cookie (0 for TCP) */
-};                        /* 104 bytes */
+	__u32 mark;       /* TCP OPEN: the socket's mark (sk_mark: policy routing by
+	                   * fwmark), 0 otherwise */
+	__u32 bound_if;   /* TCP OPEN: the ifindex of the device the socket is bound
+	                   * to (SO_BINDTODEVICE, a VRF), 0 otherwise */
+};                        /* 112 bytes */
 
 /* What the program keeps per socket (key: the struct sock address). */
 struct ft_sock {
