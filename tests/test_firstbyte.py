@@ -223,14 +223,19 @@ def _bpf_gone(objs):
 
 
 def _compiler_resident_bytes(pid: int) -> int:
-    """Resident bytes of the LLVM and clang libraries' mappings in ``pid``."""
+    """Resident bytes of the LLVM and clang libraries' mappings that only ``pid`` holds.
+
+    Private pages only: a page another process maps too (a second bcc user, or the test
+    process itself when it imported bcc) stays resident whatever the daemon does (MADV_PAGEOUT
+    skips pages mapped more than once), and is not the daemon's cost."""
     total, name = 0, ""
     with open(f"/proc/{pid}/smaps") as f:
         for line in f:
             parts = line.split()
             if parts and not parts[0].endswith(":"):
                 name = parts[5] if len(parts) > 5 else ""
-            elif parts and parts[0] == "Rss:" and ("libLLVM" in name or "libclang" in name):
+            elif parts and parts[0] in ("Private_Clean:", "Private_Dirty:") \
+                    and ("libLLVM" in name or "libclang" in name):
                 total += int(parts[1]) * 1024
     return total
 

@@ -213,7 +213,7 @@ def test_rmmod_under_the_daemon_psp_counted_quiet_and_healed(tb):
         psplib.record(f"psp unload (VM): after tc qdisc del + rmmod, {st['counters']['backend_rebuild_failures']} "
                       f"failed rebuilds, one log line: {warned[0].split(': ', 1)[1]}")
         text = _scrape(tb)
-        assert _metric(text, "flowpacer_backend_rebuild_failures_total") >= 6
+        assert _metric(text, f'flowpacer_backend_rebuild_failures_total{{interface="{tb.server_if}"}}') >= 6
         assert _metric(text, f'flowpacer_backend_state{{interface="{tb.server_if}",state="lost"}}') == 1
         out = tb.run(tb.server_ns, [PY, "-m", "flowpacer", "status", "--socket", d.sock],
                      timeout=120).stdout
