@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from flowpacer.surfaces import webconfig
 from flowpacer.daemon.latency import LatencyHistogram
-from flowpacer.surfaces.metrics import (MAX_CONNECTIONS, AddressLabels, FlowpacerCollector,
+from flowpacer.surfaces.metrics import (MAX_CONNECTIONS, REUSE_S, AddressLabels, FlowpacerCollector,
                                         FlowSeries, MetricsServer, address_label, flow_labels)
 from flowpacer.model import (BackendHealth, ClassStats, DaemonCounters, DaemonView, Direction,
                              EventCounts, FlowKey, FlowSource, FlowSourceMode, FlowSourceStatus,
@@ -346,6 +346,22 @@ def test_slow_readers_hold_at_most_two_renderings(serve):
         s.close()
         return int(float(out.rsplit(b" ", 1)[1]))
     assert [value(s) for s in readers] == [1, 2, 2, 2]
+
+
+def test_the_rendering_is_let_go_between_scrapes(serve):
+    """A 10 000-flow exposition is ~9.5 MB: the server holds it only while a scrape may reuse it
+    (REUSE_S) or a reader is still being sent it, not until the next scrape."""
+    now = [1000.0]
+    c = Counting()
+    srv = serve(c, clock=lambda: now[0])
+    assert urllib.request.urlopen(f"http://{srv.address}/metrics", timeout=30).read().count(
+        b"\nfp_big{") == 50_000
+    assert srv.rendering_held                   # reusable for REUSE_S
+    now[0] += REUSE_S
+    wait_for(lambda: not srv.rendering_held, 5, 0.02, "the rendering to be let go")
+    assert urllib.request.urlopen(f"http://{srv.address}/metrics", timeout=30).read().endswith(
+        b" 2.0\n")                              # the next scrape renders anew
+    assert c.n == 2
 
 
 def _cert(tmp_path):

@@ -611,6 +611,7 @@ class MetricsServer:
                 if not listening and now >= resume_at:
                     sel.register(self.sock, selectors.EVENT_READ, None)
                     listening = True
+                self._drop_stale_body(conns, now)
                 ctx.beat()
         finally:
             for c in list(conns.values()):
@@ -765,6 +766,23 @@ class MetricsServer:
         self._body = (now, out)
         trim_heap()        # a 10 000-flow exposition is ~8 MB of short-lived strings
         return out
+
+    @property
+    def rendering_held(self) -> bool:
+        """Whether the last exposition is still held (for reuse or for a reader)."""
+        return self._body is not None
+
+    def _drop_stale_body(self, conns, now: float) -> None:
+        """Let go of the last rendering once no scrape can reuse it and no reader is sending
+        it: between scrapes the daemon holds no exposition (~9.5 MB at 10 000 flows)."""
+        if self._body is None or now - self._body[0] < REUSE_S:
+            return
+        body = self._body[1]
+        if any(c.body is body for c in conns.values()):
+            return
+        self._body = None
+        del body
+        trim_heap()
 
     def _write(self, sel, conns, c: _Conn) -> None:
         step = 16384 if isinstance(c.sock, ssl.SSLSocket) else 1 << 18
