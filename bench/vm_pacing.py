@@ -20,7 +20,7 @@ recorded before and after. Goal: psp's rate error <= 0.5 % and below htb's.
 
 Writes bench/results/vm_pacing.json. Run (as root, on the host):
 ``.venv/bin/python -m bench.vm_pacing [--reps 2] [--quick]``. Inside a VM (what the host runs):
-``python bench/vm_pacing.py --guest --json FILE``.
+``python -m bench.vm_pacing --guest --json FILE``.
 """
 from __future__ import annotations
 
@@ -236,7 +236,9 @@ def host_main(args) -> int:
     out = Path(tempfile.mkdtemp(prefix="fp-vmpacing-"))
     ko = vmkmod.build_psp(out / "kmod")
     guest_json = out / "guest.json"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--guest", "--json", str(guest_json),
+    # as a module from the repository (cwd): the guest side imports harness/, which a script
+    # run by its path (sys.path[0] = bench/) does not see
+    cmd = [sys.executable, "-m", "bench.vm_pacing", "--guest", "--json", str(guest_json),
            "--reps", str(args.reps)] + (["--quick"] if args.quick else [])
     load0 = os.getloadavg()
     t0 = time.time()
