@@ -128,3 +128,21 @@ def cpu_per_gbit(busy_s: float, delivered_bytes: int) -> Optional[float]:
     """CPU seconds per delivered gigabit (None when nothing was delivered)."""
     gbit = delivered_bytes * 8 / 1e9
     return round(busy_s / gbit, 3) if gbit > 0 else None
+
+
+def quantiles(values: Sequence[float], n: int = 100) -> List[float]:
+    """``n`` + 1 evenly spaced quantiles (0 to 1, nearest rank) of ``values``: a CDF small
+    enough to keep in a result ([] when there is nothing)."""
+    v = sorted(values)
+    if not v:
+        return []
+    return [v[min(len(v) - 1, max(0, math.ceil(i / n * len(v)) - 1))] for i in range(n + 1)]
+
+
+def added_delays_ms(arrivals, t0_ns: int, t1_ns: int) -> List[float]:
+    """One-way delays (ms) above the flow's minimum over all ``arrivals`` (objects with
+    ``sent_ns`` and ``recv_ns``) of the datagrams sent in [t0_ns, t1_ns)."""
+    if not arrivals:
+        return []
+    base = min(a.recv_ns - a.sent_ns for a in arrivals)
+    return [(a.recv_ns - a.sent_ns - base) / 1e6 for a in arrivals if t0_ns <= a.sent_ns < t1_ns]
