@@ -355,6 +355,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", type=float, default=3.0, help="seconds left out at the start")
     ap.add_argument("--setups", default=",".join(SETUPS))
     ap.add_argument("--tag", default="", help="write access_TAG.json (another kernel's run)")
+    ap.add_argument("--kernel", default="", help="the VM's kernel (FLOWPACER_VM_KERNEL: 6.1, 6.12)")
     ap.add_argument("--guest", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -368,6 +369,8 @@ def main(argv=None) -> int:
         return 2
     from .common import write
     from .vm_sharing import vm_bench
+    if args.kernel:
+        os.environ["FLOWPACER_VM_KERNEL"] = args.kernel
     fig = {"setup": {"clients": args.clients, "seconds_per_setup": args.seconds,
                      "skip_s": args.skip, "rates_mbit": list(RATES_MBIT), "rtts_ms": list(RTTS_MS),
                      "shallow_bytes": SHALLOW_BYTES, "deep_ms": DEEP_MS, "shares": list(SHARES),
