@@ -189,28 +189,6 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-NGINX_CONF = """\
-daemon off;
-master_process on;
-worker_processes 1;
-user root;
-pid {dir}/nginx.pid;
-error_log {dir}/error.log warn;
-events {{ worker_connections 1024; }}
-http {{
-    access_log off;
-    client_body_temp_path {dir}/tmp/body;
-    proxy_temp_path {dir}/tmp/proxy;
-    fastcgi_temp_path {dir}/tmp/fastcgi;
-    uwsgi_temp_path {dir}/tmp/uwsgi;
-    scgi_temp_path {dir}/tmp/scgi;
-    sendfile on;
-    keepalive_timeout 30s;
-    default_type application/octet-stream;
-{servers}
-}}
-"""
-
 NGINX_SERVER = """\
     server {{
         listen [::]:{port} ipv6only=off;
@@ -225,4 +203,5 @@ def nginx_conf(workdir: str, port_rates: Dict[int, int]) -> str:
     ``limit_rate`` at that port's rate (bytes/s, nginx's unit; 0: no limit)."""
     servers = "".join(NGINX_SERVER.format(port=p, dir=workdir, rate=int(r))
                       for p, r in sorted(port_rates.items()))
-    return NGINX_CONF.format(dir=workdir, servers=servers)
+    from harness.servers import NGINX_HEAD
+    return NGINX_HEAD.format(dir=workdir, workers=1) + servers + "}\n"
