@@ -547,6 +547,10 @@ def _by_queue_and_share(kernels) -> str:
                      *[f"drops, rule {sh:g} x access" for sh in shares]], rows))
 
 
+def _style(setup: str) -> str:
+    return "--" if setup.endswith("_hold") else "-"
+
+
 def _plots(kernels) -> str:
     from .reportkit import pyplot, savefig
     plt = pyplot()
@@ -570,7 +574,7 @@ def _plots(kernels) -> str:
             for r in runs:
                 x = next(c for c in r["clients"] if c["client"] == ci)
                 ys = [v / 1e6 for v in x["per_second_bit_s"]]
-                ax.plot(range(1, len(ys) + 1), ys, marker="o", ms=2.5, lw=1,
+                ax.plot(range(1, len(ys) + 1), ys, marker="o", ms=2.5, lw=1, ls=_style(r["setup"]),
                         label=LABELS.get(r["setup"], r["setup"]))
             x0 = next(c for c in cs if c["client"] == ci)
             ax.axhline(x0["rule_bit_s"] / 1e6, color="k", ls=":", lw=0.8)
@@ -591,13 +595,14 @@ def _plots(kernels) -> str:
                 if not q:
                     continue
                 ys = [i / (len(q) - 1) for i in range(len(q))]
-                ax.plot([max(v, 1e-3) for v in q], ys, lw=1.2, label=LABELS.get(r["setup"], r["setup"]))
+                ax.plot([max(v, 1e-3) for v in q], ys, lw=1.2, ls=_style(r["setup"]),
+                        label=LABELS.get(r["setup"], r["setup"]))
             ax.set_xscale("log")
             ax.set_xlabel("household added one-way delay (ms)")
             ax.set_title(f"{kind} access queues, kernel {k}", fontsize=9)
             ax.grid(alpha=0.3)
         axes[0].set_ylabel("fraction of datagrams")
-        axes[1].legend(fontsize=7)
+        axes[0].legend(fontsize=7)
         out.append(savefig(fig, "access_udp_cdf.png"))
     # drops per setup, each kernel
     fig, ax = plt.subplots(figsize=(9, 3.4))
