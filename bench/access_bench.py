@@ -535,16 +535,19 @@ def _by_queue_and_share(kernels) -> str:
                              f"{num(max(p99) if p99 else None, 'ms', 1)}")
             for sh in sorted({x["share"] for x in cs}):
                 sub = [x for x in cs if x["share"] == sh]
-                cells.append(str(sum(x["access_drops"] for x in sub)))
+                p99 = [x["udp"]["p99_ms"] for x in sub if x.get("udp") and x["udp"].get("p99_ms") is not None]
+                cells.append(f"{sum(x['access_drops'] for x in sub)} / "
+                             f"{num(max(p99) if p99 else None, 'ms', 1)}")
             rows.append(cells)
     if not rows:
         return ""
     shares = sorted({x["share"] for _, _, fk in kernels for r in fk.get("runs", [])
                      for x in r.get("clients") or []})
-    return ("By access queue (drops in the window / household p99 of the worst link) and by the "
-            "rule's share of the access rate (drops in the window; only the paced setups use it):\n\n"
+    return ("By access queue and by the rule's share of the access rate (only the setups with a "
+            "rate use it: fq + SO_MAX_PACING_RATE, nginx limit_rate, flowpacer); each cell: drops in "
+            "the window / household p99 of the worst link:\n\n"
             + table(["kernel", "setup", "shallow links", "deep links",
-                     *[f"drops, rule {sh:g} x access" for sh in shares]], rows))
+                     *[f"rule {sh:g} x access" for sh in shares]], rows))
 
 
 def _style(setup: str) -> str:
