@@ -473,7 +473,9 @@ def report_section(R: ResultIndex) -> str:
         f"first-byte shaping gives); without it the first ≤0.2 s of each flow go unshaped "
         f"(sock_diag's rescan). CPU: the one-vCPU guest's busy time (server, daemon, router, "
         f"receivers, household) per delivered gigabit; the server is the same Python program in "
-        f"every setup but nginx's.\n")
+        f"every setup but nginx's. TTFB in a boot's first setup can carry a one-off extra (6.12: "
+        f"~180 ms on every client; a check ran the same setup twice and saw it only the first "
+        f"time): compare TTFB across the later setups.\n")
     for k, name, fk in kernels:
         if fk.get("unavailable") or fk.get("failed"):
             out.append(f"**{k}: could not run here:** {(fk.get('unavailable') or fk.get('failed'))[-500:]}\n")
