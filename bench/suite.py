@@ -63,9 +63,13 @@ BENCHES = [
     Bench("vm_share_pktgen_jumbo", "bench.vm_share_pktgen", "vm_share_pktgen_jumbo", ["--frame-bytes", "9014"],
           ["--frame-bytes", "9014"], 600, vm=True,
           what="the same with 9014-byte frames (veth MTU 9000): more bytes per packet pktgen can offer"),
-    Bench("access", "bench.access_bench", "access", [], ["--quick"], 900, vm=True,
-          what="issue 30: 20 clients behind their own access links (shallow/deep queues, household UDP "
-               "flows): unshaped, fq CUBIC/BBR/max pacing rate, flowpacer htb and psp"),
+    Bench("access", "bench.access_bench", "access", [], ["--quick"], 1800, vm=True,
+          what="issue 30: 20 clients behind their own access links (shallow/deep queues, downloads and "
+               "streams, household UDP flows): unshaped, fq CUBIC/BBR/max pacing rate, nginx limit_rate, "
+               "flowpacer htb and psp (6.1)"),
+    Bench("access_612", "bench.access_bench", "access_612", ["--kernel", "6.12", "--tag", "612"],
+          ["--quick", "--kernel", "6.12", "--tag", "612"], 1800, vm=True,
+          what="the same on Debian 13's 6.12 kernel"),
 ]
 BY_NAME = {b.name: b for b in BENCHES}
 ALIASES = {b.module.split(".", 1)[1]: b.name for b in BENCHES}   # classify_bench -> classify

@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
+from harness.accessfig import jain  # noqa: F401 (the figures' home; re-exported)
 from harness.testbed import in_netns, modprobe, sh, stop_process_groups, wait_for
 
 log = logging.getLogger(__name__)
@@ -407,14 +408,6 @@ def pct(sorted_vals: Sequence[float], q: float) -> float:
         return float("nan")
     k = min(len(sorted_vals) - 1, max(0, math.ceil(q * len(sorted_vals)) - 1))
     return sorted_vals[k]
-
-
-def jain(values: Sequence[float]) -> Optional[float]:
-    """Jain's fairness index of ``values`` (1: all equal; 1/n: one takes everything)."""
-    v = [x for x in values if x is not None]
-    if not v or not any(v):
-        return None
-    return sum(v) ** 2 / (len(v) * sum(x * x for x in v))
 
 
 # ---------------------------------------------------------------------- downloads

@@ -24,10 +24,11 @@ def make_files(root: Path, files: Dict[str, int]) -> None:
             f.truncate(size)
 
 
-NGINX_CONF = """\
+# the configuration's head, up to the http block's servers (harness/accesssrv.py adds its own)
+NGINX_HEAD = """\
 daemon off;
 master_process on;
-worker_processes 2;
+worker_processes {workers};
 user root;
 pid {dir}/nginx.pid;
 error_log {dir}/error.log warn;
@@ -43,6 +44,8 @@ http {{
     keepalive_timeout 30s;
     keepalive_requests 10000;
     default_type application/octet-stream;
+"""
+NGINX_CONF = NGINX_HEAD + """\
     server {{
         listen {v4}:{port};
         listen [{v6}]:{port};
@@ -77,7 +80,7 @@ class Nginx:
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
         make_files(self.dir / "www", self.files)
         conf = self.dir / "nginx.conf"
-        conf.write_text(NGINX_CONF.format(dir=self.dir, v4=self.tb.server_v4, v6=self.tb.server_v6,
+        conf.write_text(NGINX_CONF.format(dir=self.dir, workers=2, v4=self.tb.server_v4, v6=self.tb.server_v6,
                                           port=self.port, dual_port=self.dual_port,
                                           h2_port=self.h2_port))
         t = self.tb.run(self.tb.server_ns, ["nginx", "-t", "-q", "-c", str(conf)], check=False)
