@@ -57,11 +57,13 @@ def test_psp_gaps_through_a_bond(mode, psp_module):
     for where, st in (("members' wire", wire), ("receiver", recv)):
         psplib.record(f"psp {RATE_MBIT} Mbit/s on bond0 {mode:13} {where:13}: "
                       f"{pacing.PacingStats.HEADER}\n    {st.row()}")
-    psplib.record(f"psp on bond0 {mode}: {100 * share0:.0f} % of the packets left by m0; iperf3 "
+    psplib.record(f"psp on bond0 {mode}: {100 * share0:.1f} % of the packets left by m0; iperf3 "
                   f"received {pacing.to_mbit(got):.3f} Mbit/s")
     assert abs(wire.rate_error) < 0.05 and abs(recv.rate_error) < 0.05, (wire, recv)
     if mode != "balance-rr":
-        assert share0 in (0.0, 1.0), share0           # one member carries the flow
+        # one member carries the data (iperf3's control connection, on the same port, may
+        # hash to the other: a few packets)
+        assert min(share0, 1 - share0) < 0.01, share0
         assert wire.within10 >= 0.90 and recv.within10 >= 0.90, (wire.row(), recv.row())
     else:
         assert 0.3 < share0 < 0.7, share0             # both members, alternately
