@@ -630,6 +630,9 @@ class InterfaceView:
     problem: str
     link_rate_bps: int
     flows: int                           # flow classes on it (send side)
+    # where the link rate comes from: "rules", "speed", or a bond with its sending members
+    # ("bond0 balance-xor: v0+v1", "via bond0 active-backup: v1"; kernel/bond.py)
+    link_rate_source: str = ""
     spares: int = 0                      # spare classes kept for new flows (htb, issue 26)
     groups: int = 0                      # group classes on it (send side: class ids in use)
     rebuild_failures: int = 0            # failed rebuilds of its lost root qdisc, ever

@@ -8,9 +8,11 @@ pool ops included. ``FakeFirstByte`` is the first-byte source over in-memory map
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from typing import Callable, Dict, List, Optional, Sequence
 
+from flowpacer.kernel import bond
 from flowpacer.kernel.backend.contract import Capabilities
 from flowpacer.kernel.backend.filters import LayoutFull
 from flowpacer.kernel.backend.handles import FLOW_CLASS_IDS
@@ -43,7 +45,11 @@ class FakeBackend:
     def __init__(self, name: str = "htb", interface: str = "fake0",
                  link_rate_bps: int = 125_000_000,
                  installed: Optional[Dict[FlowKey, Shape]] = None, side: Side = Side.SEND,
-                 spare_max: int = 0, spares: Sequence[int] = (), groups: bool = False):
+                 spare_max: int = 0, spares: Sequence[int] = (), groups: bool = False,
+                 follow_speed: bool = False):
+        """``follow_speed``: no link rate in the rules: the link rate is the device's as
+        ``kernel/bond.py`` reads it (tests point ``bond.SYSFS`` at a fake tree), and a changed
+        figure is the SPEED health state (the classes stay, as the real backend's do)."""
         self.kind = BackendKind(name)
         self.name = name
         self.capabilities = Capabilities(has_classes=True, groups=groups, kernel_shares=False,
@@ -51,6 +57,8 @@ class FakeBackend:
                                          class_ids=FLOW_CLASS_IDS)   # as the tc backends
         self.interface = interface
         self.link_rate_bps = link_rate_bps
+        self.link_rate_source = "rules"
+        self.follow_speed = follow_speed
         self.health = BackendHealth.OK
         self.setup_error: Optional[Exception] = None    # setup() raises this (a lost module)
         self.raise_on_apply: List[Exception] = []       # apply() raises these, one per call
@@ -71,11 +79,22 @@ class FakeBackend:
     def setup(self) -> None:
         if self.setup_error is not None:
             raise self.setup_error
+        if self.follow_speed:
+            got = bond.link_rate(self.interface)
+            if not got.rate_bps:
+                raise BackendError(f"interface {self.interface} reports no speed (fake)")
+            self.link_rate_bps, self.link_rate_source = got.rate_bps, got.source
         for k, s in self.kernel_before.items():          # adopt what is there
             self._install(k, s, spare=False)
         self.kernel_before = {}
 
     def check(self) -> BackendHealth:
+        if self.follow_speed and self.health is BackendHealth.OK:
+            got = bond.link_rate(self.interface)
+            if got.rate_bps and got.rate_bps != self.link_rate_bps:
+                # set up again, the real backend adopts its classes with the new link rate
+                self.kernel_before = {k: s for k, (_c, s) in self.flows.items()}
+                return BackendHealth.SPEED
         return self.health
 
     def audit(self) -> List[FlowKey]:
@@ -212,10 +231,12 @@ class FakeFactory:
     """Hands out FakeBackends; ``psp`` says whether the psp "module" is there."""
 
     def __init__(self, psp: bool = False, installed: Optional[Dict[FlowKey, Shape]] = None,
-                 spare_max: int = 0, groups: bool = False):
+                 spare_max: int = 0, groups: bool = False, follow_speed: bool = False):
         """``spare_max``: the send backends keep closed flows' classes as spares (issue 26);
-        ``groups``: they have group classes (``FakeBackend``'s ``groups``)."""
+        ``groups``: they have group classes (``FakeBackend``'s ``groups``); ``follow_speed``:
+        an interface without a link rate in the rules takes the device's (``FakeBackend``)."""
         self.psp = psp
+        self.follow_speed = follow_speed
         self.spare_max = spare_max
         self.groups = groups
         self.made: List[FakeBackend] = []
@@ -228,7 +249,8 @@ class FakeFactory:
     def _new(self, name, interface, link_rate_bps):
         b = FakeBackend(name, interface, link_rate_bps or 125_000_000,
                         installed=self._installed if not self.made else None,
-                        spare_max=self.spare_max, groups=self.groups)
+                        spare_max=self.spare_max, groups=self.groups,
+                        follow_speed=self.follow_speed and not link_rate_bps)
         self.made.append(b)
         b.setup()
         return b
@@ -469,11 +491,45 @@ class FakeFirstByte(FirstByte):
             self.records.append(raw)
 
 
+class FakeLinkWatch:
+    """``kernel/linkwatch.LinkWatch`` in memory: ``push(*names)`` queues link events of those
+    devices and makes its descriptor readable, as the kernel's would be."""
+
+    def __init__(self):
+        self._r, self._w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._queued: set = set()
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def push(self, *names: str) -> None:
+        with self._lock:
+            self._queued.update(names)
+        os.write(self._w, b"x")
+
+    def fileno(self) -> int:
+        return self._r
+
+    def drain(self) -> set:
+        try:
+            os.read(self._r, 4096)
+        except BlockingIOError:
+            pass
+        with self._lock:
+            out, self._queued = self._queued, set()
+        return out
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            os.close(self._r)
+            os.close(self._w)
+
+
 @contextlib.contextmanager
 def inprocess_daemon(tmp_path, ruleset, *, factory=None, sockdiag=None, tracer=None,
                      notify=None, tracer_enabled: bool = True, rescan_s: float = 0.05,
                      backoff_s=(0.01, 0.05), firstbyte=None, router=None,
-                     interface=None):
+                     interface=None, link_watch=None):
     """A real ``Daemon`` wired to fakes, its main loop in a thread; stopped and shut down on
     exit. Yields the daemon (``d.supervisor.backend`` is the FakeBackend)."""
     from flowpacer.daemon.app import Daemon, Options
@@ -485,7 +541,7 @@ def inprocess_daemon(tmp_path, ruleset, *, factory=None, sockdiag=None, tracer=N
                load=lambda path: ruleset() if callable(ruleset) else ruleset,
                notify=notify or (lambda s: None), stage_backoff_s=backoff_s,
                firstbyte_factory=(lambda: firstbyte) if firstbyte is not None else None,
-               router=router)
+               router=router, link_watch=(lambda: link_watch) if link_watch is not None else None)
     d.start()
     t = threading.Thread(target=d.run, name="test-main", daemon=True)
     t.start()

@@ -440,10 +440,11 @@ class Daemon:
 
 
 def server_argv(ports: Sequence[int], name: str = "fp-demo-srv", v6: bool = False,
-                mark: int = 0) -> List[str]:
+                mark: int = 0, priority: int = 0) -> List[str]:
     return [PY, "-m", "harness.blaster", "serve", "--name", name,
             "--ports", ",".join(map(str, ports))] + (["--v6"] if v6 else []) + (
-                ["--mark", hex(mark)] if mark else [])
+                ["--mark", hex(mark)] if mark else []) + (
+                ["--priority", hex(priority)] if priority else [])
 
 
 def client_argv(host: str, port: int, seconds: float, warmup: float = 1.0,

@@ -22,7 +22,7 @@ def test_the_protocols_name_what_the_daemon_calls():
     assert {"apply", "installed", "shape_of", "setup", "teardown", "check", "audit", "forget",
             "resync", "close", "flows_snapshot", "group_views", "class_stats", "stats",
             "open_stats_channel", "capabilities", "kind", "name", "interface",
-            "link_rate_bps", "spare_count", "spare_handles"} == names
+            "link_rate_bps", "link_rate_source", "spare_count", "spare_handles"} == names
     assert {"makes_default_class", "supports_groups", "kernel_shares", "has_link_class",
             "qdisc_kind", "kind"} <= set(members(Codec))
     assert "pool" in members(Pools) and "apply" in members(Pools)

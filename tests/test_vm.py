@@ -109,7 +109,8 @@ GUEST_IDS, COLLECT_ERROR = _collect_guest_ids()
 # min of the real-time run's), and their outcome no longer depends on the host's load.
 VIRTUAL_FILES = ("test_psp_pacing.py", "test_stock_pacing.py", "test_udp_pacing.py",
                  "test_psp_aggregates.py", "test_access_pacing.py", "test_psp_udp_daemon.py",
-                 "test_udp_tracer.py", "test_firstbyte_hooks.py")
+                 "test_udp_tracer.py", "test_firstbyte_hooks.py", "test_bond_pacing.py",
+                 "test_bond_vlan.py")
 
 
 # Guest test files also run on each extra kernel (FLOWPACER_VM_EXTRA_KERNELS): the module, its

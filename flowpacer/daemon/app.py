@@ -79,6 +79,11 @@ def _read_stats(stage_obj, method: str, typed: Callable = lambda x: x):
         return None
 
 
+def real_link_watch():
+    from flowpacer.kernel.linkwatch import LinkWatch
+    return LinkWatch()
+
+
 class Daemon:
     def __init__(self, opts: Options, *, backend_factory=None, sockdiag=None,
                  tracer_factory: Optional[Callable[[], object]] = None,
@@ -87,12 +92,16 @@ class Daemon:
                  clock: Callable[[], float] = time.monotonic,
                  stage_backoff_s=(0.2, 10.0),
                  firstbyte_factory: Optional[Callable[[], object]] = None,
-                 router=None):
+                 router=None, link_watch: Optional[Callable[[], object]] = None):
         self.opts = opts
         self._load = load or (lambda path: rules_loader.load_checked(path, opts.strict_units))
         self.notify = notify
         self.clock = clock
         self._backoff = stage_backoff_s
+        # RTNL link events (issue 29: a bond's members): the kernel's with the real backends,
+        # none with injected fakes unless a test gives its own
+        self._make_link_watch = link_watch if link_watch is not None else (
+            real_link_watch if backend_factory is None else None)
         # issue 29: a backend per interface the rules name (one without ``interfaces:``);
         # ``router``: route lookups and the device list (None: the kernel's, when needed)
         self.supervisor = InterfaceSet(backend_factory or TcBackendFactory(opts.take_over),
@@ -137,7 +146,8 @@ class Daemon:
         self.reconciler.adopt()
         self.loop = MainLoop(self.reconciler, self.sockdiag, rescan_s=self.opts.rescan_s,
                              reload=self.reload, stages=lambda: self.stages, stop=self._stop,
-                             notify=self.notify, clock=self.clock)
+                             notify=self.notify, clock=self.clock, links=self._link_watch(),
+                             watched=self.supervisor.watched_links)
         # adopt/clean up at once: classes of flows that ended while no daemon ran go now, live
         # flows keep (or get) their class before the tracer's slow compile
         self.loop.rescan()
@@ -172,6 +182,17 @@ class Daemon:
         log.info("ready: %d flows shaped, flow source: %s",
                  sum(len(b.installed()) for b in self._send_backends()),
                  self.tracer_stage.flow_source.text)
+
+    def _link_watch(self):
+        """The main loop's link events, or None (then link rates follow at every pass)."""
+        if self._make_link_watch is None:
+            return None
+        try:
+            return self._make_link_watch()
+        except OSError as e:
+            log.warning("cannot listen to link events (%s): link rates are checked at every "
+                        "reconcile pass only", e)
+            return None
 
     def _send_backends(self) -> list:
         return [p.backend for p in self.supervisor.ports() if p.backend is not None]

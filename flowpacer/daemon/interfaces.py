@@ -280,6 +280,19 @@ class InterfaceSet:
             self.unmanaged.pop(k, None)
 
     # ------------------------------------------------------------- health
+    def watched_links(self) -> set:
+        """The devices whose RTNL link events matter (the main loop's ``watched``): every
+        shaped interface and the devices below it (a VLAN's bond, the bond's members), whose
+        state the link rate follows (kernel/bond.py)."""
+        from flowpacer.kernel.bond import below
+        names = set()
+        for p in list(self._ports.values()):     # (a reload may replace the dict meanwhile)
+            b = p.backend
+            if b is not None:
+                names.add(b.interface)
+                names.update(below(b.interface))
+        return names
+
     def check(self) -> Recheck:
         """Every port's health; with globs, devices that appeared since get a port."""
         out = Recheck()

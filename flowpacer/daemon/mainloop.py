@@ -3,7 +3,9 @@ SIGHUP reloads, SIGTERM/SIGINT stop; every ``rescan_s`` one reconcile pass (the 
 snapshot taken outside the reconciler's lock, then ``Reconciler.reconcile``), the freed heap
 handed back every ``TRIM_S``; systemd's watchdog (``WATCHDOG_USEC``) fed only while every stage
 is alive (``stages.watchdog_ok``), and said once when it is withheld and once when it is fed
-again.
+again. An RTNL link event of a shaped interface or a device below it (``links``: a bond member
+down or up changes the bond's link rate, which the pass's health check follows; issue 29)
+starts a pass at once and one more ``LINK_FOLLOWUP_S`` later.
 """
 from __future__ import annotations
 
@@ -25,6 +27,9 @@ log = logging.getLogger(__name__)
 
 TRIM_S = 10.0          # how often freed heap is handed back (a few ms each time)
 MAIN_TICK_S = 0.5      # the main loop wakes at least this often (beats, watchdog)
+LINK_MIN_GAP_S = 0.2   # link events start a pass at most this often
+LINK_FOLLOWUP_S = 1.0  # and one more pass this much later (a bond's view of a member may lag
+#                        the member's own event by its miimon interval)
 
 
 def sd_notify(state: str) -> None:
@@ -61,7 +66,11 @@ class MainLoop:
 
     def __init__(self, reconciler, sockdiag, *, rescan_s: float, reload: Callable[[], object],
                  stages: Callable[[], Iterable], stop: threading.Event,
-                 notify: Callable[[str], None], clock: Callable[[], float] = time.monotonic):
+                 notify: Callable[[str], None], clock: Callable[[], float] = time.monotonic,
+                 links=None, watched: Callable[[], Iterable[str]] = tuple):
+        """``links``: a ``kernel/linkwatch.LinkWatch`` (or None: no link events, the health
+        check runs at every pass only); ``watched``: the device names whose events start a
+        pass (the shaped interfaces and the devices below them)."""
         self.reconciler = reconciler
         self.sockdiag = sockdiag
         self.rescan_s = rescan_s
@@ -77,6 +86,11 @@ class MainLoop:
         self._next_watchdog = 0.0
         self._watchdog_s = watchdog_interval_s()
         self._watchdog_withheld = False
+        self.links = links
+        self._watched = watched
+        self._last_scan = float("-inf")
+        self._link_followup: Optional[float] = None
+        self.link_passes = 0           # passes started by a link event (and their follow-ups)
 
     # ------------------------------------------------------------ signals
     def catch_signals(self) -> None:
@@ -105,15 +119,24 @@ class MainLoop:
     # --------------------------------------------------------------- loop
     def run(self, ctx: StageContext) -> None:
         sel = selectors.DefaultSelector()
-        sel.register(self._wake_r, selectors.EVENT_READ)
+        sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        if self.links is not None:
+            sel.register(self.links, selectors.EVENT_READ, "links")
         try:
             while not ctx.stopping():
                 now = self.clock()
                 timeout = min(MAIN_TICK_S, max(0.0, self._next_scan - now))
-                if sel.select(timeout):
-                    with contextlib.suppress(BlockingIOError):
-                        os.read(self._wake_r, 4096)
+                if self._link_followup is not None:
+                    timeout = min(timeout, max(0.0, self._link_followup - now))
+                for key, _ev in sel.select(timeout):
+                    if key.data == "links":
+                        if not self.on_links():
+                            sel.unregister(key.fileobj)
+                    else:
+                        with contextlib.suppress(BlockingIOError):
+                            os.read(self._wake_r, 4096)
                 ctx.beat()
+                self.link_followup_due()
                 self._drain_signals()
                 if self.clock() >= self._next_scan:
                     self.rescan()
@@ -121,9 +144,39 @@ class MainLoop:
         finally:
             sel.close()
 
+    def on_links(self) -> bool:
+        """Link events are queued: a pass soon (at most every LINK_MIN_GAP_S after the last)
+        and one more LINK_FOLLOWUP_S later, when one concerns a watched device (or events were
+        lost). False when the events cannot be read any more (the pass still checks)."""
+        from flowpacer.kernel.linkwatch import OVERFLOW
+        try:
+            names = self.links.drain()
+        except OSError as e:
+            log.warning("link events: %s; link rates are checked at every pass only", e)
+            return False
+        if not names:
+            return True
+        hit = {OVERFLOW} if OVERFLOW in names else names & set(self._watched())
+        if not hit:
+            return True
+        now = self.clock()
+        log.debug("link events of %s: checking the link rates", ", ".join(sorted(hit)))
+        self._next_scan = min(self._next_scan, max(now, self._last_scan + LINK_MIN_GAP_S))
+        self._link_followup = now + LINK_FOLLOWUP_S
+        self.link_passes += 1
+        return True
+
+    def link_followup_due(self) -> None:
+        """The pass LINK_FOLLOWUP_S after a link event, when that time has come."""
+        if self._link_followup is not None and self.clock() >= self._link_followup:
+            self._link_followup = None
+            self._next_scan = min(self._next_scan, self.clock())
+            self.link_passes += 1
+
     def rescan(self) -> None:
         """One reconcile pass now: the snapshot outside the lock, then the reconciler's."""
         started = time.monotonic_ns()
+        self._last_scan = self.clock()
         try:
             snap = self.sockdiag.snapshot()          # outside the lock: events keep flowing
         except Exception as e:  # never let a scan failure stop the daemon
@@ -163,3 +216,5 @@ class MainLoop:
         signal.set_wakeup_fd(-1)
         os.close(self._wake_r)
         os.close(self._wake_w)
+        if self.links is not None:
+            self.links.close()

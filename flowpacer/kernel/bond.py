@@ -1,5 +1,4 @@
-"""A bond's link rate from its members (issue 29 item 3): pure logic and a sysfs reader, not yet
-used by the backends.
+"""A bond's link rate from its members (issue 29 item 3): pure logic and a sysfs reader.
 
 What a bond can send is what its members that may transmit can send:
 
@@ -12,14 +11,18 @@ What a bond can send is what its members that may transmit can send:
 
 This is the rule the kernel's bonding driver applies for the speed it reports
 (``bond_ethtool_get_link_ksettings``: each member that ``bond_slave_can_tx``, summed, or the
-minimum for broadcast), which ``TcBackend`` already reads (``/sys/class/net/BOND/speed``) and
-follows (a changed speed is a SPEED health state: the root qdisc is adopted again with the new
-link rate). Written out here so that status can say where a bond's rate comes from and a test
-can check the kernel's figure against its members, on kernels and member drivers whose reports
-differ (a member whose speed is unknown counts for nothing, as in the kernel).
+minimum for broadcast). Written out here so that the daemon takes a bond's link rate from its
+members and says so (``link_rate``: the figure and where it came from, status'
+``link_rate_source``), and so that a test can check the kernel's figure against its members, on
+kernels and member drivers whose reports differ (a member whose speed is unknown counts for
+nothing, as in the kernel).
 
-Not wired in: the VM test plan in the issue 29 notes (bonds over veth members, both kernels)
-decides whether the kernel's figure is enough.
+Wired in by ``TcBackend`` (tc.py: ``setup`` and ``check``) for an interface without a ``link_rate`` in
+the rules: a bond's figure, a device stacked on one bond (a VLAN on it) the bond's figure, any
+other device its own speed. The backend's health check reads it at every pass and at once after
+an RTNL link event of the interface or a device below it (``linkwatch.py``, the main loop): a
+changed figure is the SPEED health state, and the supervisor sets the backend up again with the
+new link rate (root qdisc, link and default classes changed in place, flows re-planned).
 """
 from __future__ import annotations
 
@@ -96,8 +99,9 @@ def _speed_bps(text: Optional[str]) -> Optional[int]:
     return mbit * 1_000_000 // 8 if mbit > 0 else None
 
 
-def read_bond(name: str, sysfs: str = SYSFS) -> Optional[BondState]:
+def read_bond(name: str, sysfs: Optional[str] = None) -> Optional[BondState]:
     """``name``'s mode and members from sysfs; None when it is not a bond (or is gone)."""
+    sysfs = sysfs or SYSFS
     base = os.path.join(sysfs, name)
     mode_text = _read(os.path.join(base, "bonding", "mode"))
     if not mode_text:
@@ -114,3 +118,63 @@ def read_bond(name: str, sysfs: str = SYSFS) -> Optional[BondState]:
             up=_read(os.path.join(sl, "mii_status")) == "up",
             active=_read(os.path.join(sl, "state")) == "active"))
     return BondState(name, mode, tuple(members))
+
+
+def lower_devices(name: str, sysfs: Optional[str] = None) -> Tuple[str, ...]:
+    """The devices directly below ``name`` (sysfs ``lower_*`` links: a VLAN's real device, a
+    bond's members), sorted."""
+    sysfs = sysfs or SYSFS
+    try:
+        entries = os.listdir(os.path.join(sysfs, name))
+    except OSError:
+        return ()
+    return tuple(sorted(e[len("lower_"):] for e in entries if e.startswith("lower_")))
+
+
+def below(name: str, sysfs: Optional[str] = None, depth: int = 4) -> Tuple[str, ...]:
+    """Every device below ``name``, nearest first (a VLAN on a bond: the bond, its members),
+    at most ``depth`` levels down."""
+    out, level = [], [name]
+    for _ in range(depth):
+        nxt = [low for d in level for low in lower_devices(d, sysfs) if low not in out]
+        if not nxt:
+            break
+        out.extend(nxt)
+        level = nxt
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class LinkRate:
+    """An interface's link rate as the daemon takes it when the rules give none."""
+    rate_bps: Optional[int]          # bytes/s; None: unknown (the rules' link_rate is needed)
+    source: str                      # "speed", or "bond0 balance-xor: v0+v1" and the like
+
+
+def _speed_of(name: str, sysfs: str) -> Optional[int]:
+    return _speed_bps(_read(os.path.join(sysfs, name, "speed")))
+
+
+def _bond_rate(st: BondState, via: str = "") -> LinkRate:
+    sending = "+".join(st.sending()) or "no member sending"
+    return LinkRate(st.link_rate_bps, f"{via}{st.name} {st.mode.value}: {sending}")
+
+
+def link_rate(name: str, sysfs: Optional[str] = None) -> LinkRate:
+    """``name``'s link rate: a bond's from its members (``link_rate_bps``), a device stacked
+    on one bond (a VLAN on it, through one lower device each level) that bond's, any other
+    device its own speed (ethtool's, in sysfs)."""
+    sysfs = sysfs or SYSFS
+    st = read_bond(name, sysfs)
+    if st is not None:
+        return _bond_rate(st)
+    cur = name
+    for _ in range(3):
+        lows = lower_devices(cur, sysfs)
+        if len(lows) != 1:
+            break
+        cur = lows[0]
+        st = read_bond(cur, sysfs)
+        if st is not None:
+            return _bond_rate(st, via="via ")
+    return LinkRate(_speed_of(name, sysfs), "speed")

@@ -161,7 +161,9 @@ def status(socket_path, as_json, all_flows):
     except ValueError as e:
         _fail(f"{socket_path}: {e}")
     click.echo(f"backend:   {printable(a.backend)} ({printable(a.backend_reason)})")
-    click.echo(f"interface: {printable(a.interface)}, link {format_bit_rate(a.link_rate_bit)}")
+    src = a.link_rate_source
+    click.echo(f"interface: {printable(a.interface)}, link {format_bit_rate(a.link_rate_bit)}"
+               + (f" ({printable(src)})" if src not in ("", "rules", "speed") else ""))
     _echo_module_line()
     if a.backend_state != "ok":
         click.echo(f"state:     {printable(a.backend_state)}"

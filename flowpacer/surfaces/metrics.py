@@ -292,6 +292,15 @@ class FlowpacerCollector:
                                "in status' unmanaged_interface (issue 29).")
         um.add_metric([], len(v.unmanaged))
         yield um
+        lr = GaugeMetricFamily("flowpacer_link_rate_bytes_per_second",
+                               "Each shaped interface's link rate as its root qdisc has it: the "
+                               "rules' link_rate, else the device's speed, for a bond the sum of "
+                               "its sending members (the active one's in active-backup), "
+                               "followed when a member goes down or up (issue 29).",
+                               labels=["interface"])
+        for i in _interfaces(v):
+            lr.add_metric([i.name], i.link_rate_bps)
+        yield lr
         sp = GaugeMetricFamily("flowpacer_spare_classes",
                                "Classes of closed flows kept (no filter) to be changed for new "
                                "flows instead of making classes, per interface (htb, issue 26: "

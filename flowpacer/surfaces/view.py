@@ -53,6 +53,8 @@ def build(rec, sup, stages: Iterable, *, rules_path: str, flow_source: FlowSourc
         ifaces.append(InterfaceView(ifname, pb.name if pb is not None else "", port.health,
                                     port.problem, pb.link_rate_bps if pb is not None else 0, n,
                                     spares=pb.spare_count() if pb is not None else 0,
+                                    link_rate_source=(pb.link_rate_source
+                                                      if pb is not None else ""),
                                     groups=len(mine),
                                     rebuild_failures=port.rebuild_failures,
                                     class_id_limit=(pb.capabilities.class_ids
@@ -176,6 +178,7 @@ def to_json(v: DaemonView, stats: Dict[StatsKey, ClassStats]) -> dict:
         "backend_wanted": v.backend_wanted,
         "backend_fallback": v.backend_fallback,
         "link_rate_bit": v.link_rate_bps * 8,
+        "link_rate_source": v.interfaces[0].link_rate_source if v.interfaces else "",
         "rules": v.rules_path,
         "flow_source": v.flow_source.text,
         "tracer": _tracer_json(v.tracer),
@@ -192,6 +195,7 @@ def to_json(v: DaemonView, stats: Dict[StatsKey, ClassStats]) -> dict:
         # issue 29: every shaped interface, and the flows a rule shapes that leave by another
         "interfaces": [{"name": i.name, "backend": i.backend, "state": i.health.value,
                         "problem": i.problem, "link_rate_bit": i.link_rate_bps * 8,
+                        "link_rate_source": i.link_rate_source,
                         "flows": i.flows, "spare_classes": i.spares, "groups": i.groups,
                         "rebuild_failures": i.rebuild_failures,
                         "receive": _receive_json(i.receive_interface, i.receive_health,
@@ -376,6 +380,7 @@ class StatusAnswer:
     # (interface, ifb, state, problem) of each interface's receive side (issue 29)
     receives: Tuple[Tuple[str, str, str, str], ...] = ()
     unmanaged: int = 0                   # flows a rule shapes leaving by an unmanaged interface
+    link_rate_source: str = ""           # "rules", "speed", a bond and its members (issue 29)
 
 
 def _int(value) -> int:
@@ -428,6 +433,7 @@ def parse_status(st: dict) -> StatusAnswer:
             backend_problem=_str(st.get("backend_problem")),
             rebuild_failures=_int(counters.get("backend_rebuild_failures", 0)),
             link_rate_bit=_int(st.get("link_rate_bit") or 0),
+            link_rate_source=_str(st.get("link_rate_source")),
             flow_source=_str(st.get("flow_source")),
             live_flows=_int(st.get("live_flows", 0)),
             shaped_flows=_int(st.get("shaped_flows", len(flows))),

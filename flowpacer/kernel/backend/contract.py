@@ -52,6 +52,7 @@ class Backend(Protocol):
     name: str                    # shown in status and logs ("htb", "psp")
     interface: str               # the device it shapes (the ifb on the receive side)
     link_rate_bps: int
+    link_rate_source: str        # "rules", "speed", or a bond and its sending members (bond.py)
     capabilities: Capabilities
 
     # life cycle (supervisor)

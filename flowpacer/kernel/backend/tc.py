@@ -24,6 +24,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from flowpacer.errors import BackendError, NetlinkError
 from flowpacer.model import (ApplyResult, BackendHealth, ClassStats, FlowKey, GroupView, Op,
                              Protocol, Shape, Side)
+from flowpacer.kernel import bond
 from flowpacer.kernel.tc import nl, u32
 from flowpacer.kernel.tc.nl import (NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE, RTM_DELQDISC,
                                     RTM_DELTFILTER, RTM_GETQDISC, RTM_GETTCLASS, RTM_GETTFILTER,
@@ -58,13 +59,9 @@ def ifindex_of(interface: str) -> int:
 
 
 def link_speed_bps(interface: str) -> Optional[int]:
-    """The interface's speed from ethtool (sysfs), in bytes/s; None when it reports none."""
-    try:
-        with open(f"/sys/class/net/{interface}/speed") as f:
-            mbit = int(f.read().strip())
-    except (OSError, ValueError):
-        return None
-    return mbit * 1_000_000 // 8 if mbit > 0 else None
+    """The interface's link rate when the rules give none, in bytes/s (None: it reports none):
+    a bond's from its members, a VLAN on a bond the bond's, else its speed (bond.py)."""
+    return bond.link_rate(interface).rate_bps
 
 
 def root_qdisc(rtnl: RtnlSocket, ifindex: int) -> Optional[nl.TcObject]:
@@ -113,6 +110,8 @@ class TcBackend:
         self.speed_interface = speed_interface or interface
         self.take_over = take_over
         self._want_link_rate = link_rate_bps
+        # where the link rate comes from: "rules", "speed", or a bond and its sending members
+        self.link_rate_source = "rules" if link_rate_bps else ""
         self.adopted = 0
         self.removed_stale = 0
         self.channel = Channel(codec, interface, side, rtnl or RtnlSocket())
@@ -147,7 +146,10 @@ class TcBackend:
         """Create our root qdisc and skeleton, or adopt the one a previous run left."""
         chan = self.channel
         chan.ifindex = ifindex_of(self.interface)
-        rate = self._want_link_rate or link_speed_bps(self.speed_interface)
+        rate = self._want_link_rate
+        if not rate:
+            got = bond.link_rate(self.speed_interface)
+            rate, self.link_rate_source = got.rate_bps, got.source
         if not rate:
             raise BackendError(f"interface {self.interface} reports no speed: set link_rate in the "
                                "rules file")
@@ -330,9 +332,14 @@ class TcBackend:
         if root.handle != QDISC_HANDLE or root.kind != self.codec.qdisc_kind:
             return BackendHealth.FOREIGN
         if not self._want_link_rate:
-            speed = link_speed_bps(self.speed_interface)
-            if speed and speed != self.channel.link_rate_bps:
+            # a bond's figure follows its members (bond.py): a member down or up, a failover
+            got = bond.link_rate(self.speed_interface)
+            if got.rate_bps and got.rate_bps != self.channel.link_rate_bps:
+                log.info("%s: link rate %d -> %d bit/s (%s)", self.interface,
+                         self.channel.link_rate_bps * 8, got.rate_bps * 8, got.source)
                 return BackendHealth.SPEED
+            if got.rate_bps:
+                self.link_rate_source = got.source
         return BackendHealth.OK
 
     def audit(self) -> List[FlowKey]:

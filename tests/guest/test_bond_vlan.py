@@ -1,0 +1,258 @@
+"""Bonds and VLANs (issue 29 items 3-4) with the real daemon, psp and htb, inside the VM (the
+host kernel has no bonding, 8021q or bridge modules).
+
+The server namespace has ``bond0`` over two veth members ``m0``/``m1`` (balance-xor with the
+layer3+4 hash, or active-backup; miimon 50 ms) and ``bond0.7``, a VLAN on it; the client
+namespace has the members' peers in a bridge ``br0`` and ``br0.7`` on it. nginx serves one
+dual-stack listener; four measuring clients download at once (IPv4 and IPv6 over the bond, IPv4
+and IPv6 over the VLAN). The daemon shapes ``interfaces: [bond0, bond0.7]`` (each flow on the
+interface its route leaves by) without a link_rate, so each interface's link rate is the bond's
+figure from its members (kernel/bond.py). While the flows run a member goes down (balance-xor:
+m1; active-backup: the active m0, a failover): every flow stays within 15 % of its rule's rate at
+the receiver before and after (the same TCP connections), the link rate in status follows
+(balance-xor 20 -> 10 Gbit/s; active-backup stays 10 Gbit/s and names the new active member),
+the kernel's own figure for the bond (``/sys/class/net/bond0/speed``) agrees, and nothing is ever
+put on the members. The member comes back up (the figure follows again); after SIGTERM nothing
+of flowpacer's is left anywhere. Each bond mode with psp and with htb, each on a fresh bed.
+
+``test_vlan_egress_qos_map_and_socket_priorities``: what 802.1p PCP a VLAN's egress-qos-map
+gives flows flowpacer shapes, and a socket carrying a first-byte class id (issue 29 item 4).
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+
+import pytest
+
+from harness import psplib
+from harness.pacing import guest_timeout as gt
+from harness.servers import Nginx
+from harness.bondbed import BondBed
+from harness.testbed import Daemon, client_argv, server_argv, wait_for
+from harness.traffic import WIRE, WIRE6
+
+RATE = 8_000_000                       # bit/s of the rule, each flow
+G10 = 10_000_000_000
+BEFORE_S = 3.0                         # measured this long once every flow has its class,
+SETTLE_S = 1.2                         # then a member goes down, and after this long
+AFTER_S = 3.5                          # measured again this long (then the clients stop)
+TOLERANCE = 0.15
+
+RULES = """
+    interfaces: [bond0, bond0.7]
+    backend: BACKEND
+    rules:
+      - name: web
+        match: {process: nginx, direction: inbound}
+        rate: 8mbit
+"""
+
+
+def _rate(samples, a: float, b: float) -> float:
+    """Bytes/s received between the samples nearest ``a`` and ``b`` (s after the client's
+    start)."""
+    s0 = min(samples, key=lambda s: abs(s[0] - a))
+    s1 = min(samples, key=lambda s: abs(s[0] - b))
+    return (s1[1] - s0[1]) / (s1[0] - s0[0]) if s1[0] > s0[0] else 0.0
+
+
+def _wait_flows(d: Daemon, n: int, timeout: float = 45) -> list:
+    """The daemon's ``n`` shaped flows, or a failure that says what it had instead (Pythons
+    starting under TCG on a busy host take seconds each)."""
+    try:
+        return wait_for(lambda: (lambda f: f if len(f) == n else None)(d.flows()), gt(timeout),
+                        0.2, f"{n} shaped flows")
+    except TimeoutError:
+        st = d.status()
+        raise AssertionError(
+            f"{len(st['flows'])} shaped flows of {n} after {timeout} s: live {st['live_flows']}, "
+            f"unmanaged {st.get('unmanaged_interface')}, flows {st['flows']}, interfaces "
+            f"{st['interfaces']}\n{d.log_text()[-3000:]}") from None
+
+
+def _status_if(d: Daemon, name: str) -> dict:
+    return next(i for i in d.status()["interfaces"] if i["name"] == name)
+
+
+def _one_backend(bed: BondBed, tmp_path, backend: str):
+    """The daemon with ``backend`` on the bed: flows before and after a member goes down, the
+    link rate followed, the member back up, nothing left. Returns the figures recorded."""
+    mode = bed.mode
+    down = "m1" if mode == "balance-xor" else "m0"
+    (tmp_path / f"d-{backend}").mkdir()
+    d = Daemon(bed, tmp_path / f"d-{backend}", RULES, "--no-tracer", "--no-metrics",
+               "--rescan", "0.5", backend=backend).start(timeout=gt(90))
+    try:
+        st = d.status()
+        assert st["backend"] == backend, st["backend_reason"]
+        want_link = 2 * G10 if mode == "balance-xor" else G10
+        for name in ("bond0", "bond0.7"):
+            i = _status_if(d, name)
+            assert i["link_rate_bit"] == want_link, i
+            assert i["link_rate_source"].endswith(f"bond0 {mode}: " + (
+                "m0+m1" if mode == "balance-xor" else "m0")), i
+        assert bed.kernel_speed_bit() == want_link
+        clients = {}
+        for label, host in (("bond v4", bed.server_v4), ("bond v6", bed.server_v6),
+                            ("vlan v4", bed.vlan_v4), ("vlan v6", bed.vlan_v6)):
+            argv = client_argv(str(host), 8081, 120, warmup=0.5) + [
+                "--path", "/big", "--interval", "0.1"]
+            clients[label] = bed.popen(bed.client_ns, argv, stdout=subprocess.PIPE, text=True)
+        flows = _wait_flows(d, 4)
+        t_shaped = time.monotonic()
+        by_if = sorted(f["interface"] for f in flows)
+        assert by_if == ["bond0", "bond0", "bond0.7", "bond0.7"], flows
+        assert not bed.on_members()
+        time.sleep(max(0.0, t_shaped + 0.3 + BEFORE_S - time.monotonic()))
+        t_down = time.monotonic()
+        bed.run(bed.server_ns, ["ip", "link", "set", down, "down"])
+        want_after = G10
+        wait_for(lambda: _status_if(d, "bond0")["link_rate_bit"] == want_after
+                 and _status_if(d, "bond0")["link_rate_source"].endswith(
+                     f"bond0 {mode}: " + ("m0" if down == "m1" else "m1")), gt(15), 0.05,
+                 f"the link rate after {down} went down")
+        followed_s = time.monotonic() - t_down
+        assert bed.kernel_speed_bit() == want_after
+        assert _status_if(d, "bond0.7")["link_rate_bit"] == want_after
+        assert not bed.on_members()
+        time.sleep(max(0.0, t_down + SETTLE_S + AFTER_S - time.monotonic()))
+        for c in clients.values():
+            c.terminate()                    # blaster ends its download and reports
+        res = {}
+        for label, c in clients.items():
+            out, _ = c.communicate(timeout=gt(30))
+            assert c.returncode == 0, f"{label}: client exited {c.returncode}"
+            res[label] = json.loads(out.strip().splitlines()[-1])
+        figures = []
+        for label, r in res.items():
+            want = RATE / 8 * (WIRE6 if label.endswith("v6") else WIRE)
+            t0 = r["t0_monotonic"]           # the client's start (CLOCK_MONOTONIC, as ours)
+            before = _rate(r["samples"], t_shaped + 0.3 - t0, t_down - t0)
+            after = _rate(r["samples"], t_down + SETTLE_S - t0, r["samples"][-1][0])
+            figures.append((label, before, after, want))
+            psplib.record(f"bond {mode} {backend} {label}: {before * 8 / 1e6:.3f} Mbit/s before, "
+                          f"{after * 8 / 1e6:.3f} after {down} down ({100 * before / want:.1f} % "
+                          f"/ {100 * after / want:.1f} % of rate x payload/frame)")
+        psplib.record(f"bond {mode} {backend}: link rate {want_link / 1e9:g} -> "
+                      f"{want_after / 1e9:g} Gbit/s in status {followed_s:.2f} s after "
+                      f"{down} went down")
+        for label, before, after, want in figures:
+            for when, got in (("before", before), ("after", after)):
+                assert abs(got / want - 1) <= TOLERANCE, \
+                    f"{label} {when} {down} down: {got * 8 / 1e6:.3f} Mbit/s, want " \
+                    f"{want * 8 / 1e6:.3f} +-{TOLERANCE:.0%}"
+        # the member comes back: the figure follows again
+        bed.run(bed.server_ns, ["ip", "link", "set", down, "up"])
+        wait_for(lambda: _status_if(d, "bond0")["link_rate_bit"] == want_link
+                 and len(_status_if(d, "bond0")["link_rate_source"].split(": ")[1].split("+"))
+                 == (2 if mode == "balance-xor" else 1), gt(10), 0.05,
+                 f"the link rate after {down} came back")
+        wait_for(lambda: bed.members_up() == ("m0", "m1"), gt(10), 0.05, "members up")
+        assert not bed.on_members()
+    finally:
+        rc = d.stop()
+    assert rc == 0, d.log_text()[-3000:]
+    assert "Traceback" not in d.log_text(), d.log_text()[-3000:]
+    assert not bed.flowpacer_left()
+    return figures
+
+
+@pytest.mark.parametrize("backend", ["psp", "htb"])
+@pytest.mark.parametrize("mode", ["balance-xor", "active-backup"])
+def test_bond_and_vlan_at_rate_through_a_member_going_down(mode, backend, psp_module, tmp_path):
+    with BondBed(mode) as bed:           # a fresh bond for each backend
+        Nginx(bed, tmp_path / "nginx", files={"big": 8 << 30}).start()   # sparse
+        _one_backend(bed, tmp_path, backend)
+        assert not bed.on_members()
+
+
+# ------------------------------------------------- SO_PRIORITY and a VLAN's egress-qos-map
+CLASS_PRIO = 0xF1F0C010      # a pool class id: what the first-byte program writes into a
+#                              claimed socket's SO_PRIORITY (bpf/firstbyte.c)
+QOS_MAP = ("0:1", "5:5")     # priority 0 -> PCP 1, 5 -> 5 (anything else: 0)
+PRIO_RULES = """
+    interfaces: [bond0.7]
+    backend: BACKEND
+    rules:
+      - name: app-prio
+        match: {process: fp-prio-srv, direction: inbound, local_port: 9301}
+        rate: 4mbit
+      - name: no-prio
+        match: {process: fp-prio-srv, direction: inbound, local_port: 9302}
+        rate: 4mbit
+      - name: class-prio
+        match: {process: fp-prio-srv, direction: inbound, local_port: 9303}
+        rate: 4mbit
+"""
+
+
+def _pcp_by_port(capture: str) -> dict:
+    """{server port: {PCP: frames}} of the tagged frames in ``tcpdump -e -nn`` output."""
+    out: dict = {}
+    for ln in capture.splitlines():
+        m = re.search(r"vlan 7, p (\d+),.* (\S+)\.(930\d) > ", ln)
+        if m:
+            port = int(m.group(3))
+            out.setdefault(port, {}).setdefault(int(m.group(1)), 0)
+            out[port][int(m.group(1))] += 1
+    return out
+
+
+@pytest.mark.parametrize("backend", ["psp", "htb"])
+def test_vlan_egress_qos_map_and_socket_priorities(backend, psp_module, tmp_path):
+    """What 802.1p PCP a mapped VLAN on the bond gives each kind of socket while flowpacer
+    shapes it (captured on the bond, below the VLAN): a flow flowpacer shapes by its u32 filter
+    keeps its application's priority (set after accept(): 5 -> PCP 5) or the default (0 -> PCP
+    1): classification does not touch skb->priority. A socket whose priority is a flowpacer
+    class id, as the first-byte program leaves a socket it gave a ready class when the
+    application sets none (written here with setsockopt: the same sk_priority), matches no map
+    entry: PCP 0 where the map says 1 for priority 0 (its class id is not one of this qdisc's:
+    htb and psp pass it to their filters, and its u32 filter shapes it)."""
+    with BondBed("active-backup") as bed:
+        bed.run(bed.server_ns, ["ip", "link", "set", "bond0.7", "type", "vlan",
+                                "egress-qos-map", *QOS_MAP])
+        for port, prio in ((9301, 5), (9302, 0), (9303, CLASS_PRIO)):
+            bed.popen(bed.server_ns, server_argv([port], "fp-prio-srv", v6=True, priority=prio),
+                      stderr=open(tmp_path / f"srv-{port}.log", "w"))
+        for port in (9301, 9302, 9303):      # three Pythons starting at once under TCG
+            try:
+                bed.wait_listening(port, timeout=60)
+            except TimeoutError:
+                raise AssertionError((tmp_path / f"srv-{port}.log").read_text()) from None
+        d = Daemon(bed, tmp_path, PRIO_RULES, "--no-tracer", "--no-metrics",
+                   "--rescan", "0.5", backend=backend).start(timeout=gt(90))
+        try:
+            clients = {p: bed.popen(bed.client_ns, client_argv(bed.vlan_v4, p, 120, warmup=2.0),
+                                    stdout=subprocess.PIPE, text=True)
+                       for p in (9301, 9302, 9303)}
+            _wait_flows(d, 3)
+            time.sleep(1.0)
+            cap = bed.run(bed.server_ns, ["timeout", str(gt(20)), "tcpdump", "-e", "-nn", "-l",
+                                          "-Q", "out", "-i", "bond0", "-c", "900",
+                                          "vlan 7 and tcp"], timeout=60, check=False).stdout
+            time.sleep(1.0)
+            for c in clients.values():
+                c.terminate()                    # blaster ends its download and reports
+            res = {}
+            for p, c in clients.items():
+                out, _ = c.communicate(timeout=gt(30))
+                res[p] = json.loads(out.strip().splitlines()[-1])
+        finally:
+            rc = d.stop()
+        assert rc == 0, d.log_text()[-3000:]
+        pcp = _pcp_by_port(cap)
+        goodput = ", ".join(f"{p}: {r['goodput_bps'] * 8 / 1e6:.2f}" for p, r in sorted(res.items()))
+        psplib.record(f"vlan egress-qos-map {' '.join(QOS_MAP)} on bond0.7, {backend}: PCP by "
+                      f"socket priority: 5 (u32-shaped) {pcp.get(9301)}, 0 (u32-shaped) "
+                      f"{pcp.get(9302)}, {CLASS_PRIO:#x} (a first-byte class id) {pcp.get(9303)}"
+                      f"; goodput {goodput} Mbit/s")
+        assert set(pcp.get(9301, {})) == {5}, pcp
+        assert set(pcp.get(9302, {})) == {1}, pcp
+        assert set(pcp.get(9303, {})) == {0}, pcp
+        for p in (9301, 9302, 9303):
+            want = 4_000_000 / 8 * WIRE
+            assert abs(res[p]["goodput_bps"] / want - 1) <= TOLERANCE, (p, res[p])
+        assert not bed.flowpacer_left()
