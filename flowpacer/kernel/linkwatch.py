@@ -12,32 +12,23 @@ from __future__ import annotations
 
 import errno
 import socket
-import struct
 from typing import Set
 
 from flowpacer.kernel.tc.link import IFINFOMSG, IFLA_IFNAME, RTM_DELLINK, RTM_NEWLINK
-from flowpacer.kernel.tc.nl import parse_attrs
+from flowpacer.kernel.tc.nl import messages, parse_attrs
 
 RTMGRP_LINK = 0x1
 OVERFLOW = "*"                 # in drain's answer: events were lost, look at everything
-_NLMSGHDR = struct.Struct("=IHHII")
 
 
 def parse(data: bytes) -> Set[str]:
     """The device names of the RTM_NEWLINK/RTM_DELLINK messages in one datagram."""
     out: Set[str] = set()
-    off = 0
-    while off + _NLMSGHDR.size <= len(data):
-        mlen, mtype = _NLMSGHDR.unpack_from(data, off)[:2]
-        if mlen < _NLMSGHDR.size or off + mlen > len(data):
-            break
+    for mtype, _flags, _seq, body in messages(data):
         if mtype in (RTM_NEWLINK, RTM_DELLINK):
-            body = off + _NLMSGHDR.size
-            attrs = parse_attrs(data, body + IFINFOMSG.size, off + mlen)
-            name = attrs.get(IFLA_IFNAME, b"").split(b"\0", 1)[0]
+            name = parse_attrs(body, IFINFOMSG.size).get(IFLA_IFNAME, b"").split(b"\0", 1)[0]
             if name:
                 out.add(name.decode(errors="replace"))
-        off += (mlen + 3) & ~3
     return out
 
 

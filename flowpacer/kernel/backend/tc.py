@@ -44,7 +44,7 @@ from flowpacer.kernel.backend.tcgroups import GroupClasses
 from flowpacer.kernel.backend.tcids import ClassIds
 from flowpacer.kernel.backend.tcstats import ClassCounters
 
-__all__ = ["TcBackend", "cleanup", "ifindex_of", "link_speed_bps", "root_qdisc", "wire_key",
+__all__ = ["TcBackend", "cleanup", "ifindex_of", "root_qdisc", "wire_key",
            "Installed", "MAJOR", "QDISC_HANDLE", "LINK_MINOR", "DEFAULT_MINOR",
            "FIRST_FLOW_MINOR", "LAST_FLOW_MINOR", "PRIO", "nl", "u32", "handle_text"]
 
@@ -56,12 +56,6 @@ def ifindex_of(interface: str) -> int:
         return socket.if_nametoindex(interface)
     except OSError:
         raise BackendError(f"interface {interface!r} not found") from None
-
-
-def link_speed_bps(interface: str) -> Optional[int]:
-    """The interface's link rate when the rules give none, in bytes/s (None: it reports none):
-    a bond's from its members, a VLAN on a bond the bond's, else its speed (bond.py)."""
-    return bond.link_rate(interface).rate_bps
 
 
 def root_qdisc(rtnl: RtnlSocket, ifindex: int) -> Optional[nl.TcObject]:

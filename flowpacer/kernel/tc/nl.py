@@ -294,13 +294,18 @@ class RtnlSocket:
                 raise NetlinkError("netlink receive", errno.ENOBUFS,
                                    "socket receive buffer overrun") from None
             raise
-        off = 0
-        while off + _NLMSGHDR.size <= len(data):
-            mlen, mtype, flags, seq, _pid = _NLMSGHDR.unpack_from(data, off)
-            if mlen < _NLMSGHDR.size:
-                break
-            yield mtype, flags, seq, data[off + _NLMSGHDR.size: off + mlen]
-            off += (mlen + 3) & ~3
+        yield from messages(data)
+
+
+def messages(data: bytes) -> Iterator[Tuple[int, int, int, bytes]]:
+    """The netlink messages of one datagram: (type, flags, seq, payload after the header)."""
+    off = 0
+    while off + _NLMSGHDR.size <= len(data):
+        mlen, mtype, flags, seq, _pid = _NLMSGHDR.unpack_from(data, off)
+        if mlen < _NLMSGHDR.size:
+            break
+        yield mtype, flags, seq, data[off + _NLMSGHDR.size: off + mlen]
+        off += (mlen + 3) & ~3
 
 
 def _parse_error(flags: int, payload: bytes) -> Tuple[int, Optional[str]]:
