@@ -41,3 +41,17 @@ def daemon_view(flows, **kw):
             v["link_rate_bps"], sum(f.side is Side.SEND for f in v["flows"]),
             groups=len(v.get("groups", ())), class_id_limit=FLOW_CLASS_IDS),)
     return DaemonView(**v)
+
+
+def daemon_samples(d):
+    """(name, labels, value) of every sample the daemon ``d`` (an in-process ``app.Daemon``)
+    exposes: its view and class statistics through the real collector and exposition."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.exposition import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    from flowpacer.surfaces.metrics import FlowpacerCollector
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(FlowpacerCollector(d.view, d._class_stats))
+    for fam in text_string_to_metric_families(generate_latest(reg).decode()):
+        for s in fam.samples:
+            yield s.name, s.labels, s.value

@@ -5,6 +5,7 @@ nothing; a change of member state is a new figure at the next read."""
 import pytest
 
 from flowpacer.kernel.bond import BondMember, BondMode, link_rate_bps, read_bond
+from harness.metricsview import daemon_samples
 
 G = 1_000_000_000 // 8            # 1 Gbit/s in bytes/s
 
@@ -161,18 +162,6 @@ def test_main_loop_starts_a_pass_on_a_watched_devices_link_event_and_one_after()
         watch.close()
 
 
-def _samples(d):
-    from prometheus_client import CollectorRegistry
-    from prometheus_client.exposition import generate_latest
-    from prometheus_client.parser import text_string_to_metric_families
-    from flowpacer.surfaces.metrics import FlowpacerCollector
-    reg = CollectorRegistry(auto_describe=False)
-    reg.register(FlowpacerCollector(d.view, d._class_stats))
-    for fam in text_string_to_metric_families(generate_latest(reg).decode()):
-        for s in fam.samples:
-            yield s.name, s.labels, s.value
-
-
 def test_daemon_follows_a_bonds_members_without_a_restart(tmp_path, monkeypatch):
     """A real Daemon over fakes: the bond's link rate is its members' (bond.py over a fake
     sysfs), a member down and up again is followed at the link event (no rescan meanwhile),
@@ -217,7 +206,7 @@ def test_daemon_follows_a_bonds_members_without_a_restart(tmp_path, monkeypatch)
         wait_for(lambda: status()["link_rate_bit"] == 1_000_000_000, 5,
                  what="the link rate of the active member after the failover")
         assert status()["link_rate_source"] == "bond0 active-backup: v1"
-        gauge = {lab["interface"]: v for n, lab, v in _samples(d)
+        gauge = {lab["interface"]: v for n, lab, v in daemon_samples(d)
                  if n == "flowpacer_link_rate_bytes_per_second"}
         assert gauge == {"bond0": G}
         assert key in b.installed() and not [o for o in b.applied if o.kind is OpKind.REMOVE]

@@ -9,7 +9,7 @@ import time
 
 from flowpacer.surfaces.control import call
 from flowpacer.errors import BackendError
-from flowpacer.surfaces.metrics import FlowpacerCollector
+from harness.metricsview import daemon_samples
 from flowpacer.model import (BackendHealth, BackendKind, Direction, EventKind, Flow, FlowEvent,
                              FlowKey, FlowSource, Match, ProcessInfo, Rule, RuleSet, Shape,
                              StageState)
@@ -78,7 +78,7 @@ def test_a_failing_tracer_is_restarted_then_degrades_to_sock_diag_visibly(tmp_pa
         assert sum("Traceback" in r.getMessage() for r in caplog.records) == 1
         assert tr.closed
         # metrics say so
-        m = {(n, tuple(sorted(lab.items()))): val for n, lab, val in _samples(d)}
+        m = {(n, tuple(sorted(lab.items()))): val for n, lab, val in daemon_samples(d)}
         assert m[("flowpacer_flow_source_degraded", ())] == 1
         assert m[("flowpacer_stage_failures_total", (("stage", "tracer"),))] >= 5
         assert m[("flowpacer_stage_state", (("stage", "tracer"), ("state", "degraded")))] == 1
@@ -207,7 +207,7 @@ def test_restart_adopts_live_flows_and_names_their_rule(tmp_path):
         assert {f["rule"] for f in st["flows"]} == {"web"}
         b = d.supervisor.backend
         assert not [o for o in b.applied if o.kind.value in ("add", "change")]   # no re-add
-        m = {(n, tuple(sorted(lab.items()))): v for n, lab, v in _samples(d)}
+        m = {(n, tuple(sorted(lab.items()))): v for n, lab, v in daemon_samples(d)}
         assert m[("flowpacer_rule_flows", (("rule", "web"),))] == len(live)
 
 
@@ -229,7 +229,8 @@ def test_auto_falls_back_to_htb_and_returns_to_psp_on_reload(tmp_path):
         assert d.supervisor.fell_back and psp.closed
 
         def gauge(name, **labels):
-            return [v for n, lab, v in _samples(d) if n == name and labels.items() <= lab.items()]
+            return [v for n, lab, v in daemon_samples(d)
+                    if n == name and labels.items() <= lab.items()]
         assert gauge("flowpacer_backend_fallback") == [1]         # what the alert watches
         assert gauge("flowpacer_class_ids_used", side="send") == [1]
         fac.psp = True
@@ -332,17 +333,6 @@ def test_stage_backoff_doubles_and_gives_up_within_its_window():
     assert fatal and "3 failures" in fatal[0]
 
 
-def _samples(d):
-    from prometheus_client import CollectorRegistry
-    from prometheus_client.exposition import generate_latest
-    from prometheus_client.parser import text_string_to_metric_families
-    reg = CollectorRegistry(auto_describe=False)
-    reg.register(FlowpacerCollector(d.view, d._class_stats))
-    for fam in text_string_to_metric_families(generate_latest(reg).decode()):
-        for s in fam.samples:
-            yield s.name, s.labels, s.value
-
-
 # ------------------------------------------------- the receive side (issue 17)
 
 RECV = 1_250_000           # bytes/s
@@ -377,7 +367,7 @@ def test_receive_side_follows_the_rules_and_its_health(tmp_path):
         assert sorted((f["side"], f["rule"]) for f in st["flows"]) == [
             ("receive", "web"), ("receive", "web"), ("send", "plain"), ("send", "web"),
             ("send", "web")]
-        m = {(n, tuple(sorted(lab.items()))): v for n, lab, v in _samples(d)}
+        m = {(n, tuple(sorted(lab.items()))): v for n, lab, v in daemon_samples(d)}
         sides = {dict(lab)["side"] for (n, lab) in m if n == "flowpacer_flow_sent_bytes_total"}
         assert sides == {"send", "receive"}
         # lost (ifb deleted): rebuilt, its flows applied again
