@@ -27,7 +27,7 @@ import pytest
 from harness import psplib
 from harness.access import (KIB, AccessNet, Download, Household, LinkSpec, counters_delta,
                             download_figures, finish_downloads, start_downloads)
-from harness.daemon import Daemon
+from harness.daemon import Daemon, healthy, tracebacks
 from harness.pacing import guest_timeout, mbit, require_virtual_time, to_mbit, wait_for
 from harness.servers import iperf3_server
 from harness.traffic import WIRE, WIRE6
@@ -103,9 +103,19 @@ def test_psp_paced_downloads_no_drops_low_delay(net, tmp_path):
                backend="psp").start(timeout=guest_timeout(90))
     try:
         fig = run_case(net, lambda: d.status()["shaped_flows"] >= 6)
+        # after the batch: every stage alive, the batch's flows gone, and a new batch (IPv4,
+        # IPv4-mapped and IPv6 again) shaped
+        assert healthy(d.status()) == [], d.status()["stages"]
+        wait_for(lambda: d.status()["shaped_flows"] == 0, 20, "the flows gone")
+        again = run_case(net, lambda: d.status()["shaped_flows"] >= 6)
+        assert healthy(d.status()) == [], d.status()["stages"]
     finally:
         rc = d.stop()
     assert rc == 0, d.log_text()[-3000:]
+    assert not list(tracebacks(d.log_text()))
+    root = net.run(net.server_ns, ["tc", "qdisc", "show", "dev", net.server_if, "root"]).stdout
+    assert "psp" not in root, f"left after stop: {root}"          # nothing of the daemon's left
+    assert sum(again["drops"].values()) == 0, f"second batch: drops {again['drops']}"
     assert sum(fig["drops"].values()) == 0, f"drops at the access links: {fig['drops']}"
     for i, u in fig["udp"].items():
         assert u["p99_ms"] < 2.0, f"client {i}: household p99 added delay {u}"
