@@ -451,6 +451,37 @@ def test_first_byte_pools_live_on_the_first_interface_and_claims_follow_the_rout
         assert d.status()["first_byte"]["interface"] == "fk1"
 
 
+def test_claims_that_come_after_the_tracers_open_are_rebound_or_released_and_counted(tmp_path):
+    """The other order of the test above, which a loaded host gives (ci27's first-byte host
+    test never settled in ~3 of 11 runs): the tracer's OPENs are planned before the first-byte
+    round reports the claims. The flows on fk0 are rebound to the classes their sockets
+    claimed; the IPv6 flow keeps its class on fk1, its claim on fk0 is released, and it is
+    counted as elsewhere (it was not: only a claim bound before the flow's class was)."""
+    burst = Rule("burst", Match(process=("nginx",), direction=Direction.INBOUND), RATE)
+    rs = RuleSet("", BackendKind.HTB, 125_000_000, (burst,),
+                 interfaces=(InterfaceSpec("fk0"), InterfaceSpec("fk1")))
+    router = FakeRouter({"10.2.0.0/24": "fk0", "10.2.1.0/24": "fk0", "fd00:2::/64": "fk1"})
+    tr, sd = FakeTracer(), FakeSockDiag()
+    fb = FakeFirstByte(pool_target=4)
+    a, m, b = v4(0), mapped(0), v6(0)
+    with inprocess_daemon(tmp_path, lambda: rs, tracer=tr, sockdiag=sd, firstbyte=fb,
+                          router=router) as d:
+        b0, b1 = d.supervisor.port("fk0").backend, d.supervisor.port("fk1").backend
+        wait_for(lambda: fb.live and fb.ready(0) == 4, 5, what="the pool filled, claims on")
+        tr.push([FlowEvent(EventKind.OPEN, flow(k)) for k in (a, m, b)])
+        for k in (a, m, b):
+            sd.flows[k] = flow(k)
+        wait_for(lambda: on(d, "fk0") == {a, m} and on(d, "fk1") == {b}, 5, what="placed")
+        own = b1.flows[b][0]
+        claimed = {k: fb.claim(0, k) for k in (a, m, b)}       # the handshakes' claims, late
+        wait_for(lambda: b0.flows[a][0] == claimed[a] and b0.flows[m][0] == claimed[m]
+                 and not b0.pool.claims and fb.ready(0) == 4, 5,
+                 what="fk0's flows rebound to their claims, the moved claim released, refilled")
+        assert on(d, "fk1") == {b} and b1.flows[b][0] == own
+        assert claimed[b] & 0xFFFF in b0.pool.awaiting and claimed[b] not in b0.pool.classes
+        assert d.status()["first_byte"]["elsewhere"] == 1
+
+
 def test_a_sockets_mark_routes_its_flow_and_a_new_mark_moves_it(tmp_path):
     """Item 6 of the issue 29 follow-up, in-process: the route lookup is asked with the
     socket's mark and bound device (what sock_diag reports of it); a mark that a later pass

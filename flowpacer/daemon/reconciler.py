@@ -208,7 +208,7 @@ class Reconciler:
                 sup.unmanaged[k] = name or ""
             else:
                 sup.unmanaged.pop(k, None)
-        self._count_elsewhere(ports, keys, where)
+        self._count_elsewhere(ports, keys, where, before)
         res = None
         for i, p in enumerate(ports):
             ifname = p.interface_of(self.rules)
@@ -219,18 +219,25 @@ class Reconciler:
             res = _merge(res, pres)
         return res
 
-    def _count_elsewhere(self, ports, keys, where) -> None:
+    def _count_elsewhere(self, ports, keys, where, before=()) -> None:
         """Flows whose socket claimed a pool class on the first interface and whose route
-        leaves by another, counted once: when their class there is about to be made."""
+        leaves by another, counted once: when their class there is about to be made (the claim
+        came first), or when the claim is bound (``before``'s POOL_CLAIMs) after their class
+        there was made (the tracer's OPEN came first; the claim is released next round)."""
         b = ports[0].backend
-        if b is None or not b.capabilities.pools or not b.pool.claims:
+        if b is None or not b.capabilities.pools:
+            return
+        binding = {op.key for op in before if op.kind is OpKind.POOL_CLAIM}
+        if not b.pool.claims and not binding:
             return
         first = ports[0].interface_of(self.rules)
         others = {p.interface_of(self.rules): p.backend for p in ports[1:] if p.usable}
         for k in keys:
             name = where.get(k)
-            if (name and name != first and k in b.pool.claims and others.get(name) is not None
-                    and others[name].shape_of(k) is None):
+            if not name or name == first or others.get(name) is None:
+                continue
+            classed = others[name].shape_of(k) is not None
+            if (k in b.pool.claims and not classed) or (k in binding and classed):
                 self.counters.first_byte_elsewhere += 1
 
     def _apply_port(self, sup, keys, live, flows, before, after, rebind, requeue=None):
