@@ -71,14 +71,21 @@ def test_busy_class_is_retried_until_it_can_go(testbed, tmp_path):
     testbed.wait_listening(9101)
     d = Daemon(testbed, tmp_path, RULES, "--rescan", "0.2").start()
     try:
-        c = testbed.popen(testbed.client_ns, client_argv(str(testbed.server_v4), 9101, 2),
-                          stdout=subprocess.PIPE, text=True)
-        f = wait_for(lambda: d.flows(), 5, 0.05, "the flow")[0]
+        # the download lasts until it is stopped below: a loaded CI host once took long enough to
+        # list the flow that a 2 s download had ended before the admin's filter went in, and a
+        # filter pointing at a class that is gone makes nothing busy
+        c = testbed.popen(testbed.client_ns, client_argv(str(testbed.server_v4), 9101, 60),
+                          stdout=subprocess.DEVNULL)
+        f = wait_for(lambda: d.flows(), 15, 0.05, "the flow")[0]
         # an admin points a filter of their own at our flow's class: the class is busy
-        tc(testbed, "filter", "add", "dev", testbed.server_if, "parent", "f1f0:", "protocol", "ip",
-           "prio", "9", "u32", "match", "ip", "dst", "192.0.2.1/32", "flowid", f["classid"])
-        c.communicate(timeout=30)
-        wait_for(lambda: "Device or resource busy" in d.log.read_text(), 5, 0.05, "EBUSY reported")
+        r = tc(testbed, "filter", "add", "dev", testbed.server_if, "parent", "f1f0:", "protocol",
+               "ip", "prio", "9", "u32", "match", "ip", "dst", "192.0.2.1/32", "flowid", f["classid"])
+        assert r.returncode == 0, r.stderr
+        assert f["classid"] in tc(testbed, "class", "show", "dev", testbed.server_if).stdout
+        assert d.flows(), "the download ended before the filter went in"
+        c.kill()                       # the flow ends: its class cannot go while the filter holds it
+        c.wait(timeout=30)
+        wait_for(lambda: "Device or resource busy" in d.log.read_text(), 15, 0.05, "EBUSY reported")
         assert d.proc.poll() is None and d.status()["counters"]["op_errors"] >= 1
         tc(testbed, "filter", "del", "dev", testbed.server_if, "parent", "f1f0:", "protocol", "ip",
            "prio", "9")
