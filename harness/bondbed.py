@@ -11,14 +11,14 @@ in the server namespace, ``bond0.7`` (a VLAN on it); the members' peers ``p0``/`
 
 balance-xor (and 802.3ad) hash by layer3+4, so that flows spread over the members; every mode
 has miimon 50 ms. Its time limits are guest seconds, widened in virtual time
-(``harness.pacing.guest_timeout``). The namespaces go (and everything in them) when the testbed
+(``harness.testbed.guest_timeout``). The namespaces go (and everything in them) when the testbed
 is destroyed.
 """
 from __future__ import annotations
 
 import subprocess
 
-from harness.pacing import guest_timeout
+from harness.testbed import guest_timeout
 from harness.testbed import PY, Testbed, modprobe, sh as _sh, wait_for
 
 
@@ -85,15 +85,6 @@ class BondBed(Testbed):
         out = self.run(self.server_ns, ["ip", "neigh", "show", dst]).stdout
         return any(st in out for st in ("REACHABLE", "STALE", "DELAY", "PROBE"))
 
-    # time limits in guest seconds, widened in virtual time (harness.pacing.guest_timeout)
-    def _ns_cmd(self, ns, args, timeout: float = 30, check: bool = True):
-        return super()._ns_cmd(ns, args, guest_timeout(timeout), check)
-
-    def run(self, ns, argv, timeout: float = 60, check: bool = True):
-        return super().run(ns, argv, guest_timeout(timeout), check)
-
-    def wait_listening(self, port: int, timeout: float = 10, ns=None) -> None:
-        super().wait_listening(port, guest_timeout(timeout), ns)
 
     def sysfs(self, path: str) -> str:
         return self.run(self.server_ns, ["cat", f"/sys/class/net/{path}"]).stdout.strip()

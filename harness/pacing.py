@@ -71,18 +71,8 @@ def to_mbit(rate_bps: float) -> float:
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:                  # also when run as a script (python harness/pacing.py)
     sys.path.insert(0, _REPO)
-from harness.testbed import Testbed, TestbedError  # noqa: E402
-
-
-# In virtual time a wait for the host (a file read over 9p) runs the guest's clock on, tick by
-# tick, far faster than the host's (vm/run.py): the guest's own time limits are widened by this
-# factor there (the host's limit on the whole VM run still bounds a real hang).
-VIRTUAL_TIMEOUT_SCALE = 10
-
-
-def guest_timeout(seconds: float) -> float:
-    """A time limit in guest seconds: ``seconds``, widened in virtual time."""
-    return seconds * (VIRTUAL_TIMEOUT_SCALE if virtual_time() else 1)
+from harness.testbed import (VIRTUAL_TIMEOUT_SCALE, Testbed, TestbedError,  # noqa: E402,F401
+                             guest_timeout, virtual_time)
 
 
 def wait_for(cond: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:
@@ -95,12 +85,6 @@ def wait_for(cond: Callable[[], bool], timeout: float, what: str, interval: floa
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(interval)
-
-
-def virtual_time() -> bool:
-    """True in the test VM's virtual-time mode (``vm/run.py --clock virtual``): guest time is
-    counted in instructions, so timers fire on time whatever the host's load."""
-    return os.environ.get("FLOWPACER_VM_CLOCK") == "virtual"
 
 
 def require_virtual_time() -> None:

@@ -69,6 +69,25 @@ def stop_process_groups(procs: List[subprocess.Popen], grace_s: float = 5) -> No
     procs.clear()
 
 
+# In virtual time a wait for the host (a file read over 9p) runs the guest's clock on, tick by
+# tick, far faster than the host's (vm/run.py): the guest's own time limits are widened by this
+# factor there (the host's limit on the whole VM run still bounds a real hang). A command's
+# limit too: a `tc qdisc replace ... fq` had "no answer in 30 s" of guest time while the host
+# was loaded (rehearsal ci28, virtual lane).
+VIRTUAL_TIMEOUT_SCALE = 10
+
+
+def virtual_time() -> bool:
+    """True in the test VM's virtual-time mode (``vm/run.py --clock virtual``): guest time is
+    counted in instructions, so timers fire on time whatever the host's load."""
+    return os.environ.get("FLOWPACER_VM_CLOCK") == "virtual"
+
+
+def guest_timeout(seconds: float) -> float:
+    """A time limit in guest seconds: ``seconds``, widened in virtual time."""
+    return seconds * (VIRTUAL_TIMEOUT_SCALE if virtual_time() else 1)
+
+
 class TestbedError(Exception):
     """A testbed command failed; one line with the command and its stderr."""
     __test__ = False
@@ -79,7 +98,8 @@ def modprobe(*names: str) -> None:
     built in) a failure is left to the command that needs the feature."""
     strict = os.path.exists(f"/lib/modules/{os.uname().release}/modules.dep")
     for n in names:
-        p = subprocess.run(["modprobe", n], capture_output=True, text=True, timeout=30)
+        p = subprocess.run(["modprobe", n], capture_output=True, text=True,
+                           timeout=guest_timeout(30))
         if strict and p.returncode != 0:
             raise TestbedError(f"modprobe {n}: exit {p.returncode}: {p.stderr.strip()}")
 
@@ -199,9 +219,11 @@ class Testbed:
                 check: bool = True) -> subprocess.CompletedProcess:
         argv = ["ip", "netns", "exec", ns] + [str(a) for a in args]
         try:
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+            proc = subprocess.run(argv, capture_output=True, text=True,
+                                  timeout=guest_timeout(timeout))
         except subprocess.TimeoutExpired:
-            raise TestbedError(f"{' '.join(argv)}: no answer in {timeout:.0f} s") from None
+            raise TestbedError(f"{' '.join(argv)}: no answer in {guest_timeout(timeout):.0f} s"
+                               ) from None
         if check and proc.returncode != 0:
             raise TestbedError(f"{' '.join(argv)}: exit {proc.returncode}: "
                                f"{proc.stderr.strip() or proc.stdout.strip()}")
@@ -239,7 +261,7 @@ class Testbed:
         return p
 
     def run(self, ns: str, argv: Sequence[str], timeout: float = 60, check: bool = True):
-        return sh("ip", "netns", "exec", ns, *argv, timeout=timeout, check=check)
+        return sh("ip", "netns", "exec", ns, *argv, timeout=guest_timeout(timeout), check=check)
 
     def fetch(self, port: int, seconds: float, v6: bool = False, local_port: int = 0,
               warmup: float = 1.0, name: str = "fp-client") -> dict:
@@ -252,7 +274,7 @@ class Testbed:
     def wait_listening(self, port: int, timeout: float = 10, ns: Optional[str] = None) -> None:
         ns = ns or self.server_ns
         wait_for(lambda: self.run(ns, ["ss", "-Hltn", f"sport = :{port}"]).stdout.strip(),
-                 timeout, 0.05, f"a listener on port {port}")
+                 guest_timeout(timeout), 0.05, f"a listener on port {port}")
 
 
 @dataclass(frozen=True)
