@@ -8,6 +8,7 @@ same inside the test VM), so it needs no installation.
 - ``harness.traffic``: clients (blaster fetch, iperf3, ab, h2load, curl, socket clients), rates
   measured at the receiver;
 - ``harness.capture``: what the kernel holds (classes, filters, connections);
+- ``harness.crowd``: flash crowds (h2load clients at once, per-request times, first-byte counts);
 - ``harness.fakes``: in-memory backend and flow sources for in-process daemon tests;
 - ``harness.scenarios``: the reliability scenarios (crash/restart, churn soak);
 - ``harness.terminal``: a private tmux server for full-screen commands;

@@ -7,18 +7,16 @@ Real nginx (2 workers, IPv4 and IPv6 listeners) and two h2load processes started
 (IPv4 and IPv6), one request per client; every reply's time from h2load's per-request log."""
 import os
 import secrets
-import subprocess
 import time
 
 import pytest
 
 from flowpacer.kernel.backend.htb import burst_for
-from harness import bpfobjs
-from harness.capture import daemon_objects, daemon_spares, kernel_objects, tc_show
+from harness import bpfobjs, crowd
 from harness.daemon import Daemon
 from harness.servers import Nginx
 from harness.testbed import Testbed, server_argv, wait_for
-from harness.traffic import WIRE, WIRE6, fetch, fetch_result, url
+from harness.traffic import WIRE, WIRE6, fetch, fetch_result
 
 pytestmark = [pytest.mark.kernel, pytest.mark.heavy]
 
@@ -54,43 +52,6 @@ def _testbed():
     return Testbed(tag=f"sgA{secrets.token_hex(2)}", subnet=230 + secrets.randbelow(20))
 
 
-def _counters(d):
-    return d.status()["first_byte"]["counters"]
-
-
-def _log_rows(path):
-    """(start us, status, duration us) per request of an h2load --log-file."""
-    rows = []
-    for line in path.read_text().splitlines():
-        parts = line.split("\t")
-        if len(parts) >= 3:
-            rows.append((int(parts[0]), int(parts[1]), int(parts[2])))
-    return rows
-
-
-def _nothing_left(tb, d, objs):
-    # every flow's class and filter gone: a class left without a filter must be one the daemon
-    # keeps as a spare for the next flows (issue 26, htb), any other is leaked
-    wait_for(lambda: d.status()["shaped_flows"] == 0 and daemon_objects(tb, d) == (0, 0), 60,
-             0.2, "every flow's class and filter gone")
-    spares = daemon_spares(d)
-    st = d.status()
-    assert st["interfaces"][0]["spare_classes"] == len(spares), st["interfaces"]
-    print(f"flash crowd: {len(spares)} spare classes kept after the crowd")
-    # a crowd past 256 flows leaves spares (htb): the check above told them from leaks
-    assert spares or 2 * CLIENTS < 256, st["interfaces"]
-    assert st["healthy"], st["stages"]
-    assert all(s["state"] == "running" for s in st["stages"] if s["name"] != "metrics"), \
-        st["stages"]
-    assert d.stop() == 0
-    assert "Traceback" not in d.log_text()
-    wait_for(lambda: not any(bpfobjs.alive(objs).values()), 10, 0.05,
-             "the daemon's BPF programs, maps and links gone")
-    assert "f1f0:" not in tc_show(tb, "qdisc"), tc_show(tb, "qdisc")
-    # and after the stop nothing at all: no class, spare or other
-    assert kernel_objects(tb) == (0, 0) and "f1f0:" not in tc_show(tb, "class")
-
-
 def test_flash_crowd_every_reply_is_paced_from_its_first_byte(root, tmp_path):
     """>= 500 clients over IPv4 and >= 500 over IPv6 at once (two h2load processes), one 256 KiB
     reply each: at least 99.5 % of the replies take at least the time their rate allows (per
@@ -108,41 +69,24 @@ def test_flash_crowd_every_reply_is_paced_from_its_first_byte(root, tmp_path):
             assert "rules shaped from the first byte: crowd" in d.status()["flow_source"]
             wait_for(lambda: any(p["ready"] > 0 for p in d.status()["first_byte"]["pools"]),
                      30, 0.05, "the pool made")
-            c0 = _counters(d)
-            logs, procs = [], []
-            t0 = time.monotonic()
-            for host in (tb.server_v4, tb.server_v6):
-                log = tmp_path / f"h2load-v{host.version}.log"
-                logs.append(log)
-                procs.append(tb.popen(tb.client_ns, [
-                    "timeout", "150", "h2load", "--h1", "-n", str(CLIENTS), "-c", str(CLIENTS),
-                    "-t", "1", "-T", "60", "-N", "60", f"--log-file={log}",
-                    url(host, ng.port, "/obj")], stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT, text=True))
-            outs = [p.communicate(timeout=170)[0] for p in procs]
-            took = time.monotonic() - t0
-            rows = [r for log in logs for r in _log_rows(log)]
-            ok = [r for r in rows if r[1] == 200]
-            early = sorted(r[2] / 1e6 for r in ok if r[2] / 1e6 < MIN_S)
-            starts = sorted(r[0] for r in rows)
-            spread_ms = (starts[-1] - starts[0]) / 1e3 if starts else 0
-            c1 = wait_for(lambda: (lambda c: c if c["claimed"] + c.get("stopgap", 0)
-                                   + c.get("missed", 0) - c0["claimed"] - c0.get("stopgap", 0)
-                                   - c0.get("missed", 0) >= len(rows) else None)(_counters(d)),
-                          10, 0.1, "every flow counted") if rows else _counters(d)
-            delta = {k: c1.get(k, 0) - c0.get(k, 0) for k in ("claimed", "stopgap", "missed",
-                                                                  "exhausted")}
-            print(f"flash crowd: {len(rows)} requests ({len(ok)} ok) in {took:.1f} s, starts "
-                  f"within {spread_ms:.0f} ms; {len(early)} replies under {MIN_S:.2f} s "
-                  f"(fastest {early[:5]}); counters {delta}")
-            assert len(ok) == 2 * CLIENTS, (len(rows), len(ok), [o[-600:] for o in outs])
+            c0 = crowd.first_byte_counters(d)
+            got = crowd.crowd(tb, (tb.server_v4, tb.server_v6), ng.port, "/obj", CLIENTS,
+                              tmp_path)
+            ok, early = got.ok, got.early(MIN_S)
+            delta = crowd.counted(d, c0, len(got.rows)) if got.rows else {}
+            print(f"flash crowd: {len(got.rows)} requests ({len(ok)} ok) in {got.took_s:.1f} s, "
+                  f"starts within {got.spread_ms:.0f} ms; {len(early)} replies under "
+                  f"{MIN_S:.2f} s (fastest {early[:5]}); counters {delta}")
+            assert len(ok) == 2 * CLIENTS, (len(got.rows), len(ok),
+                                            [o[-600:] for o in got.outputs])
             assert len(early) <= 0.005 * len(ok), \
                 f"{len(early)} of {len(ok)} replies finished in under {MIN_S:.2f} s: heads " \
                 f"left unpaced (fastest {early[:10]})"
             # every flow the kernel decided is paced by a class or the stopgap, or counted missed
             assert delta["claimed"] + delta["stopgap"] + delta["missed"] == len(ok), delta
             assert delta["missed"] <= 0.005 * len(ok), delta
-            _nothing_left(tb, d, objs)
+            # a crowd past 256 flows leaves spares (htb): told from leaks
+            crowd.assert_nothing_left(tb, d, objs, spares_expected=2 * CLIENTS >= 256)
         finally:
             d.stop()
 
@@ -179,11 +123,11 @@ def test_a_reload_raising_the_rate_lifts_the_stopgap(root, tmp_path):
         try:
             wait_for(lambda: "rules shaped from the first byte: lifted"
                      in d.status()["flow_source"], 30, 0.05, "the kernel rule")
-            c0 = _counters(d)
+            c0 = crowd.first_byte_counters(d)
             ps = [fetch(tb, host, 9301, 9, warmup=0, interval=0.1)
                   for host in (tb.server_v4, tb.server_v6)]
             wait_for(lambda: d.status()["shaped_flows"] == 2, 10, 0.05, "both flows' classes")
-            c1 = _counters(d)
+            c1 = crowd.first_byte_counters(d)
             assert c1["stopgap"] - c0["stopgap"] == 2 and c1["claimed"] == c0["claimed"], c1
             t_in = time.monotonic()
             wait_for(lambda: time.monotonic() - t_in > 2.5, 5, 0.05, "a steady rate")
@@ -199,7 +143,7 @@ def test_a_reload_raising_the_rate_lifts_the_stopgap(root, tmp_path):
                       f"{after * 8 / 1e6:.2f} Mbit/s of payload")
                 assert before == pytest.approx(8e6 / 8 * w, rel=0.08), (before, after)
                 assert after == pytest.approx(24e6 / 8 * w, rel=0.08), (before, after)
-            assert _counters(d)["lifted"] - c0["lifted"] == 2
+            assert crowd.first_byte_counters(d)["lifted"] - c0["lifted"] == 2
             assert "Traceback" not in d.log_text()
         finally:
             d.stop()
