@@ -150,18 +150,27 @@ def parse_tcmsg(msg_type: int, body: bytes) -> TcObject:
 
 # ---------------------------------------------------------------------- socket
 
-@dataclass
+@dataclass(slots=True)
 class Request:
     msg_type: int
     flags: int
     body: bytes
-    what: object         # "add class f1f0:12 on eth0", or a callable giving it (only on error)
+    # what it does, for error messages: "add class f1f0:12 on eth0", or made only on error by
+    # a callable, or by a tuple (function, *args) (no closure object per request: the backend
+    # sends thousands of them in a burst)
+    what: object
     # called with (type, body) of the kernel's echo of the request (the request is sent with
     # NLM_F_ECHO): e.g. a changed class' counters as the change left them
     echo: Optional[Callable[[int, bytes], None]] = None
+    where: str = ""      # the device, said after ``what`` ("... on eth0"); "": nothing added
 
     def describe(self) -> str:
-        return self.what() if callable(self.what) else str(self.what)
+        w = self.what
+        if type(w) is tuple:
+            text = w[0](*w[1:])
+        else:
+            text = w() if callable(w) else str(w)
+        return f"{text} on {self.where}" if self.where else text
 
 
 class RtnlSocket:
