@@ -141,6 +141,12 @@ class TcObject:
         return parse_attrs(raw) if raw else {}
 
 
+def tcmsg_handle(body: bytes) -> Tuple[int, int]:
+    """(ifindex, handle) of a tc message, its attributes left unread (a dump's list of ids)."""
+    _f, _p1, _p2, ifindex, handle, _parent, _info = _TCMSG.unpack_from(body, 0)
+    return ifindex, handle
+
+
 def parse_tcmsg(msg_type: int, body: bytes) -> TcObject:
     family, _, _, ifindex, handle, parent, info = _TCMSG.unpack_from(body, 0)
     attrs = parse_attrs(body, _TCMSG.size)
