@@ -107,9 +107,8 @@ class FlowKey:
 
     @property
     def sort_key(self) -> Tuple[int, int, int, int, int, int, int]:
-        return (self.local_addr.version, int(self.local_addr), self.local_port,
-                self.remote_addr.version, int(self.remote_addr), self.remote_port,
-                _PROTO_NUMBER[self.protocol])
+        """(local version, address, port, remote version, address, port, protocol number)."""
+        return self._identity()[:7]
 
     def __hash__(self) -> int:
         # over what __eq__ compares; ``ipaddress``' own hash formats the address as hex text
@@ -124,17 +123,18 @@ class FlowKey:
 
     def _identity(self) -> tuple:
         """The fields as the generated __eq__ compared them, in plain values: each address'
-        integer, version and IPv6 scope (what ``ipaddress`` compares), the ports and the
-        protocol's number. Keys of two sources (the tracer's, sock_diag's) meet in the flow
-        table's dicts, where every lookup compared them field by field through ``ipaddress``'
-        Python-level __eq__ (issue 26's profile: ~2 us a lookup, 20 000 at each reconcile pass
-        of 10 000 flows); a tuple of integers compares in C."""
+        version and integer, the ports, the protocol's number (in ``sort_key``'s order: it is
+        the first seven), then the addresses' IPv6 scopes (what ``ipaddress`` compares too).
+        Keys of two sources (the tracer's, sock_diag's) meet in the flow table's dicts, where
+        every lookup compared them field by field through ``ipaddress``' Python-level __eq__
+        (issue 26's profile: ~2 us a lookup, 20 000 at each reconcile pass of 10 000 flows); a
+        tuple of integers compares in C, and a plan's sort reads it too."""
         i = self._ident
         if i is None:
             la, ra = self.local_addr, self.remote_addr
-            i = (int(la), la.version, getattr(la, "scope_id", None), self.local_port,
-                 int(ra), ra.version, getattr(ra, "scope_id", None), self.remote_port,
-                 _PROTO_NUMBER[self.protocol])
+            i = (la.version, int(la), self.local_port, ra.version, int(ra), self.remote_port,
+                 _PROTO_NUMBER[self.protocol], getattr(la, "scope_id", None),
+                 getattr(ra, "scope_id", None))
             object.__setattr__(self, "_ident", i)
         return i
 
