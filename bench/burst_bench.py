@@ -19,7 +19,9 @@
 Results go under a label (``--label before`` for main's code, ``after`` for this branch's), so
 one file holds both. Writes bench/results/burst.json (labels and parts not run keep their
 previous figures unless ``--fresh``).
-Run: ``.venv/bin/python -m bench.burst_bench [--quick] [--label L] [part ...]``.
+Run: ``.venv/bin/python -m bench.burst_bench [--quick] [--label L] [part ...]``; with
+``--daemon-tree DIR`` the daemon runs the flowpacer package of another checkout (e.g. main's,
+to measure its code beside this one's with the same bench).
 The module is also its own client and server (``serve`` / ``connect``, see ``_helper_main``).
 """
 from __future__ import annotations
@@ -304,7 +306,16 @@ def targets(tb, mixed: bool) -> List[str]:
     return [v4, f"[{tb.server_v6}]:{PORT_DUAL}", f"{tb.server_v4}:{PORT_DUAL}"]
 
 
-def burst_curve(tb, sizes=SIZES, mixed=False, profile=False) -> dict:
+def daemon_command(tree: str) -> tuple:
+    """``python -m flowpacer`` with the flowpacer package of another tree (``--daemon-tree``:
+    e.g. main's checkout, to measure its code beside this one's with the same bench): its
+    directory first on sys.path, where ``-m`` would put the working directory."""
+    code = (f"import runpy, sys; sys.path.insert(0, {os.path.abspath(tree)!r}); "
+            "runpy.run_module('flowpacer', run_name='__main__', alter_sys=True)")
+    return (PY, "-c", code)
+
+
+def burst_curve(tb, sizes=SIZES, mixed=False, profile=False, tree: str = "") -> dict:
     for k, v in (("net.core.somaxconn", "65535"), ("net.ipv4.tcp_max_syn_backlog", "65535")):
         sh("ip", "netns", "exec", tb.server_ns, "sysctl", "-qw", f"{k}={v}")
     # the client's ports: every step's connections wait in TIME_WAIT for 60 s after it
@@ -316,6 +327,8 @@ def burst_curve(tb, sizes=SIZES, mixed=False, profile=False) -> dict:
     d = Daemon(tb, None, RULES, "--no-metrics", verbose=False,
                env={**os.environ, "FLOWPACER_NO_FIRST_BYTE": "1"})
     prof_out = None
+    if tree:
+        d.command = daemon_command(tree)
     if profile:
         import tempfile
         prof_out = os.path.join(tempfile.mkdtemp(prefix="fp-prof-"), "daemon.pstats")
@@ -412,13 +425,14 @@ def churn_curve(tb, rates=CHURN_RATES, seconds=5, mixed=False) -> dict:
     return res
 
 
-def _code() -> str:
-    """The code measured: the commit of the tree the bench runs from (+ "dirty")."""
+def _code(tree: str = ".") -> str:
+    """The code measured: the commit of the tree the daemon runs from (+ "dirty")."""
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=10).stdout.strip()
+                             text=True, timeout=10, cwd=tree).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+                               capture_output=True, text=True, timeout=10,
+                               cwd=tree).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return (rev or "not a git tree") + (" + changes" if dirty else "")
@@ -445,6 +459,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="the daemon under cProfile (every "
                     "thread): its top functions per flow go into the figures (times inflated by "
                     "the profiler: compare shares, not with unprofiled runs)")
+    ap.add_argument("--daemon-tree", default="", help="run the daemon from this tree's "
+                    "flowpacer package (e.g. main's checkout) instead of the one the bench runs "
+                    "from (bursts only)")
     args = ap.parse_args(argv)
     names = args.parts or list(PARTS)
     for n in names:
@@ -456,20 +473,21 @@ def main(argv=None) -> int:
     figures = json.loads(prev.read_text()).get("figures", {}) if prev.exists() and not args.fresh else {}
     mine = figures.setdefault(args.label, {})
     mine["measured"] = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                        "code": _code()}
+                        "code": _code(args.daemon_tree or ".")}
     for name in names:
         mixed = name.endswith("_mixed")
         if name.startswith("burst") and args.cold:
             runs = []
             for n in sizes:
                 with Testbed(tag=PARTS[name]) as tb:
-                    runs.append(burst_curve(tb, (n,), mixed))
+                    runs.append(burst_curve(tb, (n,), mixed, tree=args.daemon_tree))
             mine[name] = {**runs[0], "steps": [s for r in runs for s in r["steps"]], "cold": True}
             print(json.dumps({name: mine[name]}, indent=1)[:4000], flush=True)
             continue
         with Testbed(tag=PARTS[name]) as tb:
             if name.startswith("burst"):
-                mine[name] = burst_curve(tb, sizes, mixed, profile=args.profile)
+                mine[name] = burst_curve(tb, sizes, mixed, profile=args.profile,
+                                         tree=args.daemon_tree)
             else:
                 mine[name] = churn_curve(tb, QUICK_CHURN_RATES if args.quick else CHURN_RATES,
                                          3 if args.quick else 5, mixed)
