@@ -493,7 +493,7 @@ def main(argv=None) -> int:
                                          3 if args.quick else 5, mixed)
         print(json.dumps({name: mine[name]}, indent=1)[:4000], flush=True)
     goals = {}
-    for label in ("spares", "spares_cold", "spares_quiet"):
+    for label in ("spares", "spares_cold", "spares_quiet", "cpu"):
         for part in ("burst", "burst_mixed"):
             by_n = {s["flows"]: s for s in g(figures, label, part, "steps") or []}
             for n, limit in ((2000, 0.5), (10_000, 2.0)):
@@ -513,7 +513,8 @@ HEADING = "### Classes at burst speed (`bench/burst_bench.py`, issue 26)\n"
 # cold (a daemon of its own for each size: no spares yet)
 LABELS = (("before", "s11 before"), ("after", "s11 after"), ("main", "main now"),
           ("spares", "spares"), ("spares_cold", "spares, cold"), ("main_quiet", "main, quiet"),
-          ("spares_quiet", "spares, quiet"), ("spares_2k", "spares, 3 x 2 000, quiet"))
+          ("spares_quiet", "spares, quiet"), ("spares_2k", "spares, 3 x 2 000, quiet"),
+          ("main_1129", "main, 29 Nov"), ("cpu", "CPU cut, 29 Nov"))
 
 
 def _ms(x):
@@ -591,7 +592,41 @@ def report_section(R: ResultIndex) -> str:
            "classes after it, no op error); not seen again: *spares, 3 x 2 000, quiet* (11:50, "
            "each step records the daemon's spare count before it: 2 000) reused all 2 000 in "
            "each repeated step, mixed and IPv4, in 0.33-0.53 s at 167-197 us a flow, 45-50 in "
-           "the kernel.\n"]
+           "the kernel.\n",
+           "**The daemon's CPU per new flow** (issue 26 item 2; 29 Nov, 04:07-04:14, load average "
+           "3-4.5 on 2 CPUs with a CI run beside). Profiled with py-spy (`--gil`: only the "
+           "thread holding the GIL, a proxy for Python's CPU) over the daemon through 2 000, "
+           "2 000, 10 000, 10 000 mixed connections at once, and cut where it said: the cyclic "
+           "collector's full collections (gc.callbacks: 32 us a new flow at 10 000, 22 of it in "
+           "6 full collections; the daemon now spaces its passes out, 3-4 us), a megabyte "
+           "allocated per netlink datagram read (every class change of a spare is echoed: ~40 us "
+           "a flow), the tc path's closures and lazy texts made per request (8 function objects "
+           "a new flow), sock_diag's /proc reads per new socket instead of per process, the audit "
+           "of every reconcile pass parsing every class' counters for a set of ids, FlowKey's "
+           "equality going through `ipaddress`' Python `__eq__` at every cross-source lookup, a "
+           "ProcessInfo per event, fnmatch per flow and plan. Same kernel objects, texts and "
+           "counters. *CPU cut, 29 Nov* is this code, *main, 29 Nov* main's (a172da0, the "
+           "branch's base: `--daemon-tree`; its checkout had uncommitted changes outside "
+           "`flowpacer/`), measured one after the other with the same bench: on spares, a burst "
+           "of 2 000 costs 61-80 us of CPU a flow (user 41-50, system 20-30; main: 78-125, user "
+           "58-85) and is in in 0.20-0.26 s (main 0.20-0.37 s); a burst of 10 000 on 10 000 "
+           "spares 74-107 us (user 56-84, system 18-23; main 155-161, user 119-123) and is in in "
+           "1.56 s mixed, 2.19 s IPv4 (main 3.28-3.70 s under a load of 4.3-4.5). Again "
+           "(04:12-04:14, load 3.0-3.4, mixed, each thread's time from /proc/PID/task, the "
+           "reconcile passes until 2.5 s after the last class included): 10 000 on spares in "
+           "1.06 s at 49 us in the tracer's thread (user 35, system 14) and 37 in the main "
+           "thread's reconcile passes (user 27) (main: 2.10 s, 94 (70) and 69 (51)); 2 000 in "
+           "0.21 s at 51 (35) and 42 (30) (main: 0.22 s, 71 (60) and 59 (40)). Per function "
+           "group (py-spy's share of each thread's user time, 10 000 on spares, main -> this): "
+           "the tc requests' queueing 36 -> 12 us, the tracer's thread's other work (GC "
+           "included) 8 -> 0.3, its flow table 6.6 -> 1.1, the reconcile pass' sock_diag scan "
+           "29 -> 17, its audit 7 -> 0. Not met: 50 us of CPU a flow (the kernel's part alone is "
+           "18-30 us on spares, the Python path 35-85 us; what is left: the scan's /proc walk "
+           "and per-socket parsing at every pass, bcc's ring buffer callback per event, the "
+           "frozen dataclasses a flow passes through), 0.5 s for a cold 2 000 in every run "
+           "(0.27-0.82 s: the classes made, 70-110 us of kernel time a flow) and 2 s for 10 000 "
+           "when the classes must be made (5.1-5.8 s: the kernel's walk of every class per class "
+           "made), or for IPv4 on spares under this load (2.19 s).\n"]
     rows = []
     for part, mix in (("burst", "IPv4"), ("burst_mixed", "mixed")):
         by = [(s["flows"], i, shown, s) for i, (label, shown) in enumerate(LABELS)
