@@ -47,6 +47,11 @@ class ScriptedKernel:
         assert self.queue, "transact waits for an answer the kernel never sends"
         return self.queue.pop(0)
 
+    def recv_into(self, buf):
+        data = self.recv(len(buf))
+        buf[:len(data)] = data
+        return len(data)
+
     def close(self):
         pass
 
@@ -55,6 +60,7 @@ def rtnl(kernel, max_in_flight=16, batch_bytes=None):
     s = nl.RtnlSocket.__new__(nl.RtnlSocket)
     s._sock = kernel
     s._seq = 1000
+    s._buf = None
     s.max_in_flight = max_in_flight
     if batch_bytes is not None:
         s.BATCH_BYTES = batch_bytes

@@ -32,6 +32,7 @@ from flowpacer.surfaces import explain
 from flowpacer.surfaces.control import DEFAULT_SOCKET, ControlServer, command_handler
 from flowpacer.errors import FlowpacerError
 from flowpacer.daemon.mainloop import MainLoop, sd_notify
+from flowpacer.daemon.memory import tune_gc
 from flowpacer.surfaces.metrics import (DEFAULT_ADDRESSES, DEFAULT_LISTEN,
                                         DEFAULT_MAX_FLOW_SERIES, FlowpacerCollector,
                                         MetricsServer)
@@ -174,9 +175,7 @@ class Daemon:
         for s in self.stages:
             if s is not self.main_stage:
                 s.start()
-        import gc
-        gc.collect()
-        gc.freeze()     # start-up objects (bcc, rules) stay out of later collections' work
+        tune_gc()
         self.notify("READY=1\nSTATUS=shaping flows on " + ", ".join(
             b.interface for b in self._send_backends()))
         log.info("ready: %d flows shaped, flow source: %s",

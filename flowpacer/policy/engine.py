@@ -24,6 +24,24 @@ def is_glob(pattern: str) -> bool:
     return bool(_GLOB_CHARS & set(pattern))
 
 
+_NAMES_MATCHED: Dict[Tuple[str, Tuple[str, ...]], bool] = {}
+
+
+def names_match(name: str, patterns: Tuple[str, ...]) -> bool:
+    """Whether ``name`` matches one of the globs ``patterns`` (``fnmatch.fnmatchcase``),
+    remembered: a burst's thousands of flows are a few processes, and each flow's rule is
+    asked again at every plan (issue 26's profile: the globs' matching was most of the
+    engine's time). A pure function's memo, bounded."""
+    k = (name, patterns)
+    hit = _NAMES_MATCHED.get(k)
+    if hit is None:
+        hit = any(fnmatch.fnmatchcase(name, p) for p in patterns)
+        if len(_NAMES_MATCHED) >= 4096:
+            _NAMES_MATCHED.clear()
+        _NAMES_MATCHED[k] = hit
+    return hit
+
+
 def mismatches(rule: Rule, flow: Flow, every: bool = False) -> Tuple[str, ...]:
     """The fields of ``rule``'s match that ``flow`` fails, () when the rule matches it. The one
     matcher: ``rule_matches`` (which flow gets which rule) and ``explain`` (why) both ask it.
@@ -38,11 +56,11 @@ def mismatches(rule: Rule, flow: Flow, every: bool = False) -> Tuple[str, ...]:
         if not every:
             return ("direction",)
         out += ("direction",)
-    if m.process and not any(fnmatch.fnmatchcase(flow.proc.comm, p) for p in m.process):
+    if m.process and not names_match(flow.proc.comm, m.process):
         if not every:
             return ("process",)
         out += ("process",)
-    if m.exe and not (flow.proc.exe and any(fnmatch.fnmatchcase(flow.proc.exe, p) for p in m.exe)):
+    if m.exe and not (flow.proc.exe and names_match(flow.proc.exe, m.exe)):
         if not every:
             return ("exe",)
         out += ("exe",)

@@ -168,8 +168,15 @@ class SockDiagSource:
         unknown = inodes - self._owners.keys()
         if unknown:
             self.proc_walks += 1
+            # a process' facts are read once a scan, however many new sockets it holds (a burst
+            # of 10 000 accepted connections is one server's: 3 reads of /proc a process, not
+            # 30 000), and its sockets share the one ProcessInfo
+            procs: Dict[int, Optional[ProcessInfo]] = {}
             for ino, pid in socket_owners(unknown).items():
-                info = read_process(pid)
+                if pid in procs:
+                    info = procs[pid]
+                else:
+                    info = procs[pid] = read_process(pid)
                 if info is not None:
                     self._owners[ino] = info
         for ino in [i for i in self._owners if i not in inodes]:

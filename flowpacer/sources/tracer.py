@@ -343,6 +343,9 @@ def _wire(family: int, raw: bytes) -> model.IPAddress:
     return a
 
 
+_NO_OWNER = model.ProcessInfo(pid=0)     # a flow whose process the kernel did not say
+
+
 def _comm(raw: bytes) -> str:
     return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
 
@@ -688,6 +691,7 @@ class Tracer:
             decoded.append(EVENT.unpack_from(rec))
         decoded.sort(key=lambda r: r[0])   # OPEN before CLOSE when both are here
         out: List[model.FlowEvent] = []
+        procs: Dict[tuple, model.ProcessInfo] = {}   # one ProcessInfo per owner a poll
         for r in decoded:
             if r[9] == FT_RELEASE:
                 out.extend(self._released(r))
@@ -697,7 +701,7 @@ class Tracer:
                 if ev is not None:
                     out.append(ev)
                 continue
-            ev = self._to_event(r)
+            ev = self._to_event(r, procs)
             if ev is not None:
                 out.append(ev)
         return out + idle
@@ -839,7 +843,11 @@ class Tracer:
             return model.FlowKey(la, lport, ra, rport, proto)
         return model.FlowKey.wire(_addr(family, laddr), lport, _addr(family, raddr), rport, proto)
 
-    def _to_event(self, r) -> Optional[model.FlowEvent]:
+    def _to_event(self, r, procs: Optional[Dict[tuple, model.ProcessInfo]] = None
+                  ) -> Optional[model.FlowEvent]:
+        """One record's event (None: dropped); ``procs``: the owners met in this poll, by
+        their facts, so that a burst's events of one process share one ProcessInfo (one
+        comm decode and exe lookup a process, not one an event)."""
         (ts, cgid, netns, pid, tid, uid, family, lport, rport,
          kind, direction, flags, proto, laddr, raddr, comm, cookie, mark, bound_if) = r
         if kind not in (FT_OPEN, FT_CLOSE) or family not in (AF_INET, AF_INET6):
@@ -849,12 +857,17 @@ class Tracer:
         key = self._key(family, laddr, lport, raddr, rport,
                         model.Protocol.UDP if udp else model.Protocol.TCP)
         if flags & FT_F_ATTRIBUTED:
-            name = _comm(comm)
-            proc = model.ProcessInfo(pid=pid, comm=name,
-                                     exe=self._exe_of(pid, name) if kind == FT_OPEN else "",
-                                     uid=uid, tid=tid, cgroup_id=cgid)
+            facts = (pid, tid, uid, cgid, comm, kind == FT_OPEN)
+            proc = procs.get(facts) if procs is not None else None
+            if proc is None:
+                name = _comm(comm)
+                proc = model.ProcessInfo(pid=pid, comm=name,
+                                         exe=self._exe_of(pid, name) if kind == FT_OPEN else "",
+                                         uid=uid, tid=tid, cgroup_id=cgid)
+                if procs is not None:
+                    procs[facts] = proc
         else:
-            proc = model.ProcessInfo(pid=0)
+            proc = _NO_OWNER
         flow = model.Flow(key=key, direction=FT_DIR.get(direction, model.Direction.ANY),
                           proc=proc, source=model.FlowSource.TRACER, netns_ino=netns, seen_ns=ts,
                           mark=mark, bound_if=bound_if)

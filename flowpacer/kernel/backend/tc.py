@@ -340,7 +340,7 @@ class TcBackend:
         """Flows whose class someone removed behind our back: forgotten (their filter deleted if
         it is still there) and returned, so that the caller can plan them again. Spares and
         group classes someone removed are forgotten too, groups left without flows deleted."""
-        present = set(self.counters.by_class())
+        present = self.counters.present()
         gone = self.flow_classes.audit(present)
         self.class_ids.audit_spares(present)
         self.group_classes.audit(present, self.flow_classes.group_parents())

@@ -38,11 +38,9 @@ class Channel:
             else QDISC_HANDLE
 
     def req(self, mtype: int, flags: int, body: bytes, what) -> Request:
-        """A request; ``what`` (a string or a callable making one) names it in error messages."""
-        ifname = self.interface
-        if callable(what):
-            return Request(mtype, flags, body, lambda: f"{what()} on {ifname}")
-        return Request(mtype, flags, body, f"{what} on {ifname}")
+        """A request; ``what`` (a string, a callable making one, or a tuple (function, *args))
+        names it in error messages, followed by "on" and the device."""
+        return Request(mtype, flags, body, what, None, self.interface)
 
     def class_msg(self, minor: int, parent_minor: Optional[int], options: bytes, create: bool,
                   what) -> Request:

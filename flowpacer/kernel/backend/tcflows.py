@@ -139,16 +139,25 @@ class FlowClasses:
         """Carry out a plan. Idempotent: an ADD of a known flow changes it, a REMOVE of an
         unknown one does nothing. Failures are reported per operation; the rest goes on.
         First-byte pool ops (``PoolOp``) are applied in the same batch (pool.py); a flow
-        REMOVEd earlier in the plan is a new flow for a later ADD (a rebound claim)."""
+        REMOVEd earlier in the plan is a new flow for a later ADD (a rebound claim).
+
+        Each request is queued with what to do with its outcome: ``add(req, callback)``, the
+        callback called with None or the NetlinkError, or ``add(req, function, arg)``, called
+        as ``function(arg, error)``: the flows' own requests take that form, a module function
+        and one record a flow (``_Adding``, ``_Removing``), not closures made per request (a
+        burst of thousands of flows made them by the dozen a flow, and the collector's work
+        with them)."""
         res = ApplyResult()
         self._ids.new_apply()
         reqs: List[Request] = []
-        # what to do with each request's outcome
-        after: List[Callable[[Optional[NetlinkError]], None]] = []
+        # what to do with each request's outcome: a callback, or a function and its argument
+        after: List[Callable] = []
+        args: List[object] = []
 
-        def add(req, cb):
+        def add(req, cb, arg=_PLAIN):
             reqs.append(req)
             after.append(cb)
+            args.append(arg)
 
         grouped: List[Op] = []
         removing = set()
@@ -179,49 +188,27 @@ class FlowClasses:
         if grouped:
             self._groups.queue(grouped, add, res, self)
         if reqs:
-            for cb, err in zip(after, chan.transact(reqs)):
-                cb(err)
+            for cb, arg, err in zip(after, args, chan.transact(reqs)):
+                if arg is _PLAIN:
+                    cb(err)
+                else:
+                    cb(arg, err)
         return res
 
     def queue_remove(self, op: Op, inst: Installed, add, res: ApplyResult) -> None:
-        """Queue the removal of flow ``op.key`` (``add(req, callback)`` as in ``apply``): its
-        filter, then its class, or only its filter when the class stays as a spare."""
-        fam = op.key.family
-        state = {"filter_ok": True}
-        ids = self._ids
-        if inst.parent is None and ids.keep_spare(inst.classid & 0xFFFF, len(self._book)):
-            def spare_done(err):
-                if err is not None and err.errno != errno.ENOENT:
-                    res.errors.append(OpError(op, str(err)))
-                    return
-                self._layout.release(inst.filter_handle)
-                ids.add_spare(inst.classid & 0xFFFF)
-                self._book.pop(op.key, None)
-                res.removed += 1
-            add(self._filter_msg(RTM_DELTFILTER, 0, fam, inst.filter_handle, u32.kind_only(),
-                                 lambda: f"delete filter for {op.key}"), spare_done)
+        """Queue the removal of flow ``op.key`` (``add`` as in ``apply``): its filter, then its
+        class, or only its filter when the class stays as a spare."""
+        key = op.key
+        r = _Removing(self, op, inst, res)
+        if inst.parent is None and self._ids.keep_spare(inst.classid & 0xFFFF, len(self._book)):
+            add(self._filter_msg(RTM_DELTFILTER, 0, key.family, inst.filter_handle,
+                                 u32.kind_only(), (_filter_text, "delete", key)),
+                _spare_removed, r)
             return
-
-        def filter_done(err):
-            if err is not None and err.errno != errno.ENOENT:
-                state["filter_ok"] = False
-                res.errors.append(OpError(op, str(err)))
-
-        def class_done(err):
-            if err is not None and err.errno != errno.ENOENT:
-                if state["filter_ok"]:
-                    res.errors.append(OpError(op, str(err)))
-                return
-            self._layout.release(inst.filter_handle)
-            ids.free(inst.classid & 0xFFFF)
-            self._book.pop(op.key, None)
-            res.removed += 1
-
-        add(self._filter_msg(RTM_DELTFILTER, 0, fam, inst.filter_handle, u32.kind_only(),
-                             lambda: f"delete filter for {op.key}"), filter_done)
-        add(self._chan.class_del(inst.classid,
-                                 lambda: f"delete class {nl.fmt_handle(inst.classid)} of {op.key}"),
-            class_done)
+        add(self._filter_msg(RTM_DELTFILTER, 0, key.family, inst.filter_handle, u32.kind_only(),
+                             (_filter_text, "delete", key)), _filter_removed, r)
+        add(self._chan.class_del(inst.classid, (_class_text, "delete", inst.classid, "of", key)),
+            _class_removed, r)
 
     def queue_change(self, op: Op, inst: Installed, add, res: ApplyResult,
                      kernel: Optional[tuple] = None) -> None:
@@ -233,17 +220,9 @@ class FlowClasses:
         except ValueError as e:
             res.errors.append(OpError(op, f"{op.key}: {e}"))
             return
-
-        def done(err):
-            if err is not None:
-                res.errors.append(OpError(op, str(err)))
-                return
-            inst.shape = op.shape
-            inst.kernel = kernel
-            res.changed += 1
         add(self._class_msg(inst.classid & 0xFFFF, inst.parent or self._chan.flow_parent, options,
-                            False,
-                            lambda: f"change class {nl.fmt_handle(inst.classid)} of {op.key}"), done)
+                            False, (_class_text, "change", inst.classid, "of", op.key)),
+            _changed, (op, inst, kernel, res))
 
     def queue_add(self, op: Op, add, res: ApplyResult, parent: Optional[int] = None,
                   kernel: Optional[tuple] = None) -> None:
@@ -276,65 +255,46 @@ class FlowClasses:
             res.errors.append(OpError(op, str(e)))
             return
         classid = tc_handle(MAJOR, minor)
-        state = {"ok": True}
-
-        def echo(mtype, body):          # a reused spare's counters as the change left them
-            state["base"] = EchoedStats(mtype, body)
-
-        def fail(err):
-            if state["ok"]:
-                res.errors.append(OpError(op, str(err)))
-            state["ok"] = False
-
-        def class_done(err):
-            state["class_err"] = err.errno if err is not None else 0
-            if err is not None:
-                fail(err)
-
-        def filter_done(err):
-            if err is None and state["ok"]:
-                self._book[key] = Installed(classid, pl.handle, op.shape, parent, kernel,
-                                            state.get("base") if spare else None)
-                res.added += 1
-                return
-            if err is not None:
-                fail(err)
-            self._layout.release(pl.handle)
-            # undo the half that went in; never a class that was there before us
-            undo = []
-            if err is None:
-                undo.append(self._filter_msg(RTM_DELTFILTER, 0, key.family, pl.handle,
-                                             u32.kind_only(), "undo filter"))
-            if spare:                   # the spare stays one, unless it is gone
-                if undo:
-                    self._chan.transact(undo)
-                if state.get("class_err") == errno.ENOENT:
-                    ids.free(minor)
-                else:
-                    ids.add_spare(minor)
-                return
-            if state.get("class_err") == 0:
-                undo.append(self._chan.class_del(classid, "undo class"))
-            if undo:
-                self._chan.transact(undo)
-            if state.get("class_err") == errno.EEXIST:
-                log.warning("%s: class %s exists but is not ours; not using that id",
-                            self._chan.interface, nl.fmt_handle(classid))
-            else:
-                ids.free(minor)
-
+        a = _Adding(self, op, res, minor, classid, pl.handle, spare, parent, kernel)
         req = self._class_msg(minor, parent or self._chan.flow_parent, options,
                               not claimed and not spare,
-                              lambda: f"{'reuse' if spare else 'add'} class "
-                                      f"{nl.fmt_handle(classid)} for {key}")
+                              (_class_text, "reuse" if spare else "add", classid, "for", key))
         if spare:
-            req.echo = echo
-        add(req, class_done)
+            req.echo = a            # a reused spare's counters as the change left them
+        add(req, _add_class_done, a)
         add(self._filter_msg(RTM_NEWTFILTER, NLM_F_CREATE | NLM_F_EXCL, key.family, pl.handle,
                              u32.flow_leaf_options(classid, pl.in_table, wk.local_addr,
                                                    wk.local_port, wk.remote_addr, wk.remote_port,
                                                    wk.protocol.number),
-                             lambda: f"add filter for {key}"), filter_done)
+                             (_filter_text, "add", key)), _add_filter_done, a)
+
+    def _add_failed(self, a: "_Adding", err: Optional[NetlinkError]) -> None:
+        """A new flow's filter did not go in, or its class did not: undo the half that went
+        in (never a class that was there before us) and give its ids back."""
+        key = a.op.key
+        self._layout.release(a.handle)
+        ids = self._ids
+        undo = []
+        if err is None:
+            undo.append(self._filter_msg(RTM_DELTFILTER, 0, key.family, a.handle,
+                                         u32.kind_only(), "undo filter"))
+        if a.spare:                 # the spare stays one, unless it is gone
+            if undo:
+                self._chan.transact(undo)
+            if a.class_err == errno.ENOENT:
+                ids.free(a.minor)
+            else:
+                ids.add_spare(a.minor)
+            return
+        if a.class_err == 0:
+            undo.append(self._chan.class_del(a.classid, "undo class"))
+        if undo:
+            self._chan.transact(undo)
+        if a.class_err == errno.EEXIST:
+            log.warning("%s: class %s exists but is not ours; not using that id",
+                        self._chan.interface, nl.fmt_handle(a.classid))
+        else:
+            ids.free(a.minor)
 
     def audit(self, present: Set[int]) -> List[FlowKey]:
         """Flows whose class someone removed behind our back (not among ``present``, the class
@@ -351,3 +311,118 @@ class FlowClasses:
         if undo:
             self._chan.transact(undo)
         return gone
+
+
+# ------------------------------------------------ the outcomes of a flow's requests (apply)
+
+_PLAIN = object()          # ``add(req, callback)``: the callback takes the error alone
+
+
+def _class_text(verb: str, classid: int, prep: str, key: FlowKey) -> str:
+    return f"{verb} class {nl.fmt_handle(classid)} {prep} {key}"
+
+
+def _filter_text(verb: str, key: FlowKey) -> str:
+    return f"{verb} filter for {key}"
+
+
+class _Adding:
+    """A new flow's class and filter on their way (``queue_add``): what their outcomes need.
+    Called with the kernel's echo of a reused spare's change (its counters then)."""
+
+    __slots__ = ("flows", "op", "res", "minor", "classid", "handle", "spare", "parent",
+                 "kernel", "ok", "class_err", "base")
+
+    def __init__(self, flows: FlowClasses, op: Op, res: ApplyResult, minor: int, classid: int,
+                 handle: int, spare: int, parent: Optional[int], kernel: Optional[tuple]):
+        self.flows = flows
+        self.op = op
+        self.res = res
+        self.minor = minor
+        self.classid = classid
+        self.handle = handle
+        self.spare = spare
+        self.parent = parent
+        self.kernel = kernel
+        self.ok = True
+        self.class_err: Optional[int] = None
+        self.base: Optional[EchoedStats] = None
+
+    def __call__(self, mtype: int, body: bytes) -> None:
+        self.base = EchoedStats(mtype, body)
+
+    def fail(self, err: NetlinkError) -> None:
+        if self.ok:
+            self.res.errors.append(OpError(self.op, str(err)))
+        self.ok = False
+
+
+def _add_class_done(a: _Adding, err: Optional[NetlinkError]) -> None:
+    a.class_err = err.errno if err is not None else 0
+    if err is not None:
+        a.fail(err)
+
+
+def _add_filter_done(a: _Adding, err: Optional[NetlinkError]) -> None:
+    if err is None and a.ok:
+        op = a.op
+        a.flows._book[op.key] = Installed(a.classid, a.handle, op.shape, a.parent, a.kernel,
+                                          a.base if a.spare else None)
+        a.res.added += 1
+        return
+    if err is not None:
+        a.fail(err)
+    a.flows._add_failed(a, err)
+
+
+class _Removing:
+    """A flow's filter (and class) on their way out (``queue_remove``)."""
+
+    __slots__ = ("flows", "op", "inst", "res", "filter_ok")
+
+    def __init__(self, flows: FlowClasses, op: Op, inst: Installed, res: ApplyResult):
+        self.flows = flows
+        self.op = op
+        self.inst = inst
+        self.res = res
+        self.filter_ok = True
+
+
+def _spare_removed(r: _Removing, err: Optional[NetlinkError]) -> None:
+    """The filter of a flow whose class stays as a spare."""
+    if err is not None and err.errno != errno.ENOENT:
+        r.res.errors.append(OpError(r.op, str(err)))
+        return
+    fl = r.flows
+    fl._layout.release(r.inst.filter_handle)
+    fl._ids.add_spare(r.inst.classid & 0xFFFF)
+    fl._book.pop(r.op.key, None)
+    r.res.removed += 1
+
+
+def _filter_removed(r: _Removing, err: Optional[NetlinkError]) -> None:
+    if err is not None and err.errno != errno.ENOENT:
+        r.filter_ok = False
+        r.res.errors.append(OpError(r.op, str(err)))
+
+
+def _class_removed(r: _Removing, err: Optional[NetlinkError]) -> None:
+    if err is not None and err.errno != errno.ENOENT:
+        if r.filter_ok:
+            r.res.errors.append(OpError(r.op, str(err)))
+        return
+    fl = r.flows
+    fl._layout.release(r.inst.filter_handle)
+    fl._ids.free(r.inst.classid & 0xFFFF)
+    fl._book.pop(r.op.key, None)
+    r.res.removed += 1
+
+
+def _changed(arg: tuple, err: Optional[NetlinkError]) -> None:
+    op, inst, kernel, res = arg
+    if err is not None:
+        res.errors.append(OpError(op, str(err)))
+        return
+    inst.shape = op.shape
+    inst.kernel = kernel
+    res.changed += 1
