@@ -20,7 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from . import (access_bench, aggregates, backend_bench, burst_bench, classify_bench, daemon_bench, psp_sim,
+from . import (access_bench, aggregates, backend_bench, burst_bench, classify_bench, crowd_bench,
+               daemon_bench, psp_sim,
                reliability, reportkit, tracer_overhead, vm_gaps, vm_lfp, vm_pacing, vm_share_pktgen,
                vm_sharing)
 from .reportkit import MET, MISSED, NA, PLOTS, Chapter, Goal, Part, num, table
@@ -42,7 +43,7 @@ CHAPTERS = [
             [Part(access_bench.report_section)]),
     Chapter(4, "The daemon: time-to-shape, churn, install cost, scale",
             [Part(daemon_bench.report_section), Part(backend_bench.report_section),
-             Part(burst_bench.report_section)]),
+             Part(burst_bench.report_section), Part(crowd_bench.report_section)]),
     Chapter(5, "Classification: one flow's throughput with N filters installed",
             [Part(classify_bench.report_section)]),
     Chapter(None, "Aggregate caps", [Part(aggregates.report_section)]),

@@ -35,6 +35,9 @@ BENCHES = [
     Bench("burst", "bench.burst_bench", "burst", ["--label", "after"], ["--label", "after", "--quick"], 420,
           what="issue 26: N = 100 ... 10 000 connections at once -> time until the last class is in, "
                "daemon CPU per flow (IPv4 only and IPv4/IPv6/IPv4-mapped); churn ceiling to 8 000/s"),
+    Bench("crowd", "bench.crowd_bench", "crowd", [], ["--quick"], 600,
+          what="issue 26: flash crowds of 100 ... 10 000 h2load clients against nginx (IPv4, and "
+               "IPv4 + IPv6) -> share of replies shaped from the first byte, pool/stopgap/missed"),
     Bench("tracer", "bench.tracer_overhead", "tracer", [], ["--quick"], 150,
           what="eBPF tracer: event latency, connect+accept with and without it"),
     Bench("reliability", "bench.reliability", "reliability", [], ["--cycles", "10000"], 200,

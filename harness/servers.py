@@ -32,7 +32,7 @@ worker_processes {workers};
 user root;
 pid {dir}/nginx.pid;
 error_log {dir}/error.log warn;
-events {{ worker_connections 4096; }}
+events {{ worker_connections 16384; }}
 http {{
     access_log off;
     client_body_temp_path {dir}/tmp/body;

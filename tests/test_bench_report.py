@@ -75,7 +75,7 @@ def test_report_py_renders_no_section_of_its_own():
     owners = {p.stem for p in BENCH.glob("*.py") if re.search(r"^def report_section\(", p.read_text(), re.M)}
     assert {"vm_gaps", "vm_pacing", "vm_sharing", "vm_share_pktgen", "vm_lfp", "daemon_bench",
             "backend_bench", "classify_bench", "aggregates", "psp_sim", "tracer_overhead",
-            "reliability", "burst_bench", "access_bench"} == owners
+            "reliability", "burst_bench", "access_bench", "crowd_bench"} == owners
 
 
 @pytest.mark.slow          # draws the 16 plots: 5-9 s
