@@ -56,19 +56,8 @@ PARTS = ("crowd", "crowd_mixed")
 OBJECT = 48 << 10
 RATE_BIT = 100_000
 RATE_BPS = RATE_BIT // 8
-FRAME = 1514
-ALLOWANCE = 12 * FRAME + burst_for(RATE_BPS)
-MIN_S = (OBJECT - ALLOWANCE) / RATE_BPS
-
-RULES = f"""
-    interface: IFACE
-    backend: htb
-    link_rate: 10gbit
-    rules:
-      - name: crowd
-        match: {{process: nginx, direction: inbound}}
-        rate: {RATE_BIT // 1000}kbit
-"""
+MIN_S = crowd.min_reply_s(OBJECT, RATE_BPS, burst_for(RATE_BPS))
+RULES = crowd.crowd_rules("htb", RATE_BIT)
 
 
 def _tune(tb) -> None:

@@ -19,6 +19,30 @@ from harness.testbed import wait_for
 from harness.traffic import url
 
 FIRST_BYTE_KINDS = ("claimed", "stopgap", "missed", "exhausted")
+FRAME = 1514
+
+
+def crowd_rules(backend: str, rate_bit: int, link_rate: str = "10gbit") -> str:
+    """The rules of a crowd: nginx's replies, each at ``rate_bit``, on the test's interface."""
+    return f"""
+    interface: IFACE
+    backend: {backend}
+    link_rate: {link_rate}
+    rules:
+      - name: crowd
+        match: {{process: nginx, direction: inbound}}
+        rate: {rate_bit // 1000}kbit
+"""
+
+
+def min_reply_s(object_bytes: int, rate_bps: int, burst_bytes: int = 0) -> float:
+    """The least time a reply of ``object_bytes`` paced at ``rate_bps`` from its first byte
+    takes: what may leave ahead of the rate line is the class's burst (htb's; psp has none)
+    and the first 10 segments TCP's own pacing (the stopgap) leaves unpaced (tcp_output.c:
+    "sch_fq does not pace first 10 MSS"), 12 frames. The rate is counted on the wire, so this
+    is below what the payload alone needs. A head left unshaped is tens of KiB to all of the
+    reply (issue 26: 6-9 s of ~10 s, some in 0.5-2 s)."""
+    return (object_bytes - 12 * FRAME - burst_bytes) / rate_bps
 
 
 def log_rows(path: Path) -> List[Tuple[int, int, int]]:

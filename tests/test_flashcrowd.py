@@ -26,25 +26,8 @@ RATE_BPS = RATE_BIT // 8
 CLIENTS = int(os.environ.get("FP_FLASH_CLIENTS", "500"))     # per address family
 # FP_FLASH_BEFORE=1: the same without the stopgap (FLOWPACER_NO_STOPGAP): how it was before
 BEFORE = bool(os.environ.get("FP_FLASH_BEFORE"))
-FRAME = 1514
-# The head a paced flow may send ahead of its rate line: htb lets its class's burst through,
-# TCP's own pacing (the stopgap) leaves a flow's first 10 segments unpaced (tcp_output.c:
-# "sch_fq does not pace first 10 MSS"); 12 frames and the burst, rounded up. A head left
-# unshaped is tens of KiB to all of the reply (issue 26: 6-9 s of ~10 s, some in 0.5-2 s).
-ALLOWANCE = 12 * FRAME + burst_for(RATE_BPS)
-# nothing paced at the rule's rate finishes sooner (the rate counted on the wire, so this is
-# below what a paced reply of 256 KiB of payload needs)
-MIN_S = (OBJECT - ALLOWANCE) / RATE_BPS
-
-RULES = f"""
-    interface: IFACE
-    backend: htb
-    link_rate: 10gbit
-    rules:
-      - name: crowd
-        match: {{process: nginx, direction: inbound}}
-        rate: {RATE_BIT // 1000}kbit
-"""
+MIN_S = crowd.min_reply_s(OBJECT, RATE_BPS, burst_for(RATE_BPS))
+RULES = crowd.crowd_rules("htb", RATE_BIT)
 
 
 def _testbed():

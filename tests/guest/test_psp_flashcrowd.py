@@ -20,21 +20,8 @@ OBJECT = 64 << 10
 RATE_BIT = 400_000                     # per flow: a paced 64 KiB reply takes >= ~1 s
 RATE_BPS = RATE_BIT // 8
 CLIENTS = 100                          # per address family
-FRAME = 1514
-# what a paced flow may send ahead of its rate line: psp has no burst (each packet leaves at
-# its class's byte clock), TCP's own pacing (the stopgap) leaves the first 10 segments unpaced
-ALLOWANCE = 12 * FRAME
-MIN_S = (OBJECT - ALLOWANCE) / RATE_BPS
-
-RULES = f"""
-    interface: IFACE
-    backend: psp
-    link_rate: 1gbit
-    rules:
-      - name: crowd
-        match: {{process: nginx, direction: inbound}}
-        rate: {RATE_BIT // 1000}kbit
-"""
+MIN_S = crowd.min_reply_s(OBJECT, RATE_BPS)            # psp: no burst
+RULES = crowd.crowd_rules("psp", RATE_BIT, "1gbit")
 
 
 def test_psp_flash_crowd_every_reply_is_paced_from_its_first_byte(tb, tmp_path):

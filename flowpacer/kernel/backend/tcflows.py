@@ -388,16 +388,25 @@ class _Removing:
         self.filter_ok = True
 
 
+def _forget(r: _Removing, spare: bool) -> None:
+    """The flow is gone from the kernel: its filter's place and its class id free again (the
+    class kept as a spare, or deleted), its book entry dropped."""
+    fl = r.flows
+    fl._layout.release(r.inst.filter_handle)
+    if spare:
+        fl._ids.add_spare(r.inst.classid & 0xFFFF)
+    else:
+        fl._ids.free(r.inst.classid & 0xFFFF)
+    fl._book.pop(r.op.key, None)
+    r.res.removed += 1
+
+
 def _spare_removed(r: _Removing, err: Optional[NetlinkError]) -> None:
     """The filter of a flow whose class stays as a spare."""
     if err is not None and err.errno != errno.ENOENT:
         r.res.errors.append(OpError(r.op, str(err)))
         return
-    fl = r.flows
-    fl._layout.release(r.inst.filter_handle)
-    fl._ids.add_spare(r.inst.classid & 0xFFFF)
-    fl._book.pop(r.op.key, None)
-    r.res.removed += 1
+    _forget(r, spare=True)
 
 
 def _filter_removed(r: _Removing, err: Optional[NetlinkError]) -> None:
@@ -411,11 +420,7 @@ def _class_removed(r: _Removing, err: Optional[NetlinkError]) -> None:
         if r.filter_ok:
             r.res.errors.append(OpError(r.op, str(err)))
         return
-    fl = r.flows
-    fl._layout.release(r.inst.filter_handle)
-    fl._ids.free(r.inst.classid & 0xFFFF)
-    fl._book.pop(r.op.key, None)
-    r.res.removed += 1
+    _forget(r, spare=False)
 
 
 def _changed(arg: tuple, err: Optional[NetlinkError]) -> None:
