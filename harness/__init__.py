@@ -15,5 +15,7 @@ same inside the test VM), so it needs no installation.
 - ``harness.pacing``: pacing measurements in the VM (qdisc set-ups, iperf3 and pktgen runs,
   packet captures, gap statistics);
 - ``harness.psplib``: the psp module in the VM (loading it, rtnetlink requests with extack);
+- ``harness.bondbed``, ``harness.vrfbed``: testbeds for the VM whose server side is a bond with
+  a VLAN on it, or has a second interface in a VRF (issue 29);
 - ``harness.vm``: the qemu test VM runner.
 """

@@ -1,13 +1,17 @@
 """A testbed whose server side is a bond (issue 29): ``bond0`` over two veth members ``m0``/``m1``
 in the server namespace, ``bond0.7`` (a VLAN on it); the members' peers ``p0``/``p1`` in a bridge
-``br0`` in the client namespace, with ``br0.7`` on it. Only where the kernel has the bonding,
-8021q and bridge modules (the test VM; not the development host).
+``br0`` in the client namespace, with ``br0.7`` on it. For 802.3ad the client side is its LACP
+partner instead: a second 802.3ad bond ``lag0`` over ``p0``/``p1`` (``lag0.7`` on it; a bridge
+does not speak LACP), both with ``lacp_rate fast``, and the bed waits until each side has both
+members in one aggregator. Only where the kernel has the bonding, 8021q and bridge modules (the
+test VM; not the development host).
 
     with BondBed("balance-xor") as bed:          # or active-backup, balance-rr, ...
         bed.server_v4, bed.server_v6             # bond0's addresses (client: br0's)
         bed.vlan_v4, bed.vlan_v6                 # bond0.7's (client: br0.7's)
         bed.run(bed.server_ns, ["ip", "link", "set", "m1", "down"])
         bed.members_up(), bed.kernel_speed_bit(), bed.on_members(), bed.flowpacer_left()
+        bed.aggregator()                         # 802.3ad: (active aggregator id, its ports)
 
 balance-xor (and 802.3ad) hash by layer3+4, so that flows spread over the members; every mode
 has miimon 50 ms. Its time limits are guest seconds, widened in virtual time
@@ -16,6 +20,7 @@ is destroyed.
 """
 from __future__ import annotations
 
+import re
 import subprocess
 
 from harness.testbed import guest_timeout
@@ -33,8 +38,10 @@ class BondBed(Testbed):
 
     def __init__(self, mode: str):
         super().__init__(server_if="bond0")
-        self.client_if = "br0"          # the receiver's device (harness.pacing's receiver_dev)
         self.mode = mode
+        self.lacp = mode == "802.3ad"
+        # the receiver's device (harness.pacing's receiver_dev): the bridge, or the LACP partner
+        self.client_if = "lag0" if self.lacp else "br0"
         n = self._n
         self.vlan_v4, self.vlan_v6 = f"10.78.{n}.1", f"fd78:{n:x}::1"
         self.vlan_client_v4, self.vlan_client_v6 = f"10.78.{n}.2", f"fd78:{n:x}::2"
@@ -49,22 +56,28 @@ class BondBed(Testbed):
             sh("ip", "netns", "add", ns)
             sh("ip", "-n", ns, "link", "set", "lo", "up")
         opts = ["mode", self.mode] + (["xmit_hash_policy", "layer3+4"]
-                                      if self.mode in ("balance-xor", "802.3ad") else [])
+                                      if self.mode in ("balance-xor", "802.3ad") else []) + (
+                                          ["lacp_rate", "fast"] if self.lacp else [])
         sh("ip", "-n", S, "link", "add", "bond0", "type", "bond", *opts, "miimon", "50")
-        sh("ip", "-n", C, "link", "add", "br0", "type", "bridge", "stp_state", "0")
+        cdev = self.client_if
+        if self.lacp:
+            sh("ip", "-n", C, "link", "add", cdev, "type", "bond", *opts, "miimon", "50")
+        else:
+            sh("ip", "-n", C, "link", "add", cdev, "type", "bridge", "stp_state", "0")
         for i in (0, 1):
             sh("ip", "-n", S, "link", "add", f"m{i}", "type", "veth", "peer", "name", f"p{i}",
                "netns", C)
             sh("ip", "-n", S, "link", "set", f"m{i}", "master", "bond0")
-            sh("ip", "-n", C, "link", "set", f"p{i}", "master", "br0")
+            sh("ip", "-n", C, "link", "set", f"p{i}", "master", cdev)
             sh("ip", "-n", C, "link", "set", f"p{i}", "up")
         sh("ip", "-n", S, "link", "add", "link", "bond0", "name", "bond0.7", "type", "vlan",
            "id", "7")
-        sh("ip", "-n", C, "link", "add", "link", "br0", "name", "br0.7", "type", "vlan", "id", "7")
+        sh("ip", "-n", C, "link", "add", "link", cdev, "name", f"{cdev}.7", "type", "vlan",
+           "id", "7")
         for ns, dev, v4, v6 in ((S, "bond0", self.server_v4, self.server_v6),
-                                (C, "br0", self.client_v4, self.client_v6),
+                                (C, cdev, self.client_v4, self.client_v6),
                                 (S, "bond0.7", self.vlan_v4, self.vlan_v6),
-                                (C, "br0.7", self.vlan_client_v4, self.vlan_client_v6)):
+                                (C, f"{cdev}.7", self.vlan_client_v4, self.vlan_client_v6)):
             sh("ip", "-n", ns, "addr", "add", f"{v4}/24", "dev", dev)
             sh("ip", "-n", ns, "addr", "add", f"{v6}/64", "dev", dev, "nodad")
             sh("ip", "-n", ns, "link", "set", dev, "up")
@@ -72,6 +85,10 @@ class BondBed(Testbed):
             sh("ip", "-n", S, "link", "set", f"m{i}", "up")
         wait_for(lambda: self.members_up() == ("m0", "m1"), guest_timeout(10), 0.05,
                  "both members up")
+        if self.lacp:           # LACP agrees (fast rate: a LACPDU a second each way)
+            for ns, bond in ((S, "bond0"), (C, cdev)):
+                wait_for(lambda: len(self.aggregator(ns, bond)[1]) == 2, guest_timeout(30),
+                         0.2, f"{bond}'s two members in one aggregator")
         for dst in (self.client_v4, self.vlan_client_v4, self.client_v6, self.vlan_client_v6):
             wait_for(lambda: self.resolves(str(dst)), guest_timeout(20), 0.2,
                      f"{dst}'s neighbour entry")
@@ -92,6 +109,24 @@ class BondBed(Testbed):
     def members_up(self) -> tuple:
         return tuple(m for m in ("m0", "m1")
                      if self.sysfs(f"{m}/bonding_slave/mii_status") == "up")
+
+    def aggregator(self, ns=None, bond: str = "bond0") -> tuple:
+        """802.3ad: (the bond's active aggregator id, the members in it) from
+        /proc/net/bonding/<bond> (the id is 0 and no member while there is none)."""
+        text = self.run(ns or self.server_ns, ["cat", f"/proc/net/bonding/{bond}"]).stdout
+        active, members, cur = 0, [], None
+        info = text.split("Active Aggregator Info:", 1)
+        if len(info) == 2:
+            m = re.search(r"Aggregator ID: (\d+)", info[1])
+            active = int(m.group(1)) if m else 0
+        for ln in text.splitlines():
+            if ln.startswith("Slave Interface:"):
+                cur = ln.split(":", 1)[1].strip()
+            elif cur and ln.startswith("Aggregator ID:"):
+                if active and int(ln.split(":", 1)[1]) == active:
+                    members.append(cur)
+                cur = None
+        return active, tuple(members)
 
     def kernel_speed_bit(self) -> int:
         """The bonding driver's own figure (sum of the members that may send, Mbit/s)."""

@@ -107,12 +107,16 @@ class Nginx:
             return ""
 
 
-def iperf3_server(tb, port: int = 5201, bind: str = "", json: bool = False) -> subprocess.Popen:
+def iperf3_server(tb, port: int = 5201, bind: str = "", json: bool = False,
+                  bind_dev: str = "") -> subprocess.Popen:
     """``iperf3 -s`` (serves one test after another) in the server namespace; a dual-stack
     listener (IPv4 clients are IPv4-mapped flows) unless ``bind`` names an address. ``json``:
     its own reports in JSON (a client's ``--get-server-output`` then has
-    ``server_output_json``: what the server received, measured where it arrives)."""
+    ``server_output_json``: what the server received, measured where it arrives).
+    ``bind_dev``: the listener bound to that device (SO_BINDTODEVICE; a VRF's: it serves
+    that VRF)."""
     p = tb.popen(tb.server_ns, ["iperf3", "-s", "-p", str(port), *(["-B", bind] if bind else []),
+                                *(["--bind-dev", bind_dev] if bind_dev else []),
                                 *(["-J"] if json else [])])
     tb.wait_listening(port)
     return p

@@ -7,6 +7,8 @@ a flow paced at ``rate_bps`` on the wire carries at most ``rate_bps * wire(v6)``
 - ``fetch``/``fetch_result``: ``harness.blaster fetch`` (any HTTP server that sends a
   big body: blaster's own ``serve``, nginx with ``path=``), its goodput after a warm-up;
 - ``iperf3``: ``iperf3 -c`` (``-R``: the server sends), its JSON report;
+  ``iperf3_started`` says when one's intervals start, ``iperf3_interrupted`` stops it early
+  (its intervals so far), ``iperf3_rate_between`` reads a window of them;
 - ``ab``, ``h2load``, ``curl``: ApacheBench, nghttp2's h2load and curl, their summaries;
 - ``keepalive_client``, ``reset_midway``, ``stalled_reader``: small socket clients run in a
   thread of the test process with their sockets made in the client namespace;
@@ -19,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import signal
 import socket
 import struct
 import subprocess
@@ -27,6 +30,7 @@ import time
 from typing import List, Optional, Sequence
 
 from harness.testbed import PY, client_argv, in_netns, server_argv  # noqa: F401 (re-exported)
+from harness.testbed import wait_for
 
 WIRE = 1448 / 1514       # TCP payload per full IPv4 frame (timestamps on)
 WIRE6 = 1428 / 1514      # the same over IPv6 (20 more bytes of IP header)
@@ -79,6 +83,43 @@ def iperf3_result(p: subprocess.Popen, timeout: float = 60) -> dict:
     if p.returncode != 0 or "error" in doc:
         raise AssertionError(f"iperf3 exited {p.returncode}: {doc.get('error', out[-500:])}")
     return doc
+
+
+def iperf3_interrupted(p: subprocess.Popen, timeout: float = 60) -> dict:
+    """Stop a running ``iperf3 -c -J`` with SIGINT and return its report: iperf3 prints the
+    intervals it has (and an ``end``) with the error "interrupt - the client has terminated"
+    and exits 1; any other error (or no report) fails."""
+    if p.poll() is None:
+        p.send_signal(signal.SIGINT)
+    out, _ = p.communicate(timeout=timeout)
+    doc = json.loads(out) if out.strip() else {}
+    if "interrupt" not in doc.get("error", "") or not doc.get("intervals"):
+        raise AssertionError(f"iperf3 exited {p.returncode}: {doc.get('error', out[-500:])}")
+    return doc
+
+
+def iperf3_started(tb, port: int, timeout: float) -> float:
+    """The monotonic instant a just-started one-stream ``iperf3 -c`` to ``port`` has its control
+    and data connections established, as the client namespace's ``ss`` shows them: where the
+    intervals of its report count from (to within one poll: 20 ms and an ``ss`` run)."""
+    def both() -> Optional[float]:
+        out = tb.run(tb.client_ns, ["ss", "-Htn", "state", "established",
+                                    f"( dport = :{port} )"]).stdout
+        n = sum(1 for ln in out.splitlines() if ln.strip())
+        return time.monotonic() if n >= 2 else None
+    return wait_for(both, timeout, 0.02, f"iperf3's two connections to port {port}")
+
+
+def iperf3_rate_between(report: dict, t0: float, a: float, b: float) -> float:
+    """Bytes/s of a report's intervals that lie within monotonic instants ``a``..``b``, its
+    test having started at ``t0`` (with ``-R`` the client's intervals are what it received).
+    0.0 when no interval lies there."""
+    inside = [i["sum"] for i in report["intervals"]
+              if t0 + i["sum"]["start"] >= a - 1e-3 and t0 + i["sum"]["end"] <= b + 1e-3]
+    if not inside:
+        return 0.0
+    span = inside[-1]["end"] - inside[0]["start"]
+    return sum(i["bytes"] for i in inside) / span if span > 0 else 0.0
 
 
 UDP_SIZE = 1200             # iperf3 -u datagram payload (-l)

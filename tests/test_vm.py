@@ -110,7 +110,8 @@ GUEST_IDS, COLLECT_ERROR = _collect_guest_ids()
 VIRTUAL_FILES = ("test_psp_pacing.py", "test_stock_pacing.py", "test_udp_pacing.py",
                  "test_psp_aggregates.py", "test_access_pacing.py", "test_psp_udp_daemon.py",
                  "test_udp_tracer.py", "test_firstbyte_hooks.py", "test_bond_pacing.py",
-                 "test_bond_vlan.py", "test_psp_upload.py", "test_psp_flashcrowd.py")
+                 "test_bond_vlan.py", "test_psp_upload.py", "test_psp_flashcrowd.py",
+                 "test_vrf.py")
 
 
 # Guest test files also run on each extra kernel (FLOWPACER_VM_EXTRA_KERNELS): the module, its

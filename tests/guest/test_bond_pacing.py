@@ -4,16 +4,15 @@ psp is the root qdisc of ``bond0`` (harness.bondbed: two veth members into a bri
 class at the target rate for one iperf3 stream with GSO off (one frame per packet, so each gap is
 one frame's). The qdisc paces before the bond picks a member; what matters is whether the
 packets keep their spacing on the members' wire (captured leaving ``m0`` and ``m1``, merged) and
-at the receiver (arriving on ``br0``). Figures go to ``pacing-figures.txt``; what is asserted is
-what a mode can keep:
+at the receiver (arriving on ``br0``, or on the LACP partner's bond ``lag0`` for 802.3ad).
+Figures go to ``pacing-figures.txt``; what is asserted is what a mode can keep:
 
-- balance-xor (layer3+4) and active-backup send a flow's packets through one member, in order,
-  and add no queue: the gaps on the wire and at the receiver are psp's (>= 90 % within +-10 %);
+- balance-xor (layer3+4), 802.3ad (layer3+4, one aggregator of both members, against a second
+  802.3ad bond as its LACP partner) and active-backup send a flow's packets through one member,
+  in order, and add no queue: the gaps on the wire and at the receiver are psp's (>= 90 % within
+  +-10 %);
 - balance-rr sends them alternately through both members: the merged wire keeps the gaps, each
   member's own wire sees every second packet; recorded, and the rate asserted only.
-
-802.3ad needs a partner speaking LACP (the bridge does not), so it is not measured here: with
-one aggregator it sends a flow through one member as balance-xor does.
 """
 from __future__ import annotations
 
@@ -40,7 +39,7 @@ def _measure(bed: BondBed, target: int):
     port = pacing.IPERF_PORT
     with pacing.Capture(bed.server_ns, "m0", port, outgoing=True) as c0, \
             pacing.Capture(bed.server_ns, "m1", port, outgoing=True) as c1, \
-            pacing.Capture(bed.client_ns, "br0", port) as rx:
+            pacing.Capture(bed.client_ns, bed.client_if, port) as rx:
         with pacing.Iperf(bed, [port], DURATION_S) as ip:
             rep = ip.wait()[port]
     wire = pacing.analyze(c0.packets + c1.packets, target)
@@ -49,7 +48,7 @@ def _measure(bed: BondBed, target: int):
     return wire, recv, share0, pacing.received_bps(rep)
 
 
-@pytest.mark.parametrize("mode", ["balance-xor", "active-backup", "balance-rr"])
+@pytest.mark.parametrize("mode", ["balance-xor", "active-backup", "balance-rr", "802.3ad"])
 def test_psp_gaps_through_a_bond(mode, psp_module):
     target = pacing.mbit(RATE_MBIT)
     with BondBed(mode) as bed:

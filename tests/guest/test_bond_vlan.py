@@ -5,7 +5,10 @@ The server namespace has ``bond0`` over two veth members ``m0``/``m1`` (balance-
 layer3+4 hash, or active-backup; miimon 50 ms) and ``bond0.7``, a VLAN on it; the client
 namespace has the members' peers in a bridge ``br0`` and ``br0.7`` on it. nginx serves one
 dual-stack listener; four measuring clients download at once (IPv4 and IPv6 over the bond, IPv4
-and IPv6 over the VLAN). The daemon shapes ``interfaces: [bond0, bond0.7]`` (each flow on the
+and IPv6 over the VLAN), and beside them two iperf3 ``-R`` clients (IPv4 over the bond, IPv6
+over the VLAN; two dual-stack ``iperf3 -s``; measured at the receiver by their 0.25 s
+intervals, which count from when the client's data connection is in). The daemon shapes
+``interfaces: [bond0, bond0.7]`` (each flow on the
 interface its route leaves by) without a link_rate, so each interface's link rate is the bond's
 figure from its members (kernel/bond.py). While the flows run a member goes down (balance-xor:
 m1; active-backup: the active m0, a failover): every flow stays within 15 % of its rule's rate at
@@ -13,7 +16,8 @@ the receiver before and after (the same TCP connections), the link rate in statu
 (balance-xor 20 -> 10 Gbit/s; active-backup stays 10 Gbit/s and names the new active member),
 the kernel's own figure for the bond (``/sys/class/net/bond0/speed``) agrees, and nothing is ever
 put on the members. The member comes back up (the figure follows again); after SIGTERM nothing
-of flowpacer's is left anywhere. Each bond mode with psp and with htb, each on a fresh bed.
+of flowpacer's is left anywhere. Each bond mode with psp and with htb, each on a fresh bed;
+802.3ad (psp) against an LACP partner (``test_802_3ad_with_a_lacp_partner``).
 
 ``test_vlan_egress_qos_map_and_socket_priorities``: what 802.1p PCP a VLAN's egress-qos-map
 gives flows flowpacer shapes, and a socket carrying a first-byte class id (issue 29 item 4).
@@ -32,7 +36,9 @@ from harness.pacing import guest_timeout as gt
 from harness.servers import Nginx
 from harness.bondbed import BondBed
 from harness.testbed import Daemon, client_argv, server_argv, wait_for
-from harness.traffic import WIRE, WIRE6
+from harness.servers import iperf3_server
+from harness.traffic import (WIRE, WIRE6, iperf3, iperf3_interrupted, iperf3_rate_between,
+                             iperf3_started)
 
 RATE = 8_000_000                       # bit/s of the rule, each flow
 G10 = 10_000_000_000
@@ -48,7 +54,12 @@ RULES = """
       - name: web
         match: {process: nginx, direction: inbound}
         rate: 8mbit
+      - name: iperf
+        match: {process: iperf3, direction: inbound}
+        rate: 8mbit
 """
+SUMMED = ("balance-xor", "802.3ad")     # modes whose link rate is the sum of their members'
+IPERF = (("iperf v4 bond", 5201, "server_v4"), ("iperf v6 vlan", 5202, "vlan_v6"))
 
 
 def _rate(samples, a: float, b: float) -> float:
@@ -81,30 +92,40 @@ def _one_backend(bed: BondBed, tmp_path, backend: str):
     """The daemon with ``backend`` on the bed: flows before and after a member goes down, the
     link rate followed, the member back up, nothing left. Returns the figures recorded."""
     mode = bed.mode
-    down = "m1" if mode == "balance-xor" else "m0"
+    summed = mode in SUMMED
+    down = "m1" if summed else "m0"
     (tmp_path / f"d-{backend}").mkdir()
     d = Daemon(bed, tmp_path / f"d-{backend}", RULES, "--no-tracer", "--no-metrics",
                "--rescan", "0.5", backend=backend).start(timeout=gt(90))
     try:
         st = d.status()
         assert st["backend"] == backend, st["backend_reason"]
-        want_link = 2 * G10 if mode == "balance-xor" else G10
+        want_link = 2 * G10 if summed else G10
         for name in ("bond0", "bond0.7"):
             i = _status_if(d, name)
             assert i["link_rate_bit"] == want_link, i
             assert i["link_rate_source"].endswith(f"bond0 {mode}: " + (
-                "m0+m1" if mode == "balance-xor" else "m0")), i
+                "m0+m1" if summed else "m0")), i
         assert bed.kernel_speed_bit() == want_link
+        # the iperf3 clients first: each one's test starts when its data connection is in
+        # (iperf3's intervals count from there)
+        iperfs, t_iperf = {}, {}
+        for label, port, attr in IPERF:
+            iperfs[label] = iperf3(bed, getattr(bed, attr), port, seconds=120,
+                                   extra=["-i", "0.25"])
+        for label, port, _attr in IPERF:
+            t_iperf[label] = iperf3_started(bed, port, gt(30))
         clients = {}
         for label, host in (("bond v4", bed.server_v4), ("bond v6", bed.server_v6),
                             ("vlan v4", bed.vlan_v4), ("vlan v6", bed.vlan_v6)):
             argv = client_argv(str(host), 8081, 120, warmup=0.5) + [
                 "--path", "/big", "--interval", "0.1"]
             clients[label] = bed.popen(bed.client_ns, argv, stdout=subprocess.PIPE, text=True)
-        flows = _wait_flows(d, 4)
+        flows = _wait_flows(d, 8)       # 4 nginx, 2 x iperf3's control and data connections
         t_shaped = time.monotonic()
-        by_if = sorted(f["interface"] for f in flows)
-        assert by_if == ["bond0", "bond0", "bond0.7", "bond0.7"], flows
+        by_if = sorted((f["rule"], f["interface"]) for f in flows)
+        assert by_if == [("iperf", "bond0")] * 2 + [("iperf", "bond0.7")] * 2 + [
+            ("web", "bond0")] * 2 + [("web", "bond0.7")] * 2, flows
         assert not bed.on_members()
         time.sleep(max(0.0, t_shaped + 0.3 + BEFORE_S - time.monotonic()))
         t_down = time.monotonic()
@@ -121,12 +142,22 @@ def _one_backend(bed: BondBed, tmp_path, backend: str):
         time.sleep(max(0.0, t_down + SETTLE_S + AFTER_S - time.monotonic()))
         for c in clients.values():
             c.terminate()                    # blaster ends its download and reports
+        reports = {label: iperf3_interrupted(p, timeout=gt(30)) for label, p in iperfs.items()}
         res = {}
         for label, c in clients.items():
             out, _ = c.communicate(timeout=gt(30))
             assert c.returncode == 0, f"{label}: client exited {c.returncode}"
             res[label] = json.loads(out.strip().splitlines()[-1])
         figures = []
+        for label, rep in reports.items():
+            want = RATE / 8 * (WIRE6 if " v6 " in label else WIRE)
+            t0 = t_iperf[label]
+            before = iperf3_rate_between(rep, t0, t_shaped + 0.3, t_down)
+            after = iperf3_rate_between(rep, t0, t_down + SETTLE_S, time.monotonic())
+            figures.append((label, before, after, want))
+            psplib.record(f"bond {mode} {backend} {label}: {before * 8 / 1e6:.3f} Mbit/s before, "
+                          f"{after * 8 / 1e6:.3f} after {down} down ({100 * before / want:.1f} % "
+                          f"/ {100 * after / want:.1f} % of rate x payload/frame)")
         for label, r in res.items():
             want = RATE / 8 * (WIRE6 if label.endswith("v6") else WIRE)
             t0 = r["t0_monotonic"]           # the client's start (CLOCK_MONOTONIC, as ours)
@@ -148,7 +179,7 @@ def _one_backend(bed: BondBed, tmp_path, backend: str):
         bed.run(bed.server_ns, ["ip", "link", "set", down, "up"])
         wait_for(lambda: _status_if(d, "bond0")["link_rate_bit"] == want_link
                  and len(_status_if(d, "bond0")["link_rate_source"].split(": ")[1].split("+"))
-                 == (2 if mode == "balance-xor" else 1), gt(10), 0.05,
+                 == (2 if summed else 1), gt(10), 0.05,
                  f"the link rate after {down} came back")
         wait_for(lambda: bed.members_up() == ("m0", "m1"), gt(10), 0.05, "members up")
         assert not bed.on_members()
@@ -165,7 +196,31 @@ def _one_backend(bed: BondBed, tmp_path, backend: str):
 def test_bond_and_vlan_at_rate_through_a_member_going_down(mode, backend, psp_module, tmp_path):
     with BondBed(mode) as bed:           # a fresh bond for each backend
         Nginx(bed, tmp_path / "nginx", files={"big": 8 << 30}).start()   # sparse
+        for _label, port, _attr in IPERF:
+            iperf3_server(bed, port)
         _one_backend(bed, tmp_path, backend)
+        assert not bed.on_members()
+
+
+def test_802_3ad_with_a_lacp_partner(psp_module, tmp_path):
+    """802.3ad (issue 29 item 3) against an LACP partner: the client side is a second 802.3ad
+    bond over the members' peers (BondBed). Both members end up in one aggregator
+    (/proc/net/bonding/bond0), so the link rate is their sum, 20 Gbit/s; m1 going down leaves
+    10 Gbit/s and it coming back (LACP agreeing again) 20; the flows (nginx and iperf3 over
+    the bond and its VLAN, both families) hold their rate before and after, as with
+    balance-xor. psp only: htb's figures on a bond are balance-xor's (the test above)."""
+    with BondBed("802.3ad") as bed:
+        agg, ports = bed.aggregator()
+        assert agg and ports == ("m0", "m1"), (agg, ports)
+        assert len(bed.aggregator(bed.client_ns, bed.client_if)[1]) == 2
+        Nginx(bed, tmp_path / "nginx", files={"big": 8 << 30}).start()   # sparse
+        for _label, port, _attr in IPERF:
+            iperf3_server(bed, port)
+        _one_backend(bed, tmp_path, "psp")
+        wait_for(lambda: bed.aggregator()[1] == ("m0", "m1"), gt(30), 0.2,
+                 "m0 and m1 in one aggregator again")
+        psplib.record(f"bond 802.3ad: aggregator {agg} with {'+'.join(ports)} before, "
+                      f"{bed.aggregator()} after m1 went down and came back")
         assert not bed.on_members()
 
 
