@@ -39,7 +39,7 @@ from typing import List
 from harness.daemon import Daemon
 from harness.testbed import PY, Testbed, in_netns, sh, wait_for
 
-from .common import RESULTS, write
+from .common import RESULTS, parts_and_sizes, write
 from .reportkit import ResultIndex, g, num, pyplot, savefig, share, table
 
 SIZES = (100, 500, 1000, 2000, 5000, 10_000)
@@ -463,12 +463,7 @@ def main(argv=None) -> int:
                     "flowpacer package (e.g. main's checkout) instead of the one the bench runs "
                     "from (bursts only)")
     args = ap.parse_args(argv)
-    names = args.parts or list(PARTS)
-    for n in names:
-        if n not in PARTS:
-            ap.error(f"unknown part {n!r}")
-    sizes = tuple(int(x) for x in args.sizes.split(",")) if args.sizes else (
-        QUICK_SIZES if args.quick else SIZES)
+    names, sizes = parts_and_sizes(ap, args, PARTS, SIZES, QUICK_SIZES)
     prev = RESULTS / "burst.json"
     figures = json.loads(prev.read_text()).get("figures", {}) if prev.exists() and not args.fresh else {}
     mine = figures.setdefault(args.label, {})

@@ -38,3 +38,16 @@ def write(name: str, figures: dict, goals: dict = None) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     return path
+
+
+def parts_and_sizes(ap, args, parts, sizes, quick_sizes):
+    """A size-curve benchmark's command line: the parts asked for (every part of ``parts`` by
+    default; an unknown one is an argparse error) and the sizes (``--sizes``, else the quick or
+    the full ones)."""
+    names = args.parts or list(parts)
+    for n in names:
+        if n not in parts:
+            ap.error(f"unknown part {n!r}")
+    got = tuple(int(x) for x in args.sizes.split(",")) if args.sizes else (
+        quick_sizes if args.quick else sizes)
+    return names, got

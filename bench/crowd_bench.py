@@ -47,7 +47,7 @@ from harness.daemon import Daemon
 from harness.servers import Nginx
 from harness.testbed import Testbed, sh, wait_for
 
-from .common import RESULTS, write
+from .common import RESULTS, parts_and_sizes, write
 from .reportkit import ResultIndex, g, num, table
 
 SIZES = (100, 500, 1000, 2000, 5000, 10_000)
@@ -121,12 +121,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default="", help="keep each part's files (the daemon's log, "
                     "h2load's) in a directory made under this one")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    names = args.parts or list(PARTS)
-    for n in names:
-        if n not in PARTS:
-            ap.error(f"unknown part {n!r}")
-    sizes = tuple(int(x) for x in args.sizes.split(",")) if args.sizes else (
-        QUICK_SIZES if args.quick else SIZES)
+    names, sizes = parts_and_sizes(ap, args, PARTS, SIZES, QUICK_SIZES)
     prev = RESULTS / "crowd.json"
     figures = json.loads(prev.read_text()).get("figures", {}) if prev.exists() else {}
     figures["measured"] = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

@@ -98,6 +98,22 @@ def iperf3_interrupted(p: subprocess.Popen, timeout: float = 60) -> dict:
     return doc
 
 
+def stop_clients(clients: dict, iperfs: dict, timeout: float = 30) -> tuple:
+    """End running measuring clients: blaster fetches (``clients``, label -> Popen; each ends
+    its download on SIGTERM and prints its JSON result last) and ``iperf3 -c -J`` runs
+    (``iperfs``, label -> Popen; ``iperf3_interrupted``). (blaster results, iperf3 reports),
+    each by label; a client that did not exit cleanly fails."""
+    for c in clients.values():
+        c.terminate()
+    reports = {label: iperf3_interrupted(p, timeout=timeout) for label, p in iperfs.items()}
+    res = {}
+    for label, c in clients.items():
+        out, _ = c.communicate(timeout=timeout)
+        assert c.returncode == 0, f"{label}: client exited {c.returncode}"
+        res[label] = json.loads(out.strip().splitlines()[-1])
+    return res, reports
+
+
 def iperf3_started(tb, port: int, timeout: float) -> float:
     """The monotonic instant a just-started one-stream ``iperf3 -c`` to ``port`` has its control
     and data connections established, as the client namespace's ``ss`` shows them: where the

@@ -37,7 +37,7 @@ from harness.servers import Nginx
 from harness.bondbed import BondBed
 from harness.testbed import Daemon, client_argv, server_argv, wait_for
 from harness.servers import iperf3_server
-from harness.traffic import (WIRE, WIRE6, iperf3, iperf3_interrupted, iperf3_rate_between,
+from harness.traffic import (WIRE, WIRE6, iperf3, iperf3_rate_between, stop_clients,
                              iperf3_started)
 
 RATE = 8_000_000                       # bit/s of the rule, each flow
@@ -140,14 +140,7 @@ def _one_backend(bed: BondBed, tmp_path, backend: str):
         assert _status_if(d, "bond0.7")["link_rate_bit"] == want_after
         assert not bed.on_members()
         time.sleep(max(0.0, t_down + SETTLE_S + AFTER_S - time.monotonic()))
-        for c in clients.values():
-            c.terminate()                    # blaster ends its download and reports
-        reports = {label: iperf3_interrupted(p, timeout=gt(30)) for label, p in iperfs.items()}
-        res = {}
-        for label, c in clients.items():
-            out, _ = c.communicate(timeout=gt(30))
-            assert c.returncode == 0, f"{label}: client exited {c.returncode}"
-            res[label] = json.loads(out.strip().splitlines()[-1])
+        res, reports = stop_clients(clients, iperfs, timeout=gt(30))
         figures = []
         for label, rep in reports.items():
             want = RATE / 8 * (WIRE6 if " v6 " in label else WIRE)

@@ -20,7 +20,6 @@ unmanaged; after SIGTERM nothing of flowpacer's is left on either interface or t
 """
 from __future__ import annotations
 
-import json
 import subprocess
 import time
 
@@ -31,7 +30,7 @@ from harness.pacing import guest_timeout as gt
 from harness.scenarios import gap_goodput
 from harness.servers import Nginx, iperf3_server
 from harness.testbed import Daemon, client_argv, wait_for
-from harness.traffic import (WIRE, WIRE6, iperf3, iperf3_interrupted, iperf3_rate_between,
+from harness.traffic import (WIRE, WIRE6, iperf3, iperf3_rate_between, stop_clients,
                              iperf3_started)
 from harness.vrfbed import VRF, VrfBed
 
@@ -136,14 +135,7 @@ def test_vrf_flows_shaped_on_the_vrf_interface(vrfbed, backend, psp_module, tmp_
         # (0.3 s more: the window's end needs a client sample after it)
         time.sleep(max(0.0, t_shaped + 0.5 + MEASURE_S + 0.3 - time.monotonic()))
         t_end = t_shaped + 0.5 + MEASURE_S
-        for c in clients.values():
-            c.terminate()                    # blaster ends its download and reports
-        reports = {label: iperf3_interrupted(p, timeout=gt(30)) for label, p in iperfs.items()}
-        res = {}
-        for label, c in clients.items():
-            out, _ = c.communicate(timeout=gt(30))
-            assert c.returncode == 0, f"{label}: client exited {c.returncode}"
-            res[label] = json.loads(out.strip().splitlines()[-1])
+        res, reports = stop_clients(clients, iperfs, timeout=gt(30))
     finally:        # the bed (and its servers) outlives this test: its clients do not
         for c in (*clients.values(), *iperfs.values()):
             if c.poll() is None:
