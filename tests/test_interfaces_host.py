@@ -1,8 +1,8 @@
-"""Several interfaces on the real kernel (issue 29, host half of item 6; htb). Four tests:
+"""Several interfaces on the real kernel (issue 29, host half of item 6; htb). Five tests:
 routes, faults and crashes with downloads (below); every interface's receive side with uploads
 through a deleted interface, a crash and ``cleanup --interface``; the route lookup by the
 socket's mark and bound device (``ip rule fwmark``/``oif``); first-byte claims with two
-interfaces. Each says what it does in its docstring. The first:
+interfaces; a macvlan (item 4) deleted and made again. Each says what it does in its docstring. The first:
 
     client ns 1 ── veth 1 ──┐                 ┌── veth 2 ── client ns 2
     10.77.x.2 (v4, mapped)  server ns: nginx  fd78:x::2 (v6)
@@ -816,3 +816,89 @@ def test_first_byte_claims_end_up_on_the_interface_their_route_says(testbed, tmp
                              for k, (g, w) in got.items()}, indent=1))
     for what, (g, want) in got.items():
         assert g == pytest.approx(want, rel=0.07), what
+
+
+def _macvlan(tb, name: str, n: int, mac: str = "") -> tuple:
+    """A macvlan (bridge mode) on the server's veth, in a subnet of its own that the client's
+    veth shares: its replies leave by it (its connected route), then down through the veth.
+    ``mac``: its address (made again with the one it had, as a configured one is: else the
+    client's neighbour entry points at a MAC nobody has for seconds). Its (IPv4, IPv6)
+    addresses."""
+    v4, v6 = f"10.79.{n}.1", f"fd79:{n:x}::1"
+    S = tb.server_ns
+    sh("ip", "-n", S, "link", "add", name, *(["address", mac] if mac else []), "link",
+       tb.server_if, "type", "macvlan", "mode", "bridge")
+    sh("ip", "-n", S, "addr", "add", f"{v4}/24", "dev", name)
+    sh("ip", "-n", S, "addr", "add", f"{v6}/64", "dev", name, "nodad")
+    sh("ip", "-n", S, "link", "set", name, "up")
+    return v4, v6
+
+
+def test_a_macvlan_named_in_the_rules_is_shaped_and_rebuilt_when_it_comes_back(testbed, tmp_path):
+    """Issue 29 item 4, a stacked device on the real kernel: ``interfaces: [<macvlan>]`` on
+    the server's veth. nginx's IPv4 (mapped: the dual-stack listener) and IPv6 downloads to the
+    macvlan's addresses are shaped on it at their rule's rate (at the receiver); one to the
+    veth's own address leaves by the veth, which is not managed: counted unmanaged, not shaped,
+    and nothing of flowpacer's is ever put on the veth. The macvlan is deleted (status and
+    metrics: gone) and made again with the same name: new downloads over both families are
+    shaped on the rebuilt one; after stop nothing is left on either device."""
+    tb = testbed
+    n = tb._n
+    mv = f"{tb.server_if}m"[:15]
+    v4, v6 = _macvlan(tb, mv, n)
+    for addr in (f"10.79.{n}.2/24", f"fd79:{n:x}::2/64"):
+        sh("ip", "-n", tb.client_ns, "addr", "add", addr, "dev", tb.client_if,
+           *(["nodad"] if ":" in addr else []))
+    ng = Nginx(tb, tmp_path / "nginx", files={"big": 64 << 30}).start()
+    rules = f"""\
+        backend: htb
+        link_rate: 1gbit
+        interfaces: [{mv}]
+        rules:
+          - name: dl
+            match: {{process: nginx, direction: inbound}}
+            rate: {C1}mbit
+        """
+    d = Daemon(tb, tmp_path, dedent(rules), "--rescan", "0.5")
+    d.start(timeout=90)
+    seconds, warm = 6.0, 1.5
+    try:
+        def round_of_downloads(what, unmanaged=0):
+            ps = {"v4": traffic.fetch(tb, v4, ng.dual_port, seconds, warm, path="/big",
+                                      name="fp-mv4"),
+                  "v6": traffic.fetch(tb, v6, ng.dual_port, seconds, warm, path="/big",
+                                      name="fp-mv6")}
+            got = waited(tb, d, (mv, tb.server_if),
+                         lambda: (lambda f: f if len(f) == 2 and {x[2] for x in f} == {mv}
+                                  else None)(sorted(placement(d))), seconds, what)
+            # (the first-byte pool's ready classes are the macvlan's too: count the filters)
+            assert n_filters(tb, mv) == 2, (got, filters(tb, mv))
+            # the veth's own download (``unmanaged``), counted while it runs
+            waited(tb, d, (mv, tb.server_if),
+                   lambda: d.status()["unmanaged_interface"]["count"] == unmanaged, seconds,
+                   f"{unmanaged} download(s) counted unmanaged")
+            res = {k: traffic.fetch_result(p, timeout=seconds + 30) for k, p in ps.items()}
+            for k, r in res.items():
+                want = C1 * 1e6 / 8 * traffic.wire(k == "v6")
+                print(f"macvlan {what}: {k} {r['goodput_bps'] * 8e-6:.2f} of "
+                      f"{want * 8e-6:.2f} Mbit/s")
+                assert r["goodput_bps"] == pytest.approx(want, rel=0.07), (what, k)
+
+        plain = traffic.fetch(tb, tb.server_v4, ng.port, seconds, warm, path="/big",
+                              name="fp-mvp")
+        round_of_downloads("two downloads shaped on the macvlan", unmanaged=1)
+        assert traffic.fetch_result(plain, timeout=30)["goodput_bps"] > 4 * C1 * 1e6 / 8
+        assert ours_left(tb, tb.server_if) == ""
+        wait_for(lambda: not d.flows(), 15, 0.1, "the downloads' classes gone")
+        mac = json.loads(sh("ip", "-n", tb.server_ns, "-j", "link", "show", mv).stdout
+                         )[0]["address"]
+        sh("ip", "-n", tb.server_ns, "link", "del", mv)
+        wait_for(lambda: states(d) == [(mv, "gone")], 15, 0.1, "the macvlan gone")
+        assert metric_states(scrape(tb)) == {(mv, "gone")}
+        _macvlan(tb, mv, n, mac)
+        wait_for(lambda: states(d) == [(mv, "ok")], 15, 0.1, "the macvlan rebuilt")
+        round_of_downloads("two downloads shaped on the macvlan made again")
+    finally:
+        d.stop()
+    assert ours_left(tb, mv) == "" and ours_left(tb, tb.server_if) == ""
+    assert "Traceback" not in d.log_text()
