@@ -13,8 +13,17 @@ Figures go to ``pacing-figures.txt``; what is asserted is what a mode can keep:
   +-10 %);
 - balance-rr sends them alternately through both members: the merged wire keeps the gaps, each
   member's own wire sees every second packet; recorded, and the rate asserted only.
+
+``make test`` runs the two modes issue 29 names (balance-xor, active-backup): each mode costs a
+bond, a psp class, an iperf3 run and three captures in virtual time (50-150 s), and the suite's
+time is bounded. The others, as for docs/operating.md's table (29 Nov: 802.3ad 100.0 % of gaps
+within +-10 % on 6.1, balance-rr's merged wire kept), in the guest's own environment:
+``python3 vm/run.py --clock virtual --env FLOWPACER_BOND_PACING_MODES=balance-rr,802.3ad --
+python3 -m pytest tests/guest/test_bond_pacing.py`` (with the psp module, vm/README.md).
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -48,7 +57,10 @@ def _measure(bed: BondBed, target: int):
     return wire, recv, share0, pacing.received_bps(rep)
 
 
-@pytest.mark.parametrize("mode", ["balance-xor", "active-backup", "balance-rr", "802.3ad"])
+MODES = os.environ.get("FLOWPACER_BOND_PACING_MODES", "balance-xor,active-backup").split(",")
+
+
+@pytest.mark.parametrize("mode", [m.strip() for m in MODES if m.strip()])
 def test_psp_gaps_through_a_bond(mode, psp_module):
     target = pacing.mbit(RATE_MBIT)
     with BondBed(mode) as bed:
