@@ -29,7 +29,9 @@ writes its report after every test, so the tests that finished before keep their
 one that was running fails with the kernel's lines, the rest fail as not run.
 
 Only the selected guest tests are run in the VM (``-k`` works as on the host).
-``FLOWPACER_VM_TIMEOUT`` (seconds, default 1500) bounds the guest run. The guest's result
+``FLOWPACER_VM_TIMEOUT`` (seconds, default 2400) bounds the guest run: a hang's bound, not a
+speed target (the virtual-clock batch took 1 221 s under load in rehearsal ci28 and passed 1 500
+in ci29, at load 5, after it grew). The guest's result
 files (guest.xml, guest-report.json, pacing-figures.txt, console.log, dmesg.txt) stay in the
 session's pytest tmp dir (``vm-virtual0``, ``vm-real0``); ``test_guest_run_clean`` prints
 where, and the figures.
@@ -63,7 +65,7 @@ if os.environ.get("FLOWPACER_IN_VM"):
     pytest.skip("this is the VM already: the bridge runs on the host", allow_module_level=True)
 
 SELF_TEST_LINE = "flowpacer dmesg self-test"   # written on purpose by a guest test
-TIMEOUT_S = float(os.environ.get("FLOWPACER_VM_TIMEOUT", "1500"))
+TIMEOUT_S = float(os.environ.get("FLOWPACER_VM_TIMEOUT", "2400"))
 
 
 def host_import_s(runs: int = 3) -> float:
