@@ -31,10 +31,7 @@ import pytest
 
 from harness.debroot import Root, base_tar, cache_lock, mounts_under, run
 
-# deb, not untimed: its outcome does not depend on the host's load, but the untimed lane holds
-# the virtual-clock guest's batch, which this session's guest tests grew by ~5 min; these ~4 min
-# of Debian 13 roots and make check keep the two lanes even (make test < 45 min)
-pytestmark = [pytest.mark.deb]
+pytestmark = [pytest.mark.deb, pytest.mark.untimed]
 
 ROOT = Path(__file__).resolve().parent.parent
 # left out of the root so that the set-up's own apt step installs them (small, no services)
