@@ -723,6 +723,22 @@ def test_the_route_lookup_follows_the_sockets_mark_and_bound_device(testbed, tmp
 
 # ------------------------------------------------- first-byte pools with several interfaces
 
+def nginx_daemon(tb, tmp_path, *interfaces: str) -> Daemon:
+    """The daemon shaping ``interfaces`` (htb), nginx's replies at C1 Mbit/s each, started."""
+    rules = f"""\
+        backend: htb
+        link_rate: 1gbit
+        interfaces: [{", ".join(interfaces)}]
+        rules:
+          - name: dl
+            match: {{process: nginx, direction: inbound}}
+            rate: {C1}mbit
+        """
+    d = Daemon(tb, tmp_path, dedent(rules), "--rescan", "0.5")
+    d.start(timeout=90)
+    return d
+
+
 def minor(classid: str) -> int:
     return int(classid.split(":")[1], 16)
 
@@ -741,17 +757,7 @@ def test_first_byte_claims_end_up_on_the_interface_their_route_says(testbed, tmp
     c2 = tb.add_client(2)
     s2 = c2.server_if
     ng = Nginx(tb, tmp_path / "nginx", files={"big": 64 << 30}).start()
-    rules = f"""\
-        backend: htb
-        link_rate: 1gbit
-        interfaces: [{s1}, {s2}]
-        rules:
-          - name: dl
-            match: {{process: nginx, direction: inbound}}
-            rate: {C1}mbit
-        """
-    d = Daemon(tb, tmp_path, dedent(rules), "--rescan", "0.5")
-    d.start(timeout=90)
+    d = nginx_daemon(tb, tmp_path, s1, s2)
     # the downloads outlast the wait for the claims below: rehearsal ci27 (CI load) timed out
     # waiting while 5 s downloads had already ended, and with them every flow
     seconds, warm = 12.0, 1.5
@@ -850,17 +856,7 @@ def test_a_macvlan_named_in_the_rules_is_shaped_and_rebuilt_when_it_comes_back(t
         sh("ip", "-n", tb.client_ns, "addr", "add", addr, "dev", tb.client_if,
            *(["nodad"] if ":" in addr else []))
     ng = Nginx(tb, tmp_path / "nginx", files={"big": 64 << 30}).start()
-    rules = f"""\
-        backend: htb
-        link_rate: 1gbit
-        interfaces: [{mv}]
-        rules:
-          - name: dl
-            match: {{process: nginx, direction: inbound}}
-            rate: {C1}mbit
-        """
-    d = Daemon(tb, tmp_path, dedent(rules), "--rescan", "0.5")
-    d.start(timeout=90)
+    d = nginx_daemon(tb, tmp_path, mv)
     seconds, warm = 6.0, 1.5
     try:
         def round_of_downloads(what, unmanaged=0):

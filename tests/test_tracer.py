@@ -334,6 +334,9 @@ def agents():
 
 
 def key_of(m: dict) -> model.FlowKey:
+    # an agent's connect that failed has no remote: say so (with its errno), not a TypeError
+    assert m.get("remote") is not None, f"the agent's connection failed: {m}"
+
     def ip(s):
         a = ipaddress.ip_address(s.split("%")[0])
         return a.ipv4_mapped or a if a.version == 6 else a
