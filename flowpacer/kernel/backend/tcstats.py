@@ -33,8 +33,8 @@ class ClassCounters:
 
     def by_class(self, rtnl: Optional[RtnlSocket] = None) -> Dict[int, ClassStats]:
         """{classid: ClassStats} of our classes, read now (``rtnl``: another thread's socket).
-        Inside the tc backends only (and the audit's list of what the kernel has): the daemon
-        reads ``class_stats``."""
+        Inside the tc backends only (the audit's list of what the kernel has is ``present``):
+        the daemon reads ``class_stats``."""
         out: Dict[int, ClassStats] = {}
         ifindex = self._chan.ifindex
         for mtype, body in (rtnl or self._chan.rtnl).dump(RTM_GETTCLASS, nl.tcmsg(ifindex)):
