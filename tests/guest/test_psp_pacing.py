@@ -105,6 +105,10 @@ def test_psp_at_1gbit_with_pktgen(bed):
 # Two runs of one case in one boot differ only by what virtual time does not fix: the
 # moments host I/O (the 9p root, the console) reaches the guest and the random TCP ports,
 # ISNs and hash seeds. Measured on 6.1: within10/within25 equal to 0.1 pp, rate to 1e-5.
+# The first-to-last rate also moves with the lateness of the window's two end packets: CI
+# (f0b6fcf) saw one packet 2.37 ms late in one run (host I/O) and the rates 3.8e-4 apart on the
+# 3 s window while the fitted rates stayed 4e-6 apart. So that rate's allowance adds the worst
+# lateness psp counted in either run over the window; the fitted rate keeps the tight bound.
 SAME_PP = 0.005          # shares of gaps: 0.5 percentage points
 SAME_RATE = 0.0002       # rate error: 0.02 percentage points
 SAME_GAP = 0.01          # median gap: 1 %
@@ -114,12 +118,14 @@ def test_same_case_twice_same_figures(bed):
     """One case (psp at 10 Mbit/s, GSO on) measured twice gives the same figures within a
     tight tolerance: the pacing tests need no retries."""
     tb, sock = bed
-    runs = []
+    runs, worst_late_ns = [], 0
     for i in range(2):
         st, x = _measure_psp(tb, sock, 10)
         psplib.record(_row("psp", 10, st, f"  (determinism run {i + 1}; {_psp_note(x)})"))
         runs.append(st)
+        worst_late_ns = max(worst_late_ns, x["late_ns_max"])
     a, b = runs
+    ends_rate = SAME_RATE + worst_late_ns / 1e9 / min(a.window_s, b.window_s)
     diffs = {"within10": abs(a.within10 - b.within10), "within25": abs(a.within25 - b.within25),
              "b2b_share": abs(a.b2b_share - b.b2b_share),
              "rate_error": abs(a.rate_error - b.rate_error),
@@ -129,7 +135,8 @@ def test_same_case_twice_same_figures(bed):
         f"{k} {v:.6f}" for k, v in diffs.items()))
     assert diffs["within10"] <= SAME_PP and diffs["within25"] <= SAME_PP, diffs
     assert diffs["b2b_share"] <= SAME_PP, diffs
-    assert diffs["rate_error"] <= SAME_RATE and diffs["fit_rate_error"] <= SAME_RATE, diffs
+    assert diffs["fit_rate_error"] <= SAME_RATE, diffs
+    assert diffs["rate_error"] <= ends_rate, (diffs, f"allowed {ends_rate:.6f}")
     assert diffs["median_gap"] <= SAME_GAP, diffs
     assert a.longest_run == b.longest_run
 
