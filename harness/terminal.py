@@ -65,5 +65,17 @@ class Tmux:
             raise AssertionError(f"{e}; the pane shows:\n{self.screen()}") from None
         return self.dead()
 
+    def kill(self, timeout=10) -> None:
+        """Kill the server and wait until it no longer answers on its socket: kill-server
+        returns before the server has gone, and a session started on the socket meanwhile
+        fails ("server exited unexpectedly", rc 1: make check under load, 29 Nov)."""
+        self("kill-server", check=False)
+
+        def gone():
+            r = self("has-session", check=False)
+            return r.returncode != 0 and ("no server running" in r.stderr
+                                          or "error connecting" in r.stderr)
+        wait_for(gone, timeout, 0.02, "the tmux server gone")
+
     def close(self):
         self("kill-server", check=False)

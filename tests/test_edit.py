@@ -319,7 +319,7 @@ def test_vi_in_tmux_edit_again_then_discard(tmp_path, rules_file, tmux):
     assert tmux.wait_exit() == 0, screen
     assert "rate: 20mbit" in rules_file.read_text()
     assert (rules_file.parent / "rules.yaml.bak").read_text() == PLAIN_RULES
-    tmux("kill-server", check=False)
+    tmux.kill()
 
     # and (d)iscard: exit 2, the file as it was
     saved = rules_file.read_text()
