@@ -543,6 +543,7 @@ class ClaimEvent:
     key: FlowKey
     classid: int
     rule: str = ""
+    ts_ns: int = 0          # the claim's moment (CLOCK_MONOTONIC): names it in fb_placed
 
 
 @dataclass(frozen=True, slots=True)
@@ -559,6 +560,9 @@ class PoolReport:
     priorities: Optional[FrozenSet[int]] = None     # a sweep of the sockets' priorities
     replan: bool = False                            # the pools were made anew this round
     closing: bool = False                           # the program is detached: no pool stays
+    # guarded claims (several interfaces, issue 29): flows whose socket is also paced by TCP
+    # until their class is on the interface they leave by (``PoolGrant.placed`` says when)
+    guarded: Tuple[FlowKey, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -589,6 +593,8 @@ class PoolGrant:
     ids_held: int = 0
     ids_awaiting: int = 0
     oldest_wait_s: float = 0.0                      # the longest an awaited id has waited
+    guard: bool = False                             # several interfaces: claims are guarded
+    placed: FrozenSet[FlowKey] = frozenset()        # guarded flows whose class is where they leave
 
 
 # ------------------------------------------------------------ health/status
@@ -710,11 +716,16 @@ class FirstByteCounters:
     field name (``flowpacer_first_byte_events{kind}``); status shows them under the same names.
     Issue 26: every flow the kernel decided is counted once in ``claimed`` (paced by a pool
     class), ``stopgap`` (no class ready: paced by TCP at the rule's rate) or ``missed``
-    (neither); ``lifted``: stopgaps lifted after their rule changed."""
+    (neither); ``lifted``: stopgaps lifted after their rule changed or, for a guarded claim,
+    once its class was placed. Issue 29: ``guarded`` counts claims (in ``claimed``) also paced
+    by the stopgap because the daemon shapes several interfaces and the pools are on the first;
+    ``placed``, those whose class user space saw on the interface they leave by."""
     claimed: int = 0
     stopgap: int = 0
     missed: int = 0
     lifted: int = 0
+    guarded: int = 0
+    placed: int = 0
     bound: int = 0
     refilled: int = 0
     returned: int = 0

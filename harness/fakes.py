@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 from flowpacer.kernel import bond
@@ -407,6 +408,9 @@ class FakeFirstByte(FirstByte):
         self.live = 0
         self.rules_written = 0
         self.records: List[bytes] = []
+        self.guard_written = False
+        self.placed_slots: Dict[int, int] = {}   # fb_placed: slot -> the placed claim's ts_ns
+        self.claim_ts: Dict[int, int] = {}       # class id -> its last claim's ts_ns
         self._records_lock = threading.Lock()
         self._idle = threading.Event()           # never set: poll's own timeout
 
@@ -423,6 +427,11 @@ class FakeFirstByte(FirstByte):
     def _write_config(self, live, c=None) -> None:
         self.on_kernel_access("config")
         self.live = live
+        self.guard_written = self._guard
+
+    def _set_placed(self, slot: int, ts_ns: int) -> None:
+        self.on_kernel_access("placed")
+        self.placed_slots[slot] = ts_ns
 
     def _write_rules(self, c) -> None:
         self.on_kernel_access("rules")
@@ -483,7 +492,10 @@ class FakeFirstByte(FirstByte):
 
     def _record(self, cid: int, rule: int, key: FlowKey, inbound: bool, flags: int) -> None:
         fam = key.family
-        raw = EVENT.pack(0, cid, rule, 0, 0, fam, key.local_port, key.remote_port,
+        ts = time.monotonic_ns()
+        if not flags:
+            self.claim_ts[cid] = ts
+        raw = EVENT.pack(ts, cid, rule, 0, 0, fam, key.local_port, key.remote_port,
                          FB_DIR_INBOUND if inbound else FB_DIR_OUTBOUND, flags,
                          key.local_addr.packed.ljust(16, b"\0"),
                          key.remote_addr.packed.ljust(16, b"\0"), b"")

@@ -412,6 +412,7 @@ def test_first_byte_pools_live_on_the_first_interface_and_claims_follow_the_rout
     status says where the pools are and counts those flows. A reload that makes another
     interface the first deletes the old first one's pool classes and makes pools on the new."""
     from flowpacer.kernel.backend.pool import POOL_FIRST_MINOR
+    from flowpacer.sources.firstbyte import PLACED_SLOTS
     burst = Rule("burst", Match(process=("nginx",), direction=Direction.INBOUND), RATE)
     state = {"rs": RuleSet("", BackendKind.HTB, 125_000_000, (burst,),
                            interfaces=(InterfaceSpec("fk0"), InterfaceSpec("fk1")))}
@@ -439,6 +440,12 @@ def test_first_byte_pools_live_on_the_first_interface_and_claims_follow_the_rout
         st = d.status()["first_byte"]
         assert (st["interface"], st["elsewhere"]) == ("fk0", 1), st
         assert "pools on fk0 only" in st["note"] and "fk1" in st["note"]
+        # every claim guarded (several interfaces) and placed once its flow's class was on the
+        # interface it leaves by: each claim's own timestamp in its slot of fb_placed
+        assert fb.guard_written
+        wait_for(lambda: all(fb.placed_slots.get(c % PLACED_SLOTS) == fb.claim_ts[c]
+                             for c in claimed.values()), 5, what="the three claims placed")
+        assert d.status()["first_byte"]["counters"]["placed"] == 3
         # fk1 becomes the first interface: fk0's pool classes go, fk1 gets the pools; the flows
         # keep their classes
         state["rs"] = RuleSet("", BackendKind.HTB, 125_000_000, (burst,),
@@ -449,6 +456,11 @@ def test_first_byte_pools_live_on_the_first_interface_and_claims_follow_the_rout
         assert set(fb.ring(0)) == set(b1.pool.classes)
         assert on(d, "fk0") == {a, m} and on(d, "fk1") == {b}
         assert d.status()["first_byte"]["interface"] == "fk1"
+        # one interface again: claims are no longer guarded
+        state["rs"] = RuleSet("", BackendKind.HTB, 125_000_000, (burst,),
+                              interfaces=(InterfaceSpec("fk1"),))
+        assert d.reload().ok
+        wait_for(lambda: not fb.guard_written, 5, what="the guard off with one interface")
 
 
 def test_claims_that_come_after_the_tracers_open_are_rebound_or_released_and_counted(tmp_path):

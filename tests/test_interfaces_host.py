@@ -36,6 +36,7 @@ veth 1, an IPv6 one from client 2 over veth 2.
 import json
 import re
 import signal
+import socket
 import subprocess
 import time
 import urllib.request
@@ -45,7 +46,7 @@ import pytest
 
 from harness.scenarios import gap_goodput
 from harness.servers import Nginx, blaster_server
-from harness.testbed import FLOWPACER, Daemon, in_netns, sh, wait_for
+from harness.testbed import FLOWPACER, PY, Daemon, in_netns, sh, wait_for
 from harness import traffic
 
 pytestmark = pytest.mark.kernel
@@ -723,8 +724,9 @@ def test_the_route_lookup_follows_the_sockets_mark_and_bound_device(testbed, tmp
 
 # ------------------------------------------------- first-byte pools with several interfaces
 
-def nginx_daemon(tb, tmp_path, *interfaces: str) -> Daemon:
-    """The daemon shaping ``interfaces`` (htb), nginx's replies at C1 Mbit/s each, started."""
+def nginx_daemon(tb, tmp_path, *interfaces: str, extra_rules: str = "") -> Daemon:
+    """The daemon shaping ``interfaces`` (htb), nginx's replies at C1 Mbit/s each (and
+    ``extra_rules``, indented as the rules list), started."""
     rules = f"""\
         backend: htb
         link_rate: 1gbit
@@ -733,7 +735,7 @@ def nginx_daemon(tb, tmp_path, *interfaces: str) -> Daemon:
           - name: dl
             match: {{process: nginx, direction: inbound}}
             rate: {C1}mbit
-        """
+        """.rstrip(" ") + extra_rules.lstrip("\n")
     d = Daemon(tb, tmp_path, dedent(rules), "--rescan", "0.5")
     d.start(timeout=90)
     return d
@@ -743,40 +745,91 @@ def minor(classid: str) -> int:
     return int(classid.split(":")[1], 16)
 
 
+BURST_PORT = 7129          # a server that writes its reply at once on accept (fp-fb-burst)
+BURST_BYTES = 1 << 20      # ~1.1 s at C1 Mbit/s
+BURST_CLIENT_PORT = 47129  # its client's port at client 2: the capture's key
+# what a guarded flow may send ahead of its rule's rate line: TCP does not pace its first 10
+# segments (the initial window), then the class's burst when the stopgap is lifted, 2 frames
+GUARDED_AHEAD = 14 * 1428 + 16 * 1024
+
+
+def _burst_head(tb, c2, host) -> tuple:
+    """Read BURST_BYTES from the burst server over client 2's veth (from BURST_CLIENT_PORT);
+    (bytes ahead of the C1 Mbit/s line at client 2, bytes seen, bytes read)."""
+    from types import SimpleNamespace
+    from harness.headcapture import HeadCapture
+    with HeadCapture(SimpleNamespace(client_ns=c2.ns, client_if=c2.client_if),
+                     BURST_PORT) as cap:
+        with in_netns(c2.ns):
+            c = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        got = 0
+        with c:
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            c.bind(("::", BURST_CLIENT_PORT))
+            c.settimeout(30)
+            c.connect((str(host), BURST_PORT))
+            while True:
+                b = c.recv(1 << 16)
+                if not b:
+                    break
+                got += len(b)
+        ahead, seen = cap.ahead_bytes(BURST_CLIENT_PORT, C1 * 1e6 / 8 * traffic.wire(True))
+    return ahead, seen, got
+
+
 def test_first_byte_claims_end_up_on_the_interface_their_route_says(testbed, tmp_path):
     """The full daemon (tracer, first-byte programs) shaping two interfaces: the pools are on
     veth 1, and nginx's three downloads (IPv4 and IPv4-mapped from client 1 over veth 1, IPv6
     from client 2 over veth 2) are each claimed at the handshake. The two on veth 1 keep their
     claimed pool classes (paced from their first byte); the one on veth 2 gets a class of its
     own there (no pool-range class ever exists on veth 2) and its claim on veth 1 is deleted;
-    status says where the pools are and counts it. Each at its rule's rate at the receiver."""
+    status says where the pools are and counts it. Each at its rule's rate at the receiver.
+
+    Every claim is guarded (several interfaces): its socket is also paced by TCP at the rule's
+    rate until its class is on the interface it leaves by, then the guard is lifted (counted:
+    guarded, placed, lifted). nginx answers a request, which gives the daemon a round trip to
+    make the class on veth 2 first; a server that writes 1 MiB at once on accept does not: its
+    reply to client 2 leaves by veth 2 before its class there is made, and is still paced from
+    its first byte (measured at client 2: no more ahead of the rate line than TCP's unpaced
+    initial window and a class's burst; without the guard ~0.3-1 MiB)."""
     from flowpacer.kernel.backend.pool import POOL_FIRST_MINOR
     from flowpacer.sources.firstbyte import POOL_TARGET
     tb = testbed
     s1 = tb.server_if
     c2 = tb.add_client(2)
     s2 = c2.server_if
+    # one frame per skb on veth 2, as the head measurement counts (a class lets a whole GSO
+    # aggregate through on its last token)
+    tb.run(tb.server_ns, ["ethtool", "-K", s2, "tso", "off", "gso", "off"])
+    tb.run(tb.server_ns, ["ip", "link", "set", s2, "gso_max_segs", "1"])
     ng = Nginx(tb, tmp_path / "nginx", files={"big": 64 << 30}).start()
-    d = nginx_daemon(tb, tmp_path, s1, s2)
+    tb.popen(tb.server_ns, [PY, "-m", "harness.blaster", "burst-serve", "--port",
+                            str(BURST_PORT), "--bytes", str(BURST_BYTES), "--name", "fp-fb-burst"])
+    tb.wait_listening(BURST_PORT)
+    d = nginx_daemon(tb, tmp_path, s1, s2, extra_rules=f"""
+          - name: burst
+            match: {{process: fp-fb-burst, direction: inbound}}
+            rate: {C1}mbit
+        """)
     # the downloads outlast the wait for the claims below: rehearsal ci27 (CI load) timed out
     # waiting while 5 s downloads had already ended, and with them every flow
     seconds, warm = 12.0, 1.5
+    pools = [("dl", POOL_TARGET), ("burst", POOL_TARGET)]
     try:
         def pools_ready():
             fb = d.status()["first_byte"]
-            return (fb and [(p["rule"], p["ready"]) for p in fb["pools"]] == [("dl", POOL_TARGET)]
-                    and fb)
-        fb = wait_for(pools_ready, 20, 0.05, "the pool of rule dl filled")
+            return (fb and [(p["rule"], p["ready"]) for p in fb["pools"]] == pools and fb)
+        fb = wait_for(pools_ready, 20, 0.05, "the pools of rules dl and burst filled")
         assert fb["interface"] == s1 and f"pools on {s1} only" in fb["note"], fb
-        assert len(flow_classes(tb, s1)) == POOL_TARGET and flow_classes(tb, s2) == []
-        claimed0 = fb["counters"]["claimed"]
+        assert len(flow_classes(tb, s1)) == 2 * POOL_TARGET and flow_classes(tb, s2) == []
+        c0 = dict(fb["counters"])
+        claimed0 = c0["claimed"]
         fetches = {"v4": traffic.fetch(tb, tb.server_v4, ng.port, seconds, warm, path="/big",
                                        name="fp-fb4"),
                    "mapped": traffic.fetch(tb, tb.server_v4, ng.dual_port, seconds, warm,
                                            path="/big", name="fp-fbm"),
                    "v6": traffic.fetch(tb, c2.server_v6, ng.dual_port, seconds, warm,
                                        path="/big", name="fp-fb6", ns=c2.ns)}
-
         def placed():
             fl = [f for f in d.status()["flows"] if f["side"] == "send"]
             got = sorted((f["family"], f["interface"], f["classid"]) for f in fl)
@@ -788,7 +841,7 @@ def test_first_byte_claims_end_up_on_the_interface_their_route_says(testbed, tmp
             fb = d.status()["first_byte"]
             pool_ready = sum(p["ready"] for p in fb["pools"])
             return (fb["counters"]["claimed"] == claimed0 + 3 and fb["elsewhere"] == 1
-                    and pool_ready == POOL_TARGET
+                    and pool_ready == 2 * POOL_TARGET
                     and len(flow_classes(tb, s1)) == 2 + pool_ready    # the released claim gone
                     and fb)
         try:
@@ -803,6 +856,17 @@ def test_first_byte_claims_end_up_on_the_interface_their_route_says(testbed, tmp
         # rebound, so the classes placed() saw first may have been the flows' own
         got = placed() or got
         (f4a, f4b, f6) = got
+
+        def lifted():
+            c = d.status()["first_byte"]["counters"]
+            return ({k: c[k] - c0[k] for k in ("guarded", "placed", "lifted")}
+                    == {"guarded": 3, "placed": 3, "lifted": 3} and c)
+        try:
+            wait_for(lifted, seconds, 0.05, "the three guards placed and lifted")
+        except TimeoutError:
+            c = d.status()["first_byte"]["counters"]
+            pytest.fail("guards: " + ", ".join(f"{k} {c[k] - c0[k]}" for k in
+                                               ("claimed", "guarded", "placed", "lifted")))
         assert (f4a[:2], f4b[:2], f6[:2]) == ((4, s1), (4, s1), (6, s2)), got
         # veth 1's two flows send into the classes their sockets claimed at the handshake
         assert minor(f4a[2]) >= POOL_FIRST_MINOR and minor(f4b[2]) >= POOL_FIRST_MINOR, got
@@ -811,6 +875,16 @@ def test_first_byte_claims_end_up_on_the_interface_their_route_says(testbed, tmp
         assert on2 == [f6[2]] and minor(f6[2]) < POOL_FIRST_MINOR, (on2, got)
         assert filters(tb, s2) and n_filters(tb, s2) == 1
         assert n_filters(tb, s1) == 2
+        # a reply written at once on accept, by veth 2: paced from its first byte all the same
+        c1 = d.status()["first_byte"]["counters"]
+        ahead, seen, read = _burst_head(tb, c2, c2.server_v6)
+        print(f"\nreply written at accept, by veth 2: {ahead} bytes ahead of the {C1} Mbit/s "
+              f"line ({seen} of {read} bytes seen)")
+        assert read == BURST_BYTES and seen == BURST_BYTES, (read, seen)
+        assert ahead <= GUARDED_AHEAD, \
+            f"{ahead} bytes of the reply left ahead of its rate (allowed {GUARDED_AHEAD})"
+        c = d.status()["first_byte"]["counters"]
+        assert (c["claimed"] - c1["claimed"], c["guarded"] - c1["guarded"]) == (1, 1), (c1, c)
         results = {k: traffic.fetch_result(p, timeout=seconds + 30) for k, p in fetches.items()}
     finally:
         d.stop()

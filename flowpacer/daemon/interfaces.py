@@ -30,7 +30,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import time
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Tuple
 
 from flowpacer.daemon.supervisor import BackendSupervisor, Recheck, StatsChannels
 from flowpacer.kernel.route import RouteQuery
@@ -226,6 +226,17 @@ class InterfaceSet:
             return {}
         self.route_checks += len(got)
         return got
+
+    def placed(self, keys: Iterable[FlowKey]) -> FrozenSet[FlowKey]:
+        """Of ``keys``, the flows whose send-side class is on the interface their route leaves
+        by (the caller holds the reconciler's lock; routes from the cache only)."""
+        out = []
+        for k in keys:
+            p = self._ports.get(self._egress.get(k) or "")
+            if p is not None and p.usable and p.backend is not None \
+                    and p.backend.shape_of(k) is not None:
+                out.append(k)
+        return frozenset(out)
 
     def routed_flows(self, flows: Dict[FlowKey, object]) -> Dict[FlowKey, object]:
         """The live flows whose route matters: those looked up before (a rule shapes them)

@@ -102,13 +102,19 @@ class Reconciler:
             self.table.dirty.update(pp.dirty)
             res = self.apply_dirty(before=pp.first, after=pp.fills, rebind=pp.rebind)
             made = {r: tuple(ids) for r, ids in res.pool_made.items()} if res else {}
+            # guarded claims (several interfaces): lifted once their class is where they
+            # leave; with one interface none is guarded any more, every one is let go
+            placed = (sup.placed(report.guarded) if sup.routed else frozenset(report.guarded)) \
+                if report.guarded else frozenset()
             return PoolGrant(True, pool.epoch, self.rules, made, stale=pp.stale, bound=pp.bound,
                              bound_by_rule=dict(pp.bound_by_rule), released=pp.released,
                              rebound=len(pp.rebind), closed=pp.closed,
                              freed_by_sweep=res.pool_freed_by_sweep if res else 0,
                              ready_classes=len(pool.classes), ids_held=pool.ids_held(),
                              ids_awaiting=pool.ids_waiting(),
-                             oldest_wait_s=pool.oldest_wait_s())
+                             oldest_wait_s=pool.oldest_wait_s(),
+                             guard=sup.routed and len(sup.ports()) > 1,
+                             placed=placed)
 
     def _drop_stray_pools(self, sup) -> None:
         """Pools live on the first interface only: a port that holds ready or claimed pool

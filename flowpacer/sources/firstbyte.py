@@ -54,7 +54,10 @@ POOL_SLOTS = 64
 FB_DIR_OUTBOUND, FB_DIR_INBOUND = 1, 2
 FB_F_ATTRIBUTED, FB_F_CLOSED = 0x01, 0x02
 COUNTERS = ("claimed", "pool_empty", "undecided", "unattributed", "setsockopt_failed", "lost",
-            "no_match", "stopgap", "missed", "lifted")
+            "no_match", "stopgap", "missed", "lifted", "guarded")
+PLACED_SLOTS = 16384       # fb_placed's slots (FB_PLACED_SLOTS): a guarded claim's class id's
+GUARD_FORGET_S = 120.0     # a guarded claim never placed (its route is unmanaged) is forgotten:
+#                            its socket keeps TCP pacing at its rule's rate (until a reload)
 # struct fb_event: ts_ns classid rule pid uid family lport rport direction flags
 #                  laddr[16] raddr[16] comm[16]
 EVENT = struct.Struct("<QIIIIHHHBB16s16s16s")
@@ -203,7 +206,12 @@ class FirstByte:
         self._oldest_wait_s = 0.0
         self._counts = {"claims": 0, "bound": 0, "released": 0, "rebound": 0, "bad_records": 0,
                         "stale": 0, "closed": 0, "sweeps": 0, "freed_by_sweep": 0,
-                        "refilled": 0, "returned": 0}
+                        "refilled": 0, "returned": 0, "placed": 0}
+        # guarded claims (several interfaces, issue 29): config.guard as written, when it was
+        # last on, and the claims awaiting their placement: key -> (class id, ts_ns, seen at)
+        self._guard = False
+        self._guard_until = 0.0
+        self._guarded: Dict[FlowKey, Tuple[int, int, float]] = {}
         self._rule_claims: Dict[str, int] = {}
         # the stopgap (issue 26): per kernel index, the rules up to it and its generation
         self._stop_gens: Dict[int, Tuple[tuple, int]] = {}
@@ -330,6 +338,7 @@ class FirstByte:
         if c is not None:
             leaf.kernel, leaf.inbound, leaf.outbound = c.kernel_mask, c.inbound, c.outbound
             leaf.any_comm, leaf.any_uid, leaf.any_remote = c.any_comm, c.any_uid, c.any_remote
+        leaf.guard = int(self._guard)
         t[ctypes.c_int(0)] = leaf
 
     def _write_ports(self, name: bytes, masks: List[int]) -> None:
@@ -492,6 +501,11 @@ class FirstByte:
                 continue
             out.append(self._to_claim(r))
         self._counts["claims"] += len(out)
+        if out and (self._guard or time.monotonic() < self._guard_until):
+            now = time.monotonic()
+            with self._lock:
+                for c in out:
+                    self._guarded[c.key] = (c.classid, c.ts_ns, now)
         return out
 
     def _to_claim(self, r) -> model.ClaimEvent:
@@ -503,7 +517,7 @@ class FirstByte:
             la, ra = ipaddress.IPv6Address(laddr), ipaddress.IPv6Address(raddr)
         pool = self._pools.get(rule)
         return model.ClaimEvent(FlowKey(la, lport, ra, rport), classid,
-                                pool.rule.name if pool is not None else "")
+                                pool.rule.name if pool is not None else "", _ts)
 
     # ----------------------------------------------------------------- round
     # A round of the firstbyte stage (app.py): ``report`` (outside the reconciler's lock: the
@@ -551,7 +565,20 @@ class FirstByte:
                 self._counts["sweeps"] += 1
             return model.PoolReport(self._epoch, self._ready(), self.pool_target, tuple(claims),
                                     closed, returned,
-                                    frozenset(prios) if prios is not None else None, replan)
+                                    frozenset(prios) if prios is not None else None, replan,
+                                    guarded=self._guarded_keys(closed, now))
+
+    def _guarded_keys(self, closed: Tuple[int, ...], now: float) -> Tuple[FlowKey, ...]:
+        """The guarded claims still awaiting their placement: those whose socket closed (its
+        class id reported closed) or that waited ``GUARD_FORGET_S`` are forgotten first."""
+        g = self._guarded
+        if not g:
+            return ()
+        gone = set(closed)
+        for k in [k for k, (cid, _ts, seen) in g.items()
+                  if cid in gone or now - seen > GUARD_FORGET_S]:
+            del g[k]
+        return tuple(g)
 
     def granted(self, grant: model.PoolGrant) -> bool:
         """The reconciler's answer: the new classes into the rings, claims on again after a
@@ -565,6 +592,9 @@ class FirstByte:
             self._grant_epoch = grant.epoch
             self._ids = (grant.ids_held, grant.ids_awaiting)
             self._oldest_wait_s = grant.oldest_wait_s
+            self._place(grant.placed)
+            if grant.guard != self._guard:
+                self._set_guard(grant.guard)
             if grant.epoch != self._epoch:
                 self._counts["stale"] += grant.stale
                 return True
@@ -585,6 +615,31 @@ class FirstByte:
             else:
                 self._counts["refilled"] += made
             return grant.rules is not None and grant.rules.rules != self._rules_seen
+
+    def _set_guard(self, on: bool) -> None:
+        """config.guard on (several interfaces) or off; claims seen up to a few seconds after
+        it went off may still be guarded ones (their events were on their way)."""
+        self._guard = on
+        if not on:
+            self._guard_until = time.monotonic() + 5.0
+        self._write_config(self._compiled.live if self._live and self._compiled else 0,
+                           self._compiled if self._live else None)
+        log.info("first byte: claims %s guarded by the stopgap until their class is on the "
+                 "interface they leave by", "are" if on else "are no longer")
+
+    def _place(self, keys) -> None:
+        """Guarded claims whose class is on the interface they leave by: their claim's ts_ns
+        into fb_placed, so that the socket's next ACK lifts its stopgap."""
+        for k in keys:
+            got = self._guarded.pop(k, None)
+            if got is None:
+                continue
+            cid, ts, _seen = got
+            self._set_placed(cid % PLACED_SLOTS, ts)
+            self._counts["placed"] += 1
+
+    def _set_placed(self, slot: int, ts_ns: int) -> None:
+        self._bpf[b"fb_placed"][ctypes.c_int(slot)] = ctypes.c_uint64(ts_ns)
 
     def _priorities(self) -> Optional[Set[int]]:
         try:

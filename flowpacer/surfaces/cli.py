@@ -189,7 +189,9 @@ def status(socket_path, as_json, all_flows):
     if fb:
         click.echo("first byte: ready " + (", ".join(
             f"{printable(rule)} {n}" for rule, n in fb.ready) or "none")
-            + f"; claimed {fb.count('claimed')}, stopgap {fb.count('stopgap')} (lifted "
+            + f"; claimed {fb.count('claimed')}"
+            + (f" (guarded {fb.count('guarded')})" if fb.count("guarded") else "")
+            + f", stopgap {fb.count('stopgap')} (lifted "
               f"{fb.count('lifted')}), missed {fb.count('missed')}, refilled "
               f"{fb.count('refilled')}, returned unclaimed "
               f"{fb.count('returned') + fb.count('released')}, pool exhausted "

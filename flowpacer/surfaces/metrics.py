@@ -918,7 +918,9 @@ def _first_byte_metrics(fb, counter, gauge):
         paced.add_metric([k], n)
     yield paced
     lifted = counter("flowpacer_first_byte_stopgaps_lifted",
-                     "Stopgap limits lifted because their rule changed (a reload).")
+                     "Stopgap limits lifted because their rule changed (a reload), or, with "
+                     "several interfaces, because a guarded claim's class was placed on the "
+                     "interface its flow leaves by.")
     lifted.add_metric([], c.lifted)
     yield lifted
     ev = counter("flowpacer_first_byte_events",

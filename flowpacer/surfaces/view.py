@@ -71,7 +71,8 @@ def build(rec, sup, stages: Iterable, *, rules_path: str, flow_source: FlowSourc
             first_byte, interface=ifaces[0].name, elsewhere=c.first_byte_elsewhere,
             note=(f"pools on {ifaces[0].name} only: a flow that leaves by "
                   f"{', '.join(i.name for i in ifaces[1:])} gets its class there after the "
-                  "handshake, as without first-byte shaping" if len(ifaces) > 1 else ""))
+                  "handshake, paced by TCP at its rule's rate until then (guarded)"
+                  if len(ifaces) > 1 else ""))
     return DaemonView(
         backend=b.name if b else None,
         backend_reason=sup.reason,

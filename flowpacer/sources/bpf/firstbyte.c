@@ -49,7 +49,9 @@
  * When r's pool is empty the socket gets r's rate as its SO_MAX_PACING_RATE
  * (the stopgap, issue 26: TCP paces itself until the flow's class is in) and
  * its ACKs lift that limit once r's generation in fb_rate changes (a reload);
- * see stopgap() and docs/firstbyte.md.
+ * see stopgap() and docs/firstbyte.md.  With several interfaces (config.guard)
+ * a claiming socket gets the stopgap too, lifted once user space saw its class
+ * on the interface it leaves by (fb_placed; firstbyte.h, "Guarded claims").
  *
  * Pool of a rule r: fb_pool[r * FB_POOL_SLOTS + (i % FB_POOL_SLOTS)] holds
  * the class id of ticket i; tickets fb_take[r] <= i < fb_fill[r] are
@@ -116,6 +118,7 @@ BPF_ARRAY(fb_fill, u64, FB_MAX_RULES);
 BPF_ARRAY(fb_take, u64, FB_MAX_RULES);
 BPF_ARRAY(fb_rate, struct fb_rate, FB_MAX_RULES);	/* rule -> its stopgap (issue 26) */
 BPF_SK_STORAGE(fb_stop_st, struct fb_stop);	/* stopgapped socket -> what it was given */
+BPF_ARRAY(fb_placed, u64, FB_PLACED_SLOTS);	/* guarded claim's slot -> its ts_ns, placed */
 BPF_PERCPU_ARRAY(fb_counters, u64, FB_C_MAX);
 
 static __always_inline void count(u32 idx)
@@ -288,7 +291,8 @@ static __always_inline void fill_tuple(struct bpf_sock_ops *skops, struct fb_eve
  * so the stopgap is not looser than the class.  (TCP does not pace a flow's first 10 segments:
  * the class lets its burst through there too.)  1: paced, 0: not (counted missed).
  */
-static __always_inline int stopgap(struct bpf_sock_ops *skops, u32 r, u16 family)
+static __always_inline int stopgap(struct bpf_sock_ops *skops, u32 r, u16 family,
+				   u32 classid, u64 claim_ts)
 {
 	struct fb_rate *fr = fb_rate.lookup(&r);
 	struct bpf_sock *sk = skops->sk;
@@ -315,13 +319,29 @@ static __always_inline int stopgap(struct bpf_sock_ops *skops, u32 r, u16 family
 	st->rule = r;
 	st->rate = (u32)rate;
 	st->gen = fr->gen;
+	st->claim_ts = claim_ts;
+	st->classid = classid;
 	/* the socket's ACKs re-check its rule (fb_rate.gen): a reload lifts the limit */
 	bpf_sock_ops_cb_flags_set(skops, skops->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_RTT_CB_FLAG);
 	return 1;
 }
 
+/* A guarded claim whose class user space placed on the interface its flow leaves by. */
+static __always_inline int placed(struct fb_stop *st)
+{
+	u32 slot;
+	u64 *ts;
+
+	if (!st->claim_ts)
+		return 0;
+	slot = st->classid % FB_PLACED_SLOTS;
+	ts = fb_placed.lookup(&slot);
+	return ts && *ts == st->claim_ts;
+}
+
 /* An ACK of a stopgapped socket: its limit stays while its rule is unchanged (the class of the
- * flow has the same rate), and is lifted once the rule, or one before it, changed. */
+ * flow has the same rate) and, for a guarded claim, until its class is placed; it is lifted
+ * once the rule, or one before it, changed, or the guarded claim's class is placed. */
 static __always_inline void recheck_stopgap(struct bpf_sock_ops *skops)
 {
 	struct bpf_sock *sk = skops->sk;
@@ -337,7 +357,7 @@ static __always_inline void recheck_stopgap(struct bpf_sock_ops *skops)
 		return;				/* not ours (another program asked for RTT_CB) */
 	r = st->rule;
 	fr = fb_rate.lookup(&r);
-	if (fr && fr->gen == st->gen)
+	if (fr && fr->gen == st->gen && !placed(st))
 		return;
 	if (bpf_setsockopt(skops, SOL_SOCKET, SO_MAX_PACING_RATE, &val, sizeof(val)) != 0)
 		return;				/* tried again at the next ACK */
@@ -377,16 +397,20 @@ static __always_inline void established(struct bpf_sock_ops *skops, struct fb_co
 
 	if (!classid) {
 		count(FB_C_EMPTY);
-		count(stopgap(skops, chosen, f.ev.family) ? FB_C_STOPGAP : FB_C_MISSED);
+		count(stopgap(skops, chosen, f.ev.family, 0, 0) ? FB_C_STOPGAP : FB_C_MISSED);
 		return;
 	}
 	int prio = (int)classid;
+	u64 ts = bpf_ktime_get_ns();
 
 	if (bpf_setsockopt(skops, SOL_SOCKET, SO_PRIORITY, &prio, sizeof(prio)) != 0) {
 		count(FB_C_SETSOCKOPT);	/* still reported: the daemon gives the class back */
-		count(stopgap(skops, chosen, f.ev.family) ? FB_C_STOPGAP : FB_C_MISSED);
+		count(stopgap(skops, chosen, f.ev.family, 0, 0) ? FB_C_STOPGAP : FB_C_MISSED);
 	} else {
 		count(FB_C_CLAIMED);
+		/* several interfaces: paced by TCP too until its class is where it leaves */
+		if (cfg->guard && stopgap(skops, chosen, f.ev.family, classid, ts))
+			count(FB_C_GUARDED);
 		/* tell user space when this socket is closed: until then the class id
 		 * is its priority and must not be handed to another flow */
 		fb_claimed.update(&cookie, &classid);
@@ -402,7 +426,7 @@ static __always_inline void established(struct bpf_sock_ops *skops, struct fb_co
 		return;
 	}
 	__builtin_memcpy(e, &f.ev, sizeof(*e));
-	e->ts_ns = bpf_ktime_get_ns();
+	e->ts_ns = ts;
 	e->classid = classid;
 	e->rule = chosen;
 	e->flags = f.attributed ? FB_F_ATTRIBUTED : 0;

@@ -33,8 +33,11 @@
 #define FB_C_NOMATCH      6 /* no rule matched */
 #define FB_C_STOPGAP      7 /* no class: paced by TCP at the rule's rate (fb_rate) */
 #define FB_C_MISSED       8 /* decided here but neither a class nor the stopgap */
-#define FB_C_LIFTED       9 /* a stopgap lifted: its rule changed since (fb_rate.gen) */
-#define FB_C_MAX          10
+#define FB_C_LIFTED       9 /* a stopgap lifted: its rule changed since (fb_rate.gen), or
+			      * a guarded claim's class is placed (fb_placed) */
+#define FB_C_GUARDED     10 /* a claim also given the stopgap (config.guard: several
+			      * interfaces) until its class is on the interface it leaves by */
+#define FB_C_MAX         11
 
 /*
  * The rules as bit masks (bit i = rule i, first match wins = lowest bit).
@@ -64,6 +67,7 @@ struct fb_config {
 	__u64 any_comm;      /* rules without a process condition */
 	__u64 any_uid;       /* rules without a user condition */
 	__u64 any_remote;    /* rules without remote prefixes */
+	__u64 guard;         /* several interfaces: claims get the stopgap too (fb_placed) */
 };
 
 /*
@@ -86,7 +90,25 @@ struct fb_stop {
 	__u32 rule;
 	__u32 rate;          /* what SO_MAX_PACING_RATE was set to (payload bytes/s) */
 	__u64 gen;           /* fb_rate[rule].gen when it was set */
+	__u64 claim_ts;      /* a guarded claim: its event's ts_ns (0: not a claim) */
+	__u32 classid;       /* ... and its class id */
+	__u32 pad;
 };
+
+/*
+ * Guarded claims (issue 29, several interfaces).  The program cannot tell which
+ * interface a socket's route leaves by, and the pools are on the first one: a
+ * claim whose flow leaves by another interface would send its head unpaced
+ * until the daemon makes its class there.  With config.guard a claiming
+ * socket also gets its rule's stopgap; once the flow's class is on the
+ * interface it leaves by, user space writes the claim's ts_ns into
+ * fb_placed[classid % FB_PLACED_SLOTS] and the socket's next ACK lifts the
+ * stopgap.  ts_ns names one claim: a slot reused by a later claim of the same
+ * id never lifts another socket's limit.  A guarded claim user space never
+ * places (its event lost, its route on an interface not managed) keeps TCP's
+ * pacing at its rule's rate until its rule changes.
+ */
+#define FB_PLACED_SLOTS 16384    /* pool class ids are 0xc000..0xffff: one slot each */
 
 struct fb_comm_key {
 	char  comm[FB_COMM_LEN];
