@@ -135,7 +135,18 @@ def test_vrf_flows_shaped_on_the_vrf_interface(vrfbed, backend, source, psp_modu
         if source == "tracer":
             st = d.status()
             assert st["flow_source"].startswith("tracer"), st["flow_source"]
-            psplib.record(f"vrf {backend} first-byte: {st['first_byte']}")
+            # two interfaces: every claim guarded (TCP paces it until its class is where it
+            # leaves: the VRF's flows were claimed on the first interface) and then placed
+            def guards_placed():
+                c = d.status()["first_byte"]["counters"]
+                return c["claimed"] >= 8 and c["placed"] == c["guarded"] == c["claimed"] and c
+            try:
+                c = wait_for(guards_placed, gt(30), 0.2, "every claim guarded and placed")
+            except TimeoutError:
+                raise AssertionError(d.status()["first_byte"]) from None
+            psplib.record(f"vrf {backend} first-byte: claimed {c['claimed']}, guarded "
+                          f"{c['guarded']}, placed {c['placed']}, lifted {c['lifted']}, "
+                          f"elsewhere {d.status()['first_byte']['elsewhere']}")
         on = sorted((f["rule"], f["interface"]) for f in flows)
         assert on == [("in-vrf", bed.vrf_if)] * 2 + [("iperf-vrf", bed.vrf_if)] * 4 + [
             ("main", bed.server_if)] * 2, flows
