@@ -345,6 +345,15 @@ def _by_port(flows: list) -> dict:
     return {int(f["remote"].rsplit(":", 1)[1]): (f["rule"], f["interface"]) for f in flows}
 
 
+def _classid(d: Daemon, port: int) -> str:
+    return next(f["classid"] for f in d.flows() if f["remote"].endswith(f":{port}"))
+
+
+def _ours_on(bed: BondBed, dev: str) -> bool:
+    """flowpacer's root qdisc is on ``dev``."""
+    return "f1f0:" in bed.run(bed.server_ns, ["tc", "qdisc", "show", "dev", dev]).stdout
+
+
 @pytest.mark.parametrize("backend", ["psp", "htb"])
 def test_vlan_and_bond_deleted_and_made_again(backend, psp_module, tmp_path):
     """Issue 29 item 4, a device that disappears and comes back is rebuilt per interface, on a
@@ -393,10 +402,14 @@ def test_vlan_and_bond_deleted_and_made_again(backend, psp_module, tmp_path):
             procs = {label: clients.pop(label)[1] for label in labels}
             res.update(stop_clients(procs, {}, timeout=gt(30))[0])
 
-        def gone_and_ok(want: list, what: str):
+        def gone_and_ok(want: list, what: str) -> float:
+            """Wait until status says ``want``; the instant it did. Metrics say the same, and
+            the members have nothing of ours."""
             wait_for(lambda: _states(d) == want, gt(15), 0.05, what)
+            t = time.monotonic()
             assert _metric_states(bed) == set(want)
             assert _member_qdiscs(bed) == members_default and not bed.on_members()
+            return t
 
         try:
             assert _states(d) == [("bond0", "ok"), ("bond0.7", "ok")]
@@ -407,17 +420,18 @@ def test_vlan_and_bond_deleted_and_made_again(backend, psp_module, tmp_path):
             marks["shaped"] = shaped({"bond v4": "bond0", "vlan v4": "bond0.7"},
                                      "the two downloads shaped") + 0.3
             time.sleep(max(0.0, marks["shaped"] + REMADE_S - time.monotonic()))
+            bond_class = _classid(d, 40101)
             marks["vlan del"] = time.monotonic()
             bed.run(bed.server_ns, ["ip", "link", "del", "bond0.7"])
-            gone_and_ok([("bond0", "ok"), ("bond0.7", "gone")], "bond0.7 gone, bond0 ok")
-            marks["vlan gone"] = time.monotonic()
+            marks["vlan gone"] = gone_and_ok([("bond0", "ok"), ("bond0.7", "gone")],
+                                             "bond0.7 gone, bond0 ok")
             stop("vlan v4")                     # its server side waits for a route
             assert _by_port(d.flows()).get(40101) == ("web", "bond0")
+            marks["vlan made"] = time.monotonic()
             bed.make_vlan(vlan_mac)
-            gone_and_ok([("bond0", "ok"), ("bond0.7", "ok")], "bond0.7 rebuilt")
-            marks["vlan back"] = time.monotonic()
-            assert "f1f0:" in bed.run(bed.server_ns, ["tc", "qdisc", "show", "dev",
-                                                      "bond0.7"]).stdout
+            marks["vlan back"] = gone_and_ok([("bond0", "ok"), ("bond0.7", "ok")],
+                                             "bond0.7 rebuilt")
+            assert _ours_on(bed, "bond0.7")
             download("vlan again v4", bed.vlan_v4, 40103)
             download("vlan again v6", bed.vlan_v6, 40104)
             marks["vlan shaped"] = shaped({"vlan again v4": "bond0.7",
@@ -425,15 +439,18 @@ def test_vlan_and_bond_deleted_and_made_again(backend, psp_module, tmp_path):
                                           "new downloads shaped on the rebuilt bond0.7") + 0.3
             time.sleep(max(0.0, marks["vlan shaped"] + REMADE_S - time.monotonic()))
             marks["end 1"] = time.monotonic()
+            assert _classid(d, 40101) == bond_class      # bond0's flow kept its class
             stop("bond v4", "vlan again v4", "vlan again v6")
             # -- 2. the bond deleted (its VLAN with it) and made again --------------------
             marks["bond del"] = time.monotonic()
             bed.run(bed.server_ns, ["ip", "link", "del", "bond0"])
-            gone_and_ok([("bond0", "gone"), ("bond0.7", "gone")], "bond0 and bond0.7 gone")
-            marks["bond gone"] = time.monotonic()
+            marks["bond gone"] = gone_and_ok([("bond0", "gone"), ("bond0.7", "gone")],
+                                             "bond0 and bond0.7 gone")
+            marks["bond made"] = time.monotonic()
             bed.make_bond(bond_mac, vlan_mac)
-            gone_and_ok([("bond0", "ok"), ("bond0.7", "ok")], "bond0 and bond0.7 rebuilt")
-            marks["bond back"] = time.monotonic()
+            marks["bond back"] = gone_and_ok([("bond0", "ok"), ("bond0.7", "ok")],
+                                             "bond0 and bond0.7 rebuilt")
+            assert _ours_on(bed, "bond0") and _ours_on(bed, "bond0.7")
             wait_for(lambda: _status_if(d, "bond0")["link_rate_bit"] == 2 * G10, gt(10), 0.05,
                      "the rebuilt bond's link rate, both members")
             assert _status_if(d, "bond0")["link_rate_source"].endswith(
@@ -456,6 +473,11 @@ def test_vlan_and_bond_deleted_and_made_again(backend, psp_module, tmp_path):
         assert "Traceback" not in log, log[-3000:]
         assert not bed.flowpacer_left()
         assert _member_qdiscs(bed) == members_default
+    # what the daemon said of the devices going and coming back
+    said = [ln.split(": ", 1)[-1] for ln in log.splitlines()
+            if re.search(r"gone|rebuilt|cannot rebuild|rebuild failed", ln)]
+    psplib.record(f"bond/vlan deleted and made again, {backend}: the daemon's log: "
+                  + " / ".join(said[:12]))
     # what was measured, each at the receiver, against the rule x payload/frame
     windows = {"bond v4": [("before bond0.7 went", marks["shaped"], marks["vlan del"]),
                            ("bond0.7 gone and made again", marks["vlan del"], marks["end 1"])],
@@ -476,9 +498,12 @@ def test_vlan_and_bond_deleted_and_made_again(backend, psp_module, tmp_path):
                           f"{got * 8 / 1e6:.3f} Mbit/s ({100 * got / want:.1f} % of rate x "
                           f"payload/frame, {b - a:.1f} s)")
     psplib.record(f"bond/vlan deleted and made again, {backend}: bond0.7 gone in status "
-                  f"{marks['vlan gone'] - marks['vlan del']:.2f} s after its deletion, both "
-                  f"{marks['bond gone'] - marks['bond del']:.2f} s after bond0's; whole test "
-                  f"{time.monotonic() - t_test:.1f} s (guest)")
+                  f"{marks['vlan gone'] - marks['vlan del']:.2f} s after its deletion, ok "
+                  f"{marks['vlan back'] - marks['vlan made']:.2f} s after the start of its "
+                  f"making (ip commands included); both gone "
+                  f"{marks['bond gone'] - marks['bond del']:.2f} s after bond0's deletion, ok "
+                  f"{marks['bond back'] - marks['bond made']:.2f} s after the start of its "
+                  f"making; whole test {time.monotonic() - t_test:.1f} s (guest)")
     for label, what, got, want in figures:
         assert abs(got / want - 1) <= TOLERANCE, \
             f"{label} {what}: {got * 8 / 1e6:.3f} Mbit/s, want {want * 8 / 1e6:.3f} " \
