@@ -55,13 +55,11 @@ class BondBed(Testbed):
             sh("ip", "netns", "del", ns, check=False)
             sh("ip", "netns", "add", ns)
             sh("ip", "-n", ns, "link", "set", "lo", "up")
-        opts = ["mode", self.mode] + (["xmit_hash_policy", "layer3+4"]
-                                      if self.mode in ("balance-xor", "802.3ad") else []) + (
-                                          ["lacp_rate", "fast"] if self.lacp else [])
-        sh("ip", "-n", S, "link", "add", "bond0", "type", "bond", *opts, "miimon", "50")
+        opts = self.bond_options()
+        sh("ip", "-n", S, "link", "add", "bond0", "type", "bond", *opts)
         cdev = self.client_if
         if self.lacp:
-            sh("ip", "-n", C, "link", "add", cdev, "type", "bond", *opts, "miimon", "50")
+            sh("ip", "-n", C, "link", "add", cdev, "type", "bond", *opts)
         else:
             sh("ip", "-n", C, "link", "add", cdev, "type", "bridge", "stp_state", "0")
         for i in (0, 1):
@@ -78,20 +76,63 @@ class BondBed(Testbed):
                                 (C, cdev, self.client_v4, self.client_v6),
                                 (S, "bond0.7", self.vlan_v4, self.vlan_v6),
                                 (C, f"{cdev}.7", self.vlan_client_v4, self.vlan_client_v6)):
-            sh("ip", "-n", ns, "addr", "add", f"{v4}/24", "dev", dev)
-            sh("ip", "-n", ns, "addr", "add", f"{v6}/64", "dev", dev, "nodad")
-            sh("ip", "-n", ns, "link", "set", dev, "up")
+            self._address(ns, dev, v4, v6)
+        self._members_up()
+
+    def bond_options(self) -> list:
+        """``ip link add ... type bond`` options of this bed's mode (both sides of 802.3ad)."""
+        return ["mode", self.mode] + (["xmit_hash_policy", "layer3+4"]
+                                      if self.mode in ("balance-xor", "802.3ad") else []) + (
+                                          ["lacp_rate", "fast"] if self.lacp else []) + [
+                                              "miimon", "50"]
+
+    def _address(self, ns: str, dev: str, v4, v6) -> None:
+        sh("ip", "-n", ns, "addr", "add", f"{v4}/24", "dev", dev)
+        sh("ip", "-n", ns, "addr", "add", f"{v6}/64", "dev", dev, "nodad")
+        sh("ip", "-n", ns, "link", "set", dev, "up")
+
+    def _members_up(self) -> None:
+        """The members up and the bond using both (802.3ad: LACP agreed), and the client side's
+        addresses resolved from the server namespace."""
+        S, C = self.server_ns, self.client_ns
         for i in (0, 1):
             sh("ip", "-n", S, "link", "set", f"m{i}", "up")
         wait_for(lambda: self.members_up() == ("m0", "m1"), guest_timeout(10), 0.05,
                  "both members up")
         if self.lacp:           # LACP agrees (fast rate: a LACPDU a second each way)
-            for ns, bond in ((S, "bond0"), (C, cdev)):
+            for ns, bond in ((S, "bond0"), (C, self.client_if)):
                 wait_for(lambda: len(self.aggregator(ns, bond)[1]) == 2, guest_timeout(30),
                          0.2, f"{bond}'s two members in one aggregator")
         for dst in (self.client_v4, self.vlan_client_v4, self.client_v6, self.vlan_client_v6):
             wait_for(lambda: self.resolves(str(dst)), guest_timeout(20), 0.2,
                      f"{dst}'s neighbour entry")
+
+    def mac(self, dev: str) -> str:
+        """``dev``'s link address in the server namespace."""
+        out = self.run(self.server_ns, ["cat", f"/sys/class/net/{dev}/address"]).stdout
+        return out.strip()
+
+    def make_vlan(self, mac: str) -> None:
+        """``bond0.7`` made again on ``bond0`` (after ``ip link del``): the same VLAN id,
+        addresses and link address ``mac`` (so the client's neighbour entries stay valid)."""
+        sh("ip", "-n", self.server_ns, "link", "add", "link", "bond0", "name", "bond0.7",
+           "address", mac, "type", "vlan", "id", "7")
+        self._address(self.server_ns, "bond0.7", self.vlan_v4, self.vlan_v6)
+
+    def make_bond(self, mac: str, vlan_mac: str) -> None:
+        """``bond0`` made again (after ``ip link del bond0``, which takes ``bond0.7`` with it
+        and releases the members, down): the same mode, link address ``mac``, ``m0`` and ``m1``
+        enslaved again, its addresses, and ``bond0.7`` on it (``make_vlan``); returns once both
+        members are up in it."""
+        S = self.server_ns
+        sh("ip", "-n", S, "link", "add", "bond0", "address", mac, "type", "bond",
+           *self.bond_options())
+        for i in (0, 1):        # the bonding driver enslaves only a device that is down
+            sh("ip", "-n", S, "link", "set", f"m{i}", "down")
+            sh("ip", "-n", S, "link", "set", f"m{i}", "master", "bond0")
+        self._address(S, "bond0", self.server_v4, self.server_v6)
+        self.make_vlan(vlan_mac)
+        self._members_up()
 
     def resolves(self, dst: str) -> bool:
         """A datagram from the server namespace to ``dst`` made the kernel resolve its link
@@ -101,7 +142,6 @@ class BondBed(Testbed):
                                   f"socket.SOCK_DGRAM).sendto(b'x', ({dst!r}, 9))"], check=False)
         out = self.run(self.server_ns, ["ip", "neigh", "show", dst]).stdout
         return any(st in out for st in ("REACHABLE", "STALE", "DELAY", "PROBE"))
-
 
     def sysfs(self, path: str) -> str:
         return self.run(self.server_ns, ["cat", f"/sys/class/net/{path}"]).stdout.strip()

@@ -17,7 +17,11 @@ the receiver before and after (the same TCP connections), the link rate in statu
 the kernel's own figure for the bond (``/sys/class/net/bond0/speed``) agrees, and nothing is ever
 put on the members. The member comes back up (the figure follows again); after SIGTERM nothing
 of flowpacer's is left anywhere. Each bond mode with psp and with htb, each on a fresh bed;
-802.3ad (psp) against an LACP partner (``test_802_3ad_with_a_lacp_partner``).
+802.3ad against an LACP partner (``test_802_3ad_with_a_lacp_partner``).
+
+``test_vlan_and_bond_deleted_and_made_again``: bond0.7, then bond0 (which takes bond0.7 with it),
+deleted under the daemon and made again (issue 29 item 4): gone in status and metrics, rebuilt,
+new downloads shaped there at rate, the bond's own download held through its VLAN's loss.
 
 ``test_vlan_egress_qos_map_and_socket_priorities``: what 802.1p PCP a VLAN's egress-qos-map
 gives flows flowpacer shapes, and a socket carrying a first-byte class id (issue 29 item 4).
@@ -195,13 +199,14 @@ def test_bond_and_vlan_at_rate_through_a_member_going_down(mode, backend, psp_mo
         assert not bed.on_members()
 
 
-def test_802_3ad_with_a_lacp_partner(psp_module, tmp_path):
+@pytest.mark.parametrize("backend", ["psp", "htb"])
+def test_802_3ad_with_a_lacp_partner(backend, psp_module, tmp_path):
     """802.3ad (issue 29 item 3) against an LACP partner: the client side is a second 802.3ad
     bond over the members' peers (BondBed). Both members end up in one aggregator
     (/proc/net/bonding/bond0), so the link rate is their sum, 20 Gbit/s; m1 going down leaves
     10 Gbit/s and it coming back (LACP agreeing again) 20; the flows (nginx and iperf3 over
     the bond and its VLAN, both families) hold their rate before and after, as with
-    balance-xor. psp only: htb's figures on a bond are balance-xor's (the test above)."""
+    balance-xor. psp and htb, each on a fresh bed."""
     with BondBed("802.3ad") as bed:
         agg, ports = bed.aggregator()
         assert agg and ports == ("m0", "m1"), (agg, ports)
@@ -209,10 +214,10 @@ def test_802_3ad_with_a_lacp_partner(psp_module, tmp_path):
         Nginx(bed, tmp_path / "nginx", files={"big": 8 << 30}).start()   # sparse
         for _label, port, _attr in IPERF:
             iperf3_server(bed, port)
-        _one_backend(bed, tmp_path, "psp")
+        _one_backend(bed, tmp_path, backend)
         wait_for(lambda: bed.aggregator()[1] == ("m0", "m1"), gt(30), 0.2,
                  "m0 and m1 in one aggregator again")
-        psplib.record(f"bond 802.3ad: aggregator {agg} with {'+'.join(ports)} before, "
+        psplib.record(f"bond 802.3ad {backend}: aggregator {agg} with {'+'.join(ports)} before, "
                       f"{bed.aggregator()} after m1 went down and came back")
         assert not bed.on_members()
 
@@ -304,3 +309,202 @@ def test_vlan_egress_qos_map_and_socket_priorities(backend, psp_module, tmp_path
             want = 4_000_000 / 8 * WIRE
             assert abs(res[p]["goodput_bps"] / want - 1) <= TOLERANCE, (p, res[p])
         assert not bed.flowpacer_left()
+
+
+# ------------------------------------- a VLAN and a bond deleted and made again (issue 29 item 4)
+REMADE_S = 2.5          # each download measured this long once shaped (+0.3 s)
+
+
+def _states(d: Daemon) -> list:
+    return [(i["name"], i["state"]) for i in d.status()["interfaces"]]
+
+
+def _metric_states(bed: BondBed) -> set:
+    """(interface, state) of every ``flowpacer_backend_state`` at 1, scraped in the server
+    namespace."""
+    import urllib.request
+    from prometheus_client.parser import text_string_to_metric_families
+    from harness.testbed import in_netns
+    with in_netns(bed.server_ns):
+        text = urllib.request.urlopen("http://127.0.0.1:9717/metrics",
+                                      timeout=gt(10)).read().decode()
+    return {(s.labels["interface"], s.labels["state"])
+            for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == "flowpacer_backend_state" and s.value == 1}
+
+
+def _member_qdiscs(bed: BondBed) -> dict:
+    """{member: its root qdisc line(s)}: the kernel's default for the device, never ours."""
+    return {m: " | ".join(ln.split(" refcnt")[0] for ln in bed.run(
+        bed.server_ns, ["tc", "qdisc", "show", "dev", m]).stdout.splitlines() if ln.strip())
+        for m in ("m0", "m1")}
+
+
+def _by_port(flows: list) -> dict:
+    """{client port: (rule, interface)} of the shaped flows."""
+    return {int(f["remote"].rsplit(":", 1)[1]): (f["rule"], f["interface"]) for f in flows}
+
+
+def _classid(d: Daemon, port: int) -> str:
+    return next(f["classid"] for f in d.flows() if f["remote"].endswith(f":{port}"))
+
+
+def _ours_on(bed: BondBed, dev: str) -> bool:
+    """flowpacer's root qdisc is on ``dev``."""
+    return "f1f0:" in bed.run(bed.server_ns, ["tc", "qdisc", "show", "dev", dev]).stdout
+
+
+@pytest.mark.parametrize("backend", ["psp", "htb"])
+def test_vlan_and_bond_deleted_and_made_again(backend, psp_module, tmp_path):
+    """Issue 29 item 4, a device that disappears and comes back is rebuilt per interface, on a
+    bond and its VLAN (balance-xor) under ``interfaces: [bond0, bond0.7]``:
+
+    1. with a download at rate over each, ``bond0.7`` is deleted: status and metrics say it is
+       gone and bond0 ok, and bond0's download stays at its rule's rate (the same connection,
+       measured at the receiver before and after); ``bond0.7`` is made again (VLAN id,
+       addresses and link address as before): status and metrics ok, the daemon's qdisc on it
+       again, new downloads over it (IPv4 and IPv6) shaped there at rate;
+    2. ``bond0`` is deleted (``bond0.7`` goes with it, the members are released): both gone;
+       both made again, the members enslaved again: both ok, the link rate the two members'
+       sum again, new downloads over each (IPv6 over the bond, IPv4 over the VLAN) at rate.
+
+    The members only ever have their default qdisc (nothing of flowpacer's, before, during and
+    after); after SIGTERM nothing is left on any device."""
+    t_test = time.monotonic()
+    with BondBed("balance-xor") as bed:
+        Nginx(bed, tmp_path / "nginx", files={"big": 8 << 30}).start()   # sparse
+        members_default = _member_qdiscs(bed)
+        assert all(members_default.values()), members_default
+        d = Daemon(bed, tmp_path, RULES, "--no-tracer", "--rescan", "0.5",
+                   backend=backend).start(timeout=gt(90))
+        clients, res, marks = {}, {}, {}
+
+        def download(label: str, host, port: int):
+            argv = client_argv(str(host), 8081, 120, warmup=0.5, local_port=port) + [
+                "--path", "/big", "--interval", "0.1"]
+            clients[label] = (port, bed.popen(bed.client_ns, argv, stdout=subprocess.PIPE,
+                                              text=True))
+
+        def shaped(want: dict, what: str) -> float:
+            """Wait until the clients' flows on ``want`` ({label: interface}) are shaped there
+            by the web rule; the instant they were."""
+            ports = {clients[label][0]: ("web", dev) for label, dev in want.items()}
+            try:
+                wait_for(lambda: (lambda b: all(b.get(p) == w for p, w in ports.items()))(
+                    _by_port(d.flows())), gt(45), 0.1, what)
+            except TimeoutError:
+                st = d.status()
+                raise AssertionError(f"{what}: flows {st['flows']}, interfaces "
+                                     f"{st['interfaces']}\n{d.log_text()[-3000:]}") from None
+            return time.monotonic()
+
+        def stop(*labels):
+            procs = {label: clients.pop(label)[1] for label in labels}
+            res.update(stop_clients(procs, {}, timeout=gt(30))[0])
+
+        def gone_and_ok(want: list, what: str) -> float:
+            """Wait until status says ``want``; the instant it did. Metrics say the same, and
+            the members have nothing of ours."""
+            wait_for(lambda: _states(d) == want, gt(15), 0.05, what)
+            t = time.monotonic()
+            assert _metric_states(bed) == set(want)
+            assert _member_qdiscs(bed) == members_default and not bed.on_members()
+            return t
+
+        try:
+            assert _states(d) == [("bond0", "ok"), ("bond0.7", "ok")]
+            bond_mac, vlan_mac = bed.mac("bond0"), bed.mac("bond0.7")
+            # -- 1. the VLAN deleted under load and made again --------------------------
+            download("bond v4", bed.server_v4, 40101)
+            download("vlan v4", bed.vlan_v4, 40102)
+            marks["shaped"] = shaped({"bond v4": "bond0", "vlan v4": "bond0.7"},
+                                     "the two downloads shaped") + 0.3
+            time.sleep(max(0.0, marks["shaped"] + REMADE_S - time.monotonic()))
+            bond_class = _classid(d, 40101)
+            marks["vlan del"] = time.monotonic()
+            bed.run(bed.server_ns, ["ip", "link", "del", "bond0.7"])
+            marks["vlan gone"] = gone_and_ok([("bond0", "ok"), ("bond0.7", "gone")],
+                                             "bond0.7 gone, bond0 ok")
+            stop("vlan v4")                     # its server side waits for a route
+            assert _by_port(d.flows()).get(40101) == ("web", "bond0")
+            marks["vlan made"] = time.monotonic()
+            bed.make_vlan(vlan_mac)
+            marks["vlan back"] = gone_and_ok([("bond0", "ok"), ("bond0.7", "ok")],
+                                             "bond0.7 rebuilt")
+            assert _ours_on(bed, "bond0.7")
+            download("vlan again v4", bed.vlan_v4, 40103)
+            download("vlan again v6", bed.vlan_v6, 40104)
+            marks["vlan shaped"] = shaped({"vlan again v4": "bond0.7",
+                                           "vlan again v6": "bond0.7", "bond v4": "bond0"},
+                                          "new downloads shaped on the rebuilt bond0.7") + 0.3
+            time.sleep(max(0.0, marks["vlan shaped"] + REMADE_S - time.monotonic()))
+            marks["end 1"] = time.monotonic()
+            assert _classid(d, 40101) == bond_class      # bond0's flow kept its class
+            stop("bond v4", "vlan again v4", "vlan again v6")
+            # -- 2. the bond deleted (its VLAN with it) and made again --------------------
+            marks["bond del"] = time.monotonic()
+            bed.run(bed.server_ns, ["ip", "link", "del", "bond0"])
+            marks["bond gone"] = gone_and_ok([("bond0", "gone"), ("bond0.7", "gone")],
+                                             "bond0 and bond0.7 gone")
+            marks["bond made"] = time.monotonic()
+            bed.make_bond(bond_mac, vlan_mac)
+            marks["bond back"] = gone_and_ok([("bond0", "ok"), ("bond0.7", "ok")],
+                                             "bond0 and bond0.7 rebuilt")
+            assert _ours_on(bed, "bond0") and _ours_on(bed, "bond0.7")
+            wait_for(lambda: _status_if(d, "bond0")["link_rate_bit"] == 2 * G10, gt(10), 0.05,
+                     "the rebuilt bond's link rate, both members")
+            assert _status_if(d, "bond0")["link_rate_source"].endswith(
+                "bond0 balance-xor: m0+m1"), _status_if(d, "bond0")
+            download("bond again v6", bed.server_v6, 40105)
+            download("vlan again2 v4", bed.vlan_v4, 40106)
+            marks["bond shaped"] = shaped({"bond again v6": "bond0",
+                                           "vlan again2 v4": "bond0.7"},
+                                          "new downloads shaped on the rebuilt bond and VLAN") + 0.3
+            time.sleep(max(0.0, marks["bond shaped"] + REMADE_S - time.monotonic()))
+            marks["end 2"] = time.monotonic()
+            stop("bond again v6", "vlan again2 v4")
+            assert _member_qdiscs(bed) == members_default and not bed.on_members()
+        finally:
+            if clients:
+                stop(*list(clients))
+            rc = d.stop()
+        assert rc == 0, d.log_text()[-3000:]
+        log = d.log_text()
+        assert "Traceback" not in log, log[-3000:]
+        assert not bed.flowpacer_left()
+        assert _member_qdiscs(bed) == members_default
+    # what the daemon said of the devices going and coming back
+    said = [ln.split(": ", 1)[-1] for ln in log.splitlines()
+            if re.search(r"gone|rebuilt|cannot rebuild|rebuild failed", ln)]
+    psplib.record(f"bond/vlan deleted and made again, {backend}: the daemon's log: "
+                  + " / ".join(said[:12]))
+    # what was measured, each at the receiver, against the rule x payload/frame
+    windows = {"bond v4": [("before bond0.7 went", marks["shaped"], marks["vlan del"]),
+                           ("bond0.7 gone and made again", marks["vlan del"], marks["end 1"])],
+               "vlan v4": [("before it went", marks["shaped"], marks["vlan del"])],
+               "vlan again v4": [("on the rebuilt bond0.7", marks["vlan shaped"], marks["end 1"])],
+               "vlan again v6": [("on the rebuilt bond0.7", marks["vlan shaped"], marks["end 1"])],
+               "bond again v6": [("on the rebuilt bond0", marks["bond shaped"], marks["end 2"])],
+               "vlan again2 v4": [("on bond0.7 rebuilt with it", marks["bond shaped"],
+                                   marks["end 2"])]}
+    figures = []
+    for label, spans in windows.items():
+        r = res[label]
+        want = RATE / 8 * (WIRE6 if label.endswith("v6") else WIRE)
+        for what, a, b in spans:
+            got = _rate(r["samples"], a - r["t0_monotonic"], b - r["t0_monotonic"])
+            figures.append((label, what, got, want))
+            psplib.record(f"bond/vlan deleted and made again, {backend}: {label} {what}: "
+                          f"{got * 8 / 1e6:.3f} Mbit/s ({100 * got / want:.1f} % of rate x "
+                          f"payload/frame, {b - a:.1f} s)")
+    psplib.record(f"bond/vlan deleted and made again, {backend}: bond0.7 gone in status "
+                  f"{marks['vlan gone'] - marks['vlan del']:.2f} s after its deletion, ok "
+                  f"{marks['vlan back'] - marks['vlan made']:.2f} s after the start of its "
+                  f"making (ip commands included); both gone "
+                  f"{marks['bond gone'] - marks['bond del']:.2f} s after bond0's deletion, ok "
+                  f"{marks['bond back'] - marks['bond made']:.2f} s after the start of its "
+                  f"making; whole test {time.monotonic() - t_test:.1f} s (guest)")
+    for label, what, got, want in figures:
+        assert abs(got / want - 1) <= TOLERANCE, \
+            f"{label} {what}: {got * 8 / 1e6:.3f} Mbit/s, want {want * 8 / 1e6:.3f} " \
+            f"+-{TOLERANCE:.0%}"
