@@ -144,6 +144,10 @@ class TcBackend:
         if not rate:
             got = bond.link_rate(self.speed_interface)
             rate, self.link_rate_source = got.rate_bps, got.source
+            if not rate and got.source != "speed":   # a bond (or a device on one), no member
+                raise BackendError(f"interface {self.interface} reports no speed ({got.source}): "
+                                   "retried while its members come up; set link_rate in the "
+                                   "rules file if none does")
         if not rate:
             raise BackendError(f"interface {self.interface} reports no speed: set link_rate in the "
                                "rules file")
