@@ -23,7 +23,7 @@ import os
 import socket
 import time
 import struct
-from typing import Dict, Iterable, Optional, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from flowpacer.kernel.tc.nl import RtnlSocket
 
@@ -117,15 +117,27 @@ def socket_owners(wanted: Set[int]) -> Dict[int, int]:
 
 class Snapshot(dict):
     """FlowKey -> Flow, the local ports of this namespace's unconnected UDP sockets, and the
-    socket cookie of each connected UDP socket's flow (the tracer follows its sends by it)."""
+    socket cookie of each connected UDP socket's flow (the tracer follows its sends by it).
+
+    A scan's snapshot also says what changed since the scan before it (``delta_from``: that
+    one's ``token``): the keys whose flow is new or differs (``changed``) and the keys of the
+    sockets no longer listed as they were (``gone``: one whose facts changed is listed again),
+    so that the flow table need not look at every flow (issue 26). Every other flow of it is the
+    very object the scan before it gave for that key. One without ``delta_from`` (None) is
+    looked at whole."""
     udp_ports: frozenset = frozenset()
     udp_cookies: Dict[FlowKey, int] = {}
+    token: Optional[object] = None
+    delta_from: Optional[object] = None
+    changed: List[FlowKey] = []
+    gone: List[FlowKey] = []
 
 
 class SockDiagSource:
     def __init__(self) -> None:
         self._owners: Dict[int, ProcessInfo] = {}     # socket inode -> owner
         self._prev: Dict[bytes, Flow] = {}               # raw socket identity -> flow
+        self._token: Optional[object] = None             # the last snapshot's token
         self.scans = 0
         self.proc_walks = 0
 
@@ -186,15 +198,18 @@ class SockDiagSource:
         flows.udp_cookies = {}
         prev = self._prev
         cur: Dict[bytes, Flow] = {}
+        changed = []
+        owners = self._owners
         for udp, b in established:
-            mark = mark_of(b)
-            # (the sockid, with the bound device and the cookie, the uid and inode, the mark)
-            ident = (b[4:TAIL_OFF] + b[TAIL_OFF + 12:TAIL_OFF + 20] + U32.pack(mark)
-                     + (b"U" if udp else b""))
+            # the socket as the kernel lists it, less what changes while it is idle (timer,
+            # retransmits, expiry and queues): the sockid (ports, addresses, bound device,
+            # cookie), the uid, inode and attributes (its mark, read below only for a socket
+            # not met before or changed)
+            ident = (b"U" if udp else b"T") + b[4:TAIL_OFF] + b[TAIL_OFF + 12:]
             f = prev.get(ident)
-            ino = TAIL.unpack_from(b, TAIL_OFF)[4]
-            owner = self._owners.get(ino)
+            owner = owners.get(TAIL.unpack_from(b, TAIL_OFF)[4])
             if f is None or (owner is not None and f.proc is not owner):
+                mark = mark_of(b)
                 family = b[0]
                 sport, dport = PORTS.unpack_from(b, 4)
                 key = FlowKey.wire(_addr(family, b, SRC_OFF), sport, _addr(family, b, DST_OFF),
@@ -205,10 +220,17 @@ class SockDiagSource:
                 f = Flow(key, Direction.INBOUND if inbound else Direction.OUTBOUND, proc,
                          FlowSource.RECONCILE, 0, now, mark=mark,
                          bound_if=U32.unpack_from(b, IF_OFF)[0])
+                changed.append(f.key)
+            elif f.key in flows:        # two sockets of one tuple: the table looks at it
+                changed.append(f.key)
             cur[ident] = f
             flows[f.key] = f
             if udp:
                 flows.udp_cookies[f.key] = COOKIE.unpack_from(b, COOKIE_OFF)[0]
+        flows.changed = changed
+        flows.gone = [prev[i].key for i in prev.keys() - cur.keys()]
+        flows.delta_from, flows.token = self._token, object()
+        self._token = flows.token
         self._prev = cur
         return flows
 
