@@ -155,7 +155,7 @@ class SockDiagSource:
         now = time.monotonic_ns()
         listeners: Set[Tuple[object, int]] = set()
         wildcard_ports: Set[int] = set()
-        established = []
+        tcp: List[bytes] = []
         mask = (1 << TCP_LISTEN)
         for st in SENDING_STATES:
             mask |= 1 << st
@@ -168,16 +168,21 @@ class SockDiagSource:
                     wildcard_ports.add(port)
                 listeners.add((addr, port))
             elif state in SENDING_STATES:
-                established.append((False, body))
+                tcp.append(body)
         udp_ports = set()
+        udp: List[bytes] = []
         for body in self._dump((1 << TCP_ESTABLISHED) | (1 << TCP_CLOSE), socket.IPPROTO_UDP):
             if body[1] == TCP_ESTABLISHED:
-                established.append((True, body))     # a connected UDP socket
+                udp.append(body)     # a connected UDP socket
             else:
                 udp_ports.add(PORTS.unpack_from(body, 4)[0])
-        inodes = {TAIL.unpack_from(b, TAIL_OFF)[4] for _u, b in established}
+        tail = TAIL.unpack_from
+        inodes = {tail(b, TAIL_OFF)[4] for b in tcp}
+        inodes.update(tail(b, TAIL_OFF)[4] for b in udp)
         inodes.discard(0)
-        unknown = inodes - self._owners.keys()
+        owners = self._owners
+        unknown = inodes - owners.keys()
+        found = 0
         if unknown:
             self.proc_walks += 1
             # a process' facts are read once a scan, however many new sockets it holds (a burst
@@ -190,49 +195,60 @@ class SockDiagSource:
                 else:
                     info = procs[pid] = read_process(pid)
                 if info is not None:
-                    self._owners[ino] = info
-        for ino in [i for i in self._owners if i not in inodes]:
-            del self._owners[ino]
+                    owners[ino] = info
+                    found += 1
+        for ino in [i for i in owners if i not in inodes]:
+            del owners[ino]
         flows = Snapshot()
         flows.udp_ports = frozenset(udp_ports)
-        flows.udp_cookies = {}
+        cookies: Dict[FlowKey, int] = {}
+        flows.udp_cookies = cookies
         prev = self._prev
         cur: Dict[bytes, Flow] = {}
         changed = []
-        owners = self._owners
-        for udp, b in established:
-            # the socket as the kernel lists it, less what changes while it is idle (timer,
-            # retransmits, expiry and queues): the sockid (ports, addresses, bound device,
-            # cookie), the uid, inode and attributes (its mark, read below only for a socket
-            # not met before or changed)
-            ident = (b"U" if udp else b"T") + b[4:TAIL_OFF] + b[TAIL_OFF + 12:]
-            f = prev.get(ident)
-            owner = owners.get(TAIL.unpack_from(b, TAIL_OFF)[4])
-            if f is None or (owner is not None and f.proc is not owner):
-                mark = mark_of(b)
-                family = b[0]
-                sport, dport = PORTS.unpack_from(b, 4)
-                key = FlowKey.wire(_addr(family, b, SRC_OFF), sport, _addr(family, b, DST_OFF),
-                                   dport, Protocol.UDP if udp else Protocol.TCP)
-                la = key.local_addr
-                inbound = not udp and ((la, sport) in listeners or sport in wildcard_ports)
-                proc = owner or ProcessInfo(pid=0, uid=TAIL.unpack_from(b, TAIL_OFF)[3])
-                f = Flow(key, Direction.INBOUND if inbound else Direction.OUTBOUND, proc,
-                         FlowSource.RECONCILE, 0, now, mark=mark,
-                         bound_if=U32.unpack_from(b, IF_OFF)[0])
-                changed.append(f.key)
-            elif f.key in flows:        # two sockets of one tuple: the table looks at it
-                changed.append(f.key)
-            cur[ident] = f
-            flows[f.key] = f
-            if udp:
-                flows.udp_cookies[f.key] = COOKIE.unpack_from(b, COOKIE_OFF)[0]
+        for is_udp, bodies in ((False, tcp), (True, udp)):
+            tag = b"U" if is_udp else b"T"
+            for b in bodies:
+                # the socket as the kernel lists it, less what changes while it is idle (timer,
+                # retransmits, expiry and queues): the sockid (ports, addresses, bound device,
+                # cookie), the uid, inode and attributes (its mark, read only for a socket not
+                # met before or changed)
+                ident = tag + b[4:TAIL_OFF] + b[TAIL_OFF + 12:]
+                f = prev.get(ident)
+                if f is None or found:      # new, or its owner may be found now
+                    owner = owners.get(tail(b, TAIL_OFF)[4])
+                    if f is None or (owner is not None and f.proc is not owner):
+                        f = self._flow(b, is_udp, owner, listeners, wildcard_ports, now)
+                        changed.append(f.key)
+                    elif f.key in flows:    # two sockets of one tuple: the table looks at it
+                        changed.append(f.key)
+                elif f.key in flows:
+                    changed.append(f.key)
+                cur[ident] = f
+                flows[f.key] = f
+                if is_udp:
+                    cookies[f.key] = COOKIE.unpack_from(b, COOKIE_OFF)[0]
         flows.changed = changed
         flows.gone = [prev[i].key for i in prev.keys() - cur.keys()]
         flows.delta_from, flows.token = self._token, object()
         self._token = flows.token
         self._prev = cur
         return flows
+
+
+    @staticmethod
+    def _flow(b: bytes, udp: bool, owner: Optional[ProcessInfo], listeners, wildcard_ports,
+              now: int) -> Flow:
+        """The flow of one listed socket (``b``: its inet_diag_msg and attributes)."""
+        family = b[0]
+        sport, dport = PORTS.unpack_from(b, 4)
+        key = FlowKey.wire(_addr(family, b, SRC_OFF), sport, _addr(family, b, DST_OFF), dport,
+                           Protocol.UDP if udp else Protocol.TCP)
+        inbound = not udp and ((key.local_addr, sport) in listeners or sport in wildcard_ports)
+        proc = owner or ProcessInfo(pid=0, uid=TAIL.unpack_from(b, TAIL_OFF)[3])
+        return Flow(key, Direction.INBOUND if inbound else Direction.OUTBOUND, proc,
+                    FlowSource.RECONCILE, 0, now, mark=mark_of(b),
+                    bound_if=U32.unpack_from(b, IF_OFF)[0])
 
 
 def _addr(family: int, body: bytes, off: int):
