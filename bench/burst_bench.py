@@ -7,7 +7,9 @@
    right after its class, in the same batch, and a class reused from a spare is changed, not
    made, so the class count does not tell), and the daemon's process
    CPU time (user + system, not wall: meaningful on a shared machine) per flow for the burst's
-   classes, and again for their removal when the N connections close at once. ``burst`` is
+   classes, and again for their removal when the N connections close at once; and while the N
+   are held, the daemon's CPU share (``held_cpu_share``: its reconcile passes over them, over
+   FP_BURST_HELD_S seconds, default 5, 0: not measured). ``burst`` is
    IPv4 only (an AF_INET listener: the server's sockets are plain IPv4); ``burst_mixed`` is a
    third each of IPv4, IPv6 and IPv4-mapped (IPv4 clients of a dual-stack listener).
    First-byte shaping is off here (FLOWPACER_NO_FIRST_BYTE): every flow's class is one the
@@ -48,6 +50,8 @@ CHURN_RATES = (2000, 4000, 6000, 8000)
 QUICK_CHURN_RATES = (2000, 4000)
 PORT_V4, PORT_DUAL = 7300, 7301
 SERVER_COMM = "fp-burst-hold"
+# how long each step's N flows are held idle to measure the daemon's CPU share then (0: not)
+HELD_S = float(os.environ.get("FP_BURST_HELD_S", "5"))
 
 RULES = f"""
     interface: IFACE
@@ -367,6 +371,12 @@ def burst_curve(tb, sizes=SIZES, mixed=False, profile=False, tree: str = "") -> 
                 c1 = _settle_cpu(d, idle)
                 add_cpu = c1 - c0 - idle * (time.monotonic() - t_go)
                 add_sys = _cpu_split(d)[1] - s0
+                # the N flows held: the daemon's CPU share while nothing changes (its reconcile
+                # passes over them, one a second), from 2 s after the burst's work settled
+                held = None
+                if HELD_S:
+                    time.sleep(2.0)
+                    held = _idle_cpu_rate(d, HELD_S)
                 st = d.status(timeout=60)
                 shaped = st["shaped_flows"]
                 # the removal: every connection closes at once
@@ -387,7 +397,7 @@ def burst_curve(tb, sizes=SIZES, mixed=False, profile=False, tree: str = "") -> 
                     "last_class_in_s": (t_in - res["t_first"]) if t_in else None,
                     "classes_seen": have - base, "status_shaped_flows": shaped,
                     "daemon_cpu_s": add_cpu, "cpu_us_per_flow": add_cpu * 1e6 / n,
-                    "sys_us_per_flow": add_sys * 1e6 / n,
+                    "sys_us_per_flow": add_sys * 1e6 / n, "held_cpu_share": held,
                     "remove_all_s": t_gone - t_close, "remove_cpu_us_per_flow": del_cpu * 1e6 / n,
                     "remove_sys_us_per_flow": del_sys * 1e6 / n,
                     "apply_us": st["counters"]["apply_latency_us"],

@@ -42,6 +42,11 @@ def test_snapshot_attributes_and_directions(testbed):
     assert all(k.local_port == 9301 for k in ins)
     # the second scan found no new socket inode: no /proc walk
     assert src.proc_walks == walks and again.keys() == snap.keys()
+    # and nothing changed: it says so (issue 26: the flow table looks at its changes only),
+    # every flow the very object of the scan before it
+    assert again.delta_from is snap.token and snap.delta_from is None
+    assert again.changed == [] and again.gone == []
+    assert all(again[k] is f for k, f in snap.items())
 
 
 def test_snapshot_carries_each_sockets_mark_and_bound_device(testbed):
@@ -78,3 +83,6 @@ def test_snapshot_carries_each_sockets_mark_and_bound_device(testbed):
     out4 = next(f for k, f in again.items() if f.direction is Direction.OUTBOUND
                 and k.family == 4)
     assert out4.mark == 0x31
+    # the changed socket is the one change the second scan says (its old facts' key among
+    # the gone, listed again), the others are not
+    assert again.changed == [out4.key] and again.gone == [out4.key]

@@ -23,7 +23,7 @@ import os
 import socket
 import time
 import struct
-from typing import Dict, Iterable, Optional, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from flowpacer.kernel.tc.nl import RtnlSocket
 
@@ -117,15 +117,27 @@ def socket_owners(wanted: Set[int]) -> Dict[int, int]:
 
 class Snapshot(dict):
     """FlowKey -> Flow, the local ports of this namespace's unconnected UDP sockets, and the
-    socket cookie of each connected UDP socket's flow (the tracer follows its sends by it)."""
+    socket cookie of each connected UDP socket's flow (the tracer follows its sends by it).
+
+    A scan's snapshot also says what changed since the scan before it (``delta_from``: that
+    one's ``token``): the keys whose flow is new or differs (``changed``) and the keys of the
+    sockets no longer listed as they were (``gone``: one whose facts changed is listed again),
+    so that the flow table need not look at every flow (issue 26). Every other flow of it is the
+    very object the scan before it gave for that key. One without ``delta_from`` (None) is
+    looked at whole."""
     udp_ports: frozenset = frozenset()
     udp_cookies: Dict[FlowKey, int] = {}
+    token: Optional[object] = None
+    delta_from: Optional[object] = None
+    changed: List[FlowKey] = []
+    gone: List[FlowKey] = []
 
 
 class SockDiagSource:
     def __init__(self) -> None:
         self._owners: Dict[int, ProcessInfo] = {}     # socket inode -> owner
         self._prev: Dict[bytes, Flow] = {}               # raw socket identity -> flow
+        self._token: Optional[object] = None             # the last snapshot's token
         self.scans = 0
         self.proc_walks = 0
 
@@ -143,7 +155,7 @@ class SockDiagSource:
         now = time.monotonic_ns()
         listeners: Set[Tuple[object, int]] = set()
         wildcard_ports: Set[int] = set()
-        established = []
+        tcp: List[bytes] = []
         mask = (1 << TCP_LISTEN)
         for st in SENDING_STATES:
             mask |= 1 << st
@@ -156,16 +168,21 @@ class SockDiagSource:
                     wildcard_ports.add(port)
                 listeners.add((addr, port))
             elif state in SENDING_STATES:
-                established.append((False, body))
+                tcp.append(body)
         udp_ports = set()
+        udp: List[bytes] = []
         for body in self._dump((1 << TCP_ESTABLISHED) | (1 << TCP_CLOSE), socket.IPPROTO_UDP):
             if body[1] == TCP_ESTABLISHED:
-                established.append((True, body))     # a connected UDP socket
+                udp.append(body)     # a connected UDP socket
             else:
                 udp_ports.add(PORTS.unpack_from(body, 4)[0])
-        inodes = {TAIL.unpack_from(b, TAIL_OFF)[4] for _u, b in established}
+        tail = TAIL.unpack_from
+        inodes = {tail(b, TAIL_OFF)[4] for b in tcp}
+        inodes.update(tail(b, TAIL_OFF)[4] for b in udp)
         inodes.discard(0)
-        unknown = inodes - self._owners.keys()
+        owners = self._owners
+        unknown = inodes - owners.keys()
+        found = 0
         if unknown:
             self.proc_walks += 1
             # a process' facts are read once a scan, however many new sockets it holds (a burst
@@ -178,39 +195,60 @@ class SockDiagSource:
                 else:
                     info = procs[pid] = read_process(pid)
                 if info is not None:
-                    self._owners[ino] = info
-        for ino in [i for i in self._owners if i not in inodes]:
-            del self._owners[ino]
+                    owners[ino] = info
+                    found += 1
+        for ino in [i for i in owners if i not in inodes]:
+            del owners[ino]
         flows = Snapshot()
         flows.udp_ports = frozenset(udp_ports)
-        flows.udp_cookies = {}
+        cookies: Dict[FlowKey, int] = {}
+        flows.udp_cookies = cookies
         prev = self._prev
         cur: Dict[bytes, Flow] = {}
-        for udp, b in established:
-            mark = mark_of(b)
-            # (the sockid, with the bound device and the cookie, the uid and inode, the mark)
-            ident = (b[4:TAIL_OFF] + b[TAIL_OFF + 12:TAIL_OFF + 20] + U32.pack(mark)
-                     + (b"U" if udp else b""))
-            f = prev.get(ident)
-            ino = TAIL.unpack_from(b, TAIL_OFF)[4]
-            owner = self._owners.get(ino)
-            if f is None or (owner is not None and f.proc is not owner):
-                family = b[0]
-                sport, dport = PORTS.unpack_from(b, 4)
-                key = FlowKey.wire(_addr(family, b, SRC_OFF), sport, _addr(family, b, DST_OFF),
-                                   dport, Protocol.UDP if udp else Protocol.TCP)
-                la = key.local_addr
-                inbound = not udp and ((la, sport) in listeners or sport in wildcard_ports)
-                proc = owner or ProcessInfo(pid=0, uid=TAIL.unpack_from(b, TAIL_OFF)[3])
-                f = Flow(key, Direction.INBOUND if inbound else Direction.OUTBOUND, proc,
-                         FlowSource.RECONCILE, 0, now, mark=mark,
-                         bound_if=U32.unpack_from(b, IF_OFF)[0])
-            cur[ident] = f
-            flows[f.key] = f
-            if udp:
-                flows.udp_cookies[f.key] = COOKIE.unpack_from(b, COOKIE_OFF)[0]
+        changed = []
+        for is_udp, bodies in ((False, tcp), (True, udp)):
+            tag = b"U" if is_udp else b"T"
+            for b in bodies:
+                # the socket as the kernel lists it, less what changes while it is idle (timer,
+                # retransmits, expiry and queues): the sockid (ports, addresses, bound device,
+                # cookie), the uid, inode and attributes (its mark, read only for a socket not
+                # met before or changed)
+                ident = tag + b[4:TAIL_OFF] + b[TAIL_OFF + 12:]
+                f = prev.get(ident)
+                if f is None or found:      # new, or its owner may be found now
+                    owner = owners.get(tail(b, TAIL_OFF)[4])
+                    if f is None or (owner is not None and f.proc is not owner):
+                        f = self._flow(b, is_udp, owner, listeners, wildcard_ports, now)
+                        changed.append(f.key)
+                    elif f.key in flows:    # two sockets of one tuple: the table looks at it
+                        changed.append(f.key)
+                elif f.key in flows:
+                    changed.append(f.key)
+                cur[ident] = f
+                flows[f.key] = f
+                if is_udp:
+                    cookies[f.key] = COOKIE.unpack_from(b, COOKIE_OFF)[0]
+        flows.changed = changed
+        flows.gone = [prev[i].key for i in prev.keys() - cur.keys()]
+        flows.delta_from, flows.token = self._token, object()
+        self._token = flows.token
         self._prev = cur
         return flows
+
+
+    @staticmethod
+    def _flow(b: bytes, udp: bool, owner: Optional[ProcessInfo], listeners, wildcard_ports,
+              now: int) -> Flow:
+        """The flow of one listed socket (``b``: its inet_diag_msg and attributes)."""
+        family = b[0]
+        sport, dport = PORTS.unpack_from(b, 4)
+        key = FlowKey.wire(_addr(family, b, SRC_OFF), sport, _addr(family, b, DST_OFF), dport,
+                           Protocol.UDP if udp else Protocol.TCP)
+        inbound = not udp and ((key.local_addr, sport) in listeners or sport in wildcard_ports)
+        proc = owner or ProcessInfo(pid=0, uid=TAIL.unpack_from(b, TAIL_OFF)[3])
+        return Flow(key, Direction.INBOUND if inbound else Direction.OUTBOUND, proc,
+                    FlowSource.RECONCILE, 0, now, mark=mark_of(b),
+                    bound_if=U32.unpack_from(b, IF_OFF)[0])
 
 
 def _addr(family: int, body: bytes, off: int):

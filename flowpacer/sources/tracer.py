@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import ipaddress
 import logging
 import os
@@ -263,7 +264,10 @@ def check_privileges(status_path: str = "/proc/self/status") -> None:
         f"effective capabilities are 0x{caps:x}")
 
 
+@functools.lru_cache(maxsize=1)
 def _libc():
+    """libc, loaded once: ``find_library`` runs ``ldconfig -p`` (a process) at each call, and
+    ``stats`` (every status and metrics scrape) asked for it once a BPF program."""
     return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 

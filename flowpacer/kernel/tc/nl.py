@@ -292,27 +292,41 @@ class RtnlSocket:
     def dump(self, msg_type: int, body: bytes) -> Iterator[Tuple[int, bytes]]:
         """Yield (type, body) of every message of a dump request."""
         seq = self._next_seq()
-        self._sock.sendall(_NLMSGHDR.pack(_NLMSGHDR.size + len(body), msg_type,
+        hsize = _NLMSGHDR.size
+        self._sock.sendall(_NLMSGHDR.pack(hsize + len(body), msg_type,
                                           NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body)
+        header = _NLMSGHDR.unpack_from
         while True:
-            for mtype, flags, mseq, payload in self._recv():
-                if mseq != seq:
-                    continue
-                if mtype == NLMSG_DONE:
-                    return
-                if mtype == NLMSG_ERROR:
-                    err, extack = _parse_error(flags, payload)
-                    if err:
-                        raise NetlinkError("dump", err, extack)
-                    return
-                yield mtype, payload
+            # the datagram's messages read here, not through ``_recv``/``messages``: a dump
+            # of 10 000 sockets or classes (each reconcile pass) is that many messages, and
+            # two generators less a message is a tenth of its cost
+            data = self._recv_datagram()
+            off, end = 0, len(data)
+            while off + hsize <= end:
+                mlen, mtype, flags, mseq, _pid = header(data, off)
+                if mlen < hsize:
+                    break
+                if mseq == seq:
+                    if mtype == NLMSG_DONE:
+                        return
+                    if mtype == NLMSG_ERROR:
+                        err, extack = _parse_error(flags, data[off + hsize:off + mlen])
+                        if err:
+                            raise NetlinkError("dump", err, extack)
+                        return
+                    yield mtype, data[off + hsize:off + mlen]
+                off += (mlen + 3) & ~3
 
     def _recv(self):
-        """The messages of the next datagram (one of up to RECV_BYTES). Read into a buffer of
-        the socket's own, made at the first read: ``recv(1 << 20)`` allocated a megabyte for
-        each datagram (an mmap, shrunk to the datagram after, with the GIL held), and a burst's
-        echoed class changes come one datagram each (issue 26's profile: ~40 us a new flow).
-        An anonymous mapping: only the pages the largest datagram so far touched are memory."""
+        """The messages of the next datagram (``messages``)."""
+        yield from messages(self._recv_datagram())
+
+    def _recv_datagram(self) -> bytes:
+        """The next datagram (one of up to RECV_BYTES). Read into a buffer of the socket's
+        own, made at the first read: ``recv(1 << 20)`` allocated a megabyte for each datagram
+        (an mmap, shrunk to the datagram after, with the GIL held), and a burst's echoed class
+        changes come one datagram each (issue 26's profile: ~40 us a new flow). An anonymous
+        mapping: only the pages the largest datagram so far touched are memory."""
         buf = self._buf
         if buf is None:
             buf = self._buf = mmap.mmap(-1, RECV_BYTES)
@@ -323,7 +337,7 @@ class RtnlSocket:
                 raise NetlinkError("netlink receive", errno.ENOBUFS,
                                    "socket receive buffer overrun") from None
             raise
-        yield from messages(buf[:n])
+        return buf[:n]
 
 
 def messages(data: bytes) -> Iterator[Tuple[int, int, int, bytes]]:
