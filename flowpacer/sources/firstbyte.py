@@ -509,7 +509,7 @@ class FirstByte:
         return out
 
     def _to_claim(self, r) -> model.ClaimEvent:
-        (_ts, classid, rule, _pid, _uid, family, lport, rport, _direction, _flags,
+        (ts, classid, rule, _pid, _uid, family, lport, rport, _direction, _flags,
          laddr, raddr, _comm) = r
         if family == 4:
             la, ra = ipaddress.IPv4Address(laddr[:4]), ipaddress.IPv4Address(raddr[:4])
@@ -517,7 +517,7 @@ class FirstByte:
             la, ra = ipaddress.IPv6Address(laddr), ipaddress.IPv6Address(raddr)
         pool = self._pools.get(rule)
         return model.ClaimEvent(FlowKey(la, lport, ra, rport), classid,
-                                pool.rule.name if pool is not None else "", _ts)
+                                pool.rule.name if pool is not None else "", ts)
 
     # ----------------------------------------------------------------- round
     # A round of the firstbyte stage (app.py): ``report`` (outside the reconciler's lock: the
