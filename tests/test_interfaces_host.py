@@ -796,7 +796,7 @@ def test_first_byte_claims_end_up_on_the_interface_their_route_says(testbed, tmp
     make the class on veth 2 first; a server that writes 1 MiB at once on accept does not: its
     reply to client 2 leaves by veth 2 before its class there is made, and is still paced from
     its first byte (measured at client 2: no more ahead of the rate line than TCP's unpaced
-    initial window and a class's burst; without the guard ~0.3-1 MiB)."""
+    initial window and a class's burst; 337 579 bytes ahead without the guard, measured)."""
     from flowpacer.kernel.backend.pool import POOL_FIRST_MINOR
     from flowpacer.sources.firstbyte import POOL_TARGET
     tb = testbed
