@@ -370,7 +370,14 @@ def _call_once(path: str, request: Dict, timeout: float) -> dict:
             pass                  # refused before it read: its one-line reason may still be there
         data = b""
         while True:
-            chunk = s.recv(1 << 16)
+            try:
+                chunk = s.recv(1 << 16)
+            except ConnectionResetError:
+                # closed with our request unread (a refusal: AF_UNIX then resets us after its
+                # one-line reason, or before any): the reason if it came, else asked again
+                if not data:
+                    raise _Busy() from None
+                break
             if not chunk:
                 break
             data += chunk
