@@ -140,6 +140,30 @@ def test_a_main_loop_that_keeps_failing_exits_non_zero(tmp_path):
         assert d.main_stage.state is StageState.FAILED
 
 
+def test_ready_means_every_stage_runs_before_the_main_thread_enters_its_loop(tmp_path):
+    """CI (3ab1ecd): the control socket answered a status while the main thread was still on
+    its way into the main loop, and the status called stage main "starting". From READY=1 on,
+    every stage reads running, whether or not the main thread has reached ``run`` yet."""
+    from flowpacer.daemon.app import Daemon, Options
+    seen = []
+    opts = Options(rules_path=str(tmp_path / "rules.yaml"), socket_path=str(tmp_path / "ctl.sock"),
+                   rescan_s=0.05, tracer=True, metrics_listen=None)
+    d = Daemon(opts, backend_factory=FakeFactory(), sockdiag=FakeSockDiag(),
+               tracer_factory=FakeTracer, load=lambda path: RULES,
+               notify=lambda msg: seen.append((msg, d.status()["healthy"], [
+                   (s["name"], s["state"]) for s in d.status()["stages"]])))
+    d.start()                     # run() not called: the main thread is not in its loop
+    try:
+        ready = [(h, st) for m, h, st in seen if m.startswith("READY=1")]
+        assert ready and ready[0][0], ready
+        st = call(opts.socket_path, {"cmd": "status"}, timeout=5)
+        assert st["healthy"], st["stages"]
+        assert {s["state"] for s in st["stages"]} <= {"running", "disabled"}, st["stages"]
+    finally:
+        d._stop.set()
+        d.shutdown()
+
+
 def test_a_control_stage_failure_is_restarted(tmp_path):
     with inprocess_daemon(tmp_path, RULES, tracer_enabled=False) as d:
         orig = d._handle

@@ -172,6 +172,9 @@ class Daemon:
             self.stages.append(Stage.disabled("metrics", "--no-metrics"))
         self.loop.rescan()
         self.loop.catch_signals()
+        # the main loop's work runs in this thread from here on (its passes above, ``run``
+        # right after): it is running before the control socket can answer a status
+        self.main_stage.begin()
         for s in self.stages:
             if s is not self.main_stage:
                 s.start()

@@ -92,9 +92,19 @@ class Stage:
         return s
 
     # ------------------------------------------------------------- running
+    def begin(self) -> None:
+        """The stage's work has begun in its thread: it is running from now on, not starting
+        (a status read between a thread's start and its first instruction, or before the main
+        thread enters ``run_here``, must not call a live stage "starting")."""
+        with self._lock:
+            if self.state is StageState.STARTING:
+                self.state = StageState.RUNNING
+        self._last_beat = self.clock()
+
     def start(self) -> "Stage":
         if self.state is StageState.DISABLED:
             return self
+        self.begin()
         self._thread = threading.Thread(target=self.run_here, name=self.name, daemon=True)
         self._thread.start()
         return self
