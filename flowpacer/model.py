@@ -380,6 +380,9 @@ class RuleSet:
     # issue 29: several interfaces (``interfaces:``), each flow shaped on the one it leaves by;
     # empty: the single ``interface`` (or the CLI's --interface) shapes every flow, as before
     interfaces: Tuple[InterfaceSpec, ...] = ()
+    # issue 26: spare flow classes a backend that keeps spares (htb) makes ahead of a burst, per
+    # shaped interface (``ready_classes:``); 0: only closed flows' classes become spares
+    ready_classes: int = 0
 
     @property
     def receives(self) -> bool:
@@ -483,6 +486,9 @@ class ApplyResult:
     # name, in the order they were made, and how many awaited ids a POOL_SWEEP freed
     pool_made: Dict[str, list] = field(default_factory=dict)
     pool_freed_by_sweep: int = 0
+    # ready spare classes (issue 26, ``SpareOp``): how many were made, and each refusal's line
+    spares_made: int = 0
+    spare_errors: list = field(default_factory=list)   # list[str]
 
 
 class OpKind(str, enum.Enum):
@@ -501,6 +507,8 @@ class OpKind(str, enum.Enum):
     #                                waits for the socket's close
     POOL_CLOSED = "pool_closed"    # the sockets that claimed ``classids`` are closed
     POOL_SWEEP = "pool_sweep"      # a sweep found ``priorities`` on the namespace's open sockets
+    # ready spare classes (issue 26), carried by a ``SpareOp``
+    SPARE_FILL = "spare_fill"      # make ``count`` spare classes (no filter) of ``shape``
 
     @property
     def is_pool(self) -> bool:
@@ -534,6 +542,20 @@ class PoolOp:
     key: Optional[FlowKey] = None                   # CLAIM, RELEASE
     priorities: FrozenSet[int] = frozenset()        # SWEEP
     at_ns: int = 0                                  # CLAIM: when it was bound (monotonic)
+
+
+@dataclass(frozen=True, slots=True)
+class SpareOp:
+    """Make spare flow classes ahead of a burst (issue 26, ``ready_classes``): ``count`` classes
+    without a filter, of ``shape``'s rates (a new flow's class is one of them changed to its
+    own), on a backend whose ``capabilities.spares`` is true. ``target``: how many spares the
+    rules want there; a closed flow's class is kept as a spare while there are fewer (below
+    that the backend would delete it only for the next fill to make it again). Planned by
+    ``engine.plan_spares``."""
+    count: int
+    shape: "Shape"
+    target: int
+    kind: OpKind = OpKind.SPARE_FILL
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from flowpacer.kernel.backend.contract import Backend, Pools, missing_members
 from flowpacer.model import (ClassRole, ClassStats, FlowKey, Group, GroupKey, GroupKind, Op,
-                             OpKind, Shape)
+                             OpKind, Shape, SpareOp)
 
 MBIT = 1_000_000 // 8
 LINK_RATE_BPS = 1000 * MBIT
@@ -62,7 +62,7 @@ class FakeBed:
     def leftovers(self) -> List[str]:
         b = self.last
         return [] if b is None or b.torn_down else \
-            [f"flow {k}" for k in b.flows] + [f"spare {c:x}" for c in b.spares]
+            [f"flow {k}" for k in b.flows] + [f"spare {h}" for h in b.spare_handles()]
 
     def objects(self, b) -> Tuple[int, int]:
         """(flow classes, filters) as ``harness.capture.kernel_objects`` counts them."""
@@ -452,12 +452,51 @@ def case_closed_flows_classes_are_spares_or_gone(bed):
         assert b.installed() == {} and b.spare_count() == 0 and b.spare_handles() == ()
 
 
+def case_ready_spares_are_made_and_taken(bed):
+    """Ready spare classes (issue 26, ``ready_classes``): a ``SpareOp`` makes classes without a
+    filter, in the kernel and listed as spares, up to the spares the backend keeps (a backend
+    that declares none says so in one line and makes nothing); new flows take them, changed to
+    their rates; teardown leaves nothing."""
+    b = bed.make()
+    res = run(bed, b, [SpareOp(5, shape(1), 5)])
+    with bed.ctx():
+        n, handles = b.spare_count(), set(b.spare_handles())
+    if not b.capabilities.spares:
+        assert (res.spares_made, n, bed.objects(b)) == (0, 0, (0, 0)), res
+        assert len(res.spare_errors) == 1 and "\n" not in res.spare_errors[0], res.spare_errors
+    else:
+        want = min(5, bed.spare_max)
+        assert (res.spares_made, n, len(handles), res.spare_errors) == (want, want, want, []), res
+        left = "\n".join(bed.leftovers())
+        assert all(h in left for h in handles), (handles, left)   # the classes are there
+        assert bed.objects(b) == (0, 0)         # and no flow's, no filter
+        more = run(bed, b, [SpareOp(1, shape(1), 5)])           # none beyond spare_max
+        if want == bed.spare_max:
+            assert (more.spares_made, more.spare_errors) == (0, []), more
+        ks = keys(bed, want + 1)
+        res = run(bed, b, [Op(OpKind.ADD, k, shape(3, 5)) for k in ks])
+        assert (res.added, res.errors) == (want + 1, [])
+        with bed.ctx():
+            got = {h for _k, h, _s in b.flows_snapshot()}
+            assert handles <= got and b.spare_count() == 0
+        _agree(bed, b, {k: shape(3, 5) for k in ks})
+        # a closed flow's class is a spare again (the target is above the spares)
+        res = run(bed, b, [Op(OpKind.REMOVE, ks[0])])
+        with bed.ctx():
+            assert (res.removed, b.spare_count()) == (1, 1), res
+        assert bed.objects(b) == (want, want)
+    call(bed, b.teardown)
+    assert bed.leftovers() == []
+    with bed.ctx():
+        assert b.installed() == {} and b.spare_count() == 0
+
+
 CASES = [case_keeps_the_protocol, case_setup_teardown_leaves_nothing, case_apply_is_idempotent,
          case_installed_and_shape_of_agree_with_the_plan, case_stats_are_keyed_by_flow,
          case_a_new_instance_adopts, case_groups_where_declared,
          case_a_refusal_is_one_line_and_the_rest_applies,
          case_a_refused_remove_carries_the_kernels_extack,
-         case_closed_flows_classes_are_spares_or_gone]
+         case_closed_flows_classes_are_spares_or_gone, case_ready_spares_are_made_and_taken]
 
 
 def case_ids() -> List[str]:

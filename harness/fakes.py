@@ -24,7 +24,7 @@ from flowpacer.sources.firstbyte import (COUNTERS, EVENT, FB_DIR_INBOUND, FB_DIR
                                          FB_F_CLOSED, POOL_SLOTS, FirstByte)
 from flowpacer.model import (ApplyResult, BackendHealth, BackendKind, ClassRole, ClassStats,
                              FlowKey, GroupKey, GroupView, Op, OpError, OpKind, PoolOp, Shape,
-                             Side)
+                             Side, SpareOp)
 
 
 class FakeStatsChannel:
@@ -55,7 +55,8 @@ class FakeBackend:
         self.name = name
         self.capabilities = Capabilities(has_classes=True, groups=groups, kernel_shares=False,
                                          pools=side is Side.SEND, side=side,
-                                         class_ids=FLOW_CLASS_IDS)   # as the tc backends
+                                         class_ids=FLOW_CLASS_IDS,   # as the tc backends
+                                         spares=spare_max > 0)
         self.interface = interface
         self.link_rate_bps = link_rate_bps
         self.link_rate_source = "rules"
@@ -73,6 +74,8 @@ class FakeBackend:
         self._next = 0x10
         self.pool = Pool(0xF1F0)        # first-byte pools (issue 16): bookkeeping only
         self.spare_max = spare_max
+        self.spare_from = 0             # kept from the first closed flow (a small test's size)
+        self.spare_target = 0           # the last SpareOp's target
         self.spares: List[int] = list(spares)[:spare_max]   # class ids of spare classes
         self._next = max([self._next] + [(c & 0xFFFF) + 1 for c in self.spares])
 
@@ -145,6 +148,9 @@ class FakeBackend:
             if isinstance(op, PoolOp):
                 self._apply_pool(op, res)
                 continue
+            if isinstance(op, SpareOp):
+                self._apply_spares(op, res)
+                continue
             cur = self.flows.get(op.key)
             if op.kind is OpKind.REMOVE:
                 if cur is not None and op.key in self.busy:
@@ -153,7 +159,9 @@ class FakeBackend:
                     del self.flows[op.key]
                     if cur[0] & 0xFFFF >= 0xC000:
                         self.pool.free_minor(cur[0] & 0xFFFF)
-                    elif len(self.spares) < self.spare_max:
+                    elif len(self.spares) < self.spare_max and (
+                            len(self.flows) + len(self.spares) >= self.spare_from
+                            or len(self.spares) < self.spare_target):
                         self.spares.append(cur[0])
                     res.removed += 1
             elif cur is not None:
@@ -168,6 +176,19 @@ class FakeBackend:
                 self._install(op.key, op.shape)
                 res.added += 1
         return res
+
+    def _apply_spares(self, op: SpareOp, res: ApplyResult) -> None:
+        """Ready spare classes (issue 26), as TcBackend makes them: new ids, up to spare_max."""
+        self.spare_target = op.target
+        if not self.capabilities.spares:
+            res.spare_errors.append("make spare classes: this backend keeps none")
+            return
+        for _ in range(op.count):
+            if len(self.spares) >= self.spare_max:
+                return
+            self.spares.append(0xF1F00000 | self._next)
+            self._next += 1
+            res.spares_made += 1
 
     def _apply_pool(self, op: PoolOp, res: ApplyResult) -> None:
         """The pool ops as TcBackend applies them (backend/pool.py), without a kernel."""

@@ -219,9 +219,9 @@ def test_link_rate_errors():
 def test_unknown_top_keys():
     assert err("intreface: eth0\n") == "r.yaml:1:1: intreface: unknown key; did you mean 'interface'?"
     assert err("speed: 1\n") == \
-        "r.yaml:1:1: speed: unknown key; valid keys: interface, backend, link_rate, interfaces, rules"
+        "r.yaml:1:1: speed: unknown key; valid keys: interface, backend, link_rate, interfaces, ready_classes, rules"
     assert err("'a b': 1\n") == \
-        "r.yaml:1:1: 'a b': unknown key; valid keys: interface, backend, link_rate, interfaces, rules"
+        "r.yaml:1:1: 'a b': unknown key; valid keys: interface, backend, link_rate, interfaces, ready_classes, rules"
 
 
 def test_duplicate_keys():
@@ -235,11 +235,11 @@ def test_duplicate_keys():
 
 def test_document_shape_errors():
     assert err("") == "r.yaml:1:1: the file is empty: expected a mapping with interface, " \
-                      "backend, link_rate, interfaces, rules"
+                      "backend, link_rate, interfaces, ready_classes, rules"
     assert err("# only a comment\n") == "r.yaml:1:1: the file is empty: expected a mapping " \
-                                        "with interface, backend, link_rate, interfaces, rules"
+                                        "with interface, backend, link_rate, interfaces, ready_classes, rules"
     assert err("- a\n") == "r.yaml:1:1: the rules file must be a mapping with interface, " \
-                           "backend, link_rate, interfaces, rules, found a list"
+                           "backend, link_rate, interfaces, ready_classes, rules, found a list"
     assert err("rules: {}\n") == "r.yaml:1:8: rules: expected a list of rules, found a mapping"
     assert err("rules:\n") == "r.yaml:1:7: rules: expected a list of rules, found nothing"
     assert err("rules: [42]\n") == \
@@ -412,7 +412,7 @@ def test_all_problems_at_once():
         "r.yaml:1:12: interface: 'eth0/x': an interface name cannot contain '/' (no '/', ':', "
         "whitespace)",
         "r.yaml:2:10: backend: 'htbb' is not a backend: use auto, psp or htb; did you mean 'htb'?",
-        "r.yaml:4:1: bogus: unknown key; valid keys: interface, backend, link_rate, interfaces, rules",
+        "r.yaml:4:1: bogus: unknown key; valid keys: interface, backend, link_rate, interfaces, ready_classes, rules",
         "r.yaml:7:22: rule 'streaming': match.process: 'a-very-long-process-name' is 24 "
         "characters but the kernel's comm is at most 15: it can never match; use "
         "'a-very-long-pro' or match exe",
@@ -484,7 +484,7 @@ def test_tags():
     assert err("interface: !custom eth0\n") == "r.yaml:1:12: interface: unsupported YAML tag " \
                                                "'!custom'"
     assert err("!!python/object:os.system x\n").startswith(
-        "r.yaml:1:1: the rules file must be a mapping with interface, backend, link_rate, interfaces, rules, "
+        "r.yaml:1:1: the rules file must be a mapping with interface, backend, link_rate, interfaces, ready_classes, rules, "
         "found a value tagged 'tag:yaml.org,2002:python/object")
     assert err("<<: {interface: a}\n") == \
         "r.yaml:1:1: keys must be plain names, found a merge key '<<' (not supported: write the " \
@@ -653,7 +653,7 @@ def test_field_table_is_documented():
     for section, name, default, text, example in rules.field_docs():
         assert f"`{name}`" in doc, name
         seen.add(name)
-    assert {"interface", "backend", "link_rate", "interfaces", "rules", "name", "match", "rate", "ceil",
+    assert {"interface", "backend", "link_rate", "interfaces", "ready_classes", "rules", "name", "match", "rate", "ceil",
             "process", "exe", "user", "direction", "local_port", "remote_port",
             "remote", "client_rate", "total_rate", "client_prefix", "ipv4", "ipv6", "protocol",
             "idle_timeout", "receive_rate", "receive_ceil"} == seen

@@ -25,6 +25,7 @@ from flowpacer.daemon.stages import StageContext, watchdog_ok
 
 log = logging.getLogger(__name__)
 
+FILL_GAP_S = 0.005    # between two batches of ready spare classes (issue 26)
 TRIM_S = 10.0          # how often freed heap is handed back (a few ms each time)
 MAIN_TICK_S = 0.5      # the main loop wakes at least this often (beats, watchdog)
 LINK_MIN_GAP_S = 0.2   # link events start a pass at most this often
@@ -90,6 +91,7 @@ class MainLoop:
         self._watched = watched
         self._last_scan = float("-inf")
         self._link_followup: Optional[float] = None
+        self._next_fill: Optional[float] = None   # the next batch of ready spares (issue 26)
         self.link_passes = 0           # passes started by a link event (and their follow-ups)
 
     # ------------------------------------------------------------ signals
@@ -128,6 +130,8 @@ class MainLoop:
                 timeout = min(MAIN_TICK_S, max(0.0, self._next_scan - now))
                 if self._link_followup is not None:
                     timeout = min(timeout, max(0.0, self._link_followup - now))
+                if self._next_fill is not None:
+                    timeout = min(timeout, max(0.0, self._next_fill - now))
                 for key, _ev in sel.select(timeout):
                     if key.data == "links":
                         if not self.on_links():
@@ -140,6 +144,8 @@ class MainLoop:
                 self._drain_signals()
                 if self.clock() >= self._next_scan:
                     self.rescan()
+                elif self._next_fill is not None and self.clock() >= self._next_fill:
+                    self.fill_spares()
                 self._feed_watchdog()
         finally:
             sel.close()
@@ -193,6 +199,13 @@ class MainLoop:
         if now >= self._next_trim:
             self._next_trim = now + TRIM_S
             trim_heap()
+        self.fill_spares()
+
+    def fill_spares(self) -> None:
+        """One batch of ready spare classes (issue 26), and the next one FILL_GAP_S later while
+        more are wanted: the lock is free in between, for the flows' events."""
+        more = self.reconciler.fill_spares()
+        self._next_fill = self.clock() + FILL_GAP_S if more else None
 
     def _feed_watchdog(self) -> None:
         if self._watchdog_s is None:

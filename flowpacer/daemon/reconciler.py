@@ -46,6 +46,26 @@ class Counters:
     # issue 29: flows claimed at their handshake (pools are on the first interface) whose route
     # leaves by another interface: their class was made there after the handshake
     first_byte_elsewhere: int = 0
+    # issue 26: ready spare classes made ahead of a burst (``ready_classes``), and refused
+    spares_made: int = 0
+    spare_errors: int = 0
+
+
+# A batch of ready spare classes holds the lock about this long at most (sized from the last
+# batch's cost a class: htb's kernel walks every class for each one made), so that a burst's
+# flows arriving meanwhile wait no longer; between batches the lock is free.
+SPARE_SLICE_NS = 30_000_000
+SPARE_BATCH = (16, 1024)          # fewest and most classes a batch
+SPARE_PAUSE_NS = 30_000_000_000   # after a refused batch: the next try (the error logged once)
+
+
+@dataclass
+class _SpareFill:
+    """One send backend's ready spares as the reconciler planned them."""
+    told: Optional[int] = None    # the target the backend last got
+    ns_per_class: float = 0.0     # the last batch's time a class made
+    pause_until_ns: int = 0
+    last_error: str = ""
 
 
 class Reconciler:
@@ -61,6 +81,7 @@ class Reconciler:
         self.resync_requested = False    # the transport failed: the next pass re-reads the kernel
         # the tracer's ``adopt_udp_connected`` (issue 17), None without a tracer that has it
         self.udp_adopter: Optional[Callable[[dict], None]] = None
+        self._spares: dict = {}          # send backend -> _SpareFill (issue 26)
 
     # -------------------------------------------------------------- inputs
     def adopt(self) -> None:
@@ -308,6 +329,67 @@ class Reconciler:
             log.debug("applied on %s: +%d ~%d -%d", b.interface, res.added, res.changed,
                       res.removed)
         return res
+
+    # ------------------------------------------------------- ready spares
+    def fill_spares(self) -> bool:
+        """Issue 26 (``ready_classes``): one batch of ready spare classes on every interface
+        whose send backend keeps spares and has fewer flows and spares than the rules want;
+        True while more are to be made (the main loop calls again soon, the lock free in
+        between). A refused batch is logged and counted, and tried again SPARE_PAUSE_NS later."""
+        more = False
+        with self.lock:
+            now = self.clock_ns()
+            live = set()
+            for p in self.supervisor.ports():
+                b = p.backend
+                if b is None or not p.usable or not b.capabilities.spares:
+                    continue
+                live.add(b)
+                st = self._spares.get(b)
+                if st is None:
+                    st = self._spares[b] = _SpareFill()
+                if now < st.pause_until_ns:
+                    continue
+                lo, hi = SPARE_BATCH
+                batch = hi if not st.ns_per_class else \
+                    max(lo, min(hi, int(SPARE_SLICE_NS / st.ns_per_class)))
+                op = engine.plan_spares(self.rules, len(b.installed()), b.spare_count(), batch,
+                                        st.told)
+                if op is None:
+                    continue
+                t0 = self.clock_ns()
+                try:
+                    res = b.apply([op])
+                except (OSError, FlowpacerError) as e:
+                    # the transport failed: as for the flows' apply, rebuild from the kernel
+                    self._spare_refused(b, st, str(e), t0)
+                    try:
+                        b.resync()
+                    except (OSError, FlowpacerError) as e2:
+                        log.error("resync failed: %s", e2)
+                    self.table.mark_all(b.installed().keys())
+                    self.resync_requested = True
+                    continue
+                st.told = op.target
+                self.counters.spares_made += res.spares_made
+                if res.spares_made:
+                    st.ns_per_class = (self.clock_ns() - t0) / res.spares_made
+                if res.spare_errors:
+                    self._spare_refused(b, st, res.spare_errors[0], t0,
+                                        len(res.spare_errors))
+                elif res.spares_made and len(b.installed()) + b.spare_count() < op.target:
+                    more = True
+            for b in [b for b in self._spares if b not in live]:
+                del self._spares[b]          # a backend replaced (switch, interface made again)
+        return more
+
+    def _spare_refused(self, b, st: _SpareFill, reason: str, now_ns: int, n: int = 1) -> None:
+        self.counters.spare_errors += n
+        st.pause_until_ns = now_ns + SPARE_PAUSE_NS
+        if reason != st.last_error:
+            log.warning("%s: ready spare classes: %s; tried again in %.0f s", b.interface,
+                        reason, SPARE_PAUSE_NS / 1e9)
+        st.last_error = reason
 
     # -------------------------------------------------------------- reload
     def reload(self, load: Callable[[], RuleSet],

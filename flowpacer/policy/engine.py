@@ -12,7 +12,7 @@ from typing import (Collection, Dict, FrozenSet, Iterable, List, Mapping, Option
 
 from flowpacer.model import (DEFAULT_IDLE_TIMEOUT_NS, Direction, Flow, FlowKey, Group, GroupKind,
                              IPAddress, Op, OpKind, PoolHolding, PoolOp, PoolReport, Protocol,
-                             Rule, RuleSet, Shape)
+                             Rule, RuleSet, Shape, SpareOp)
 
 COMM_LEN = 15      # TASK_COMM_LEN - 1: what the kernel reports of a process name
 
@@ -410,3 +410,30 @@ def plan_pools(report: PoolReport, holding: PoolHolding, flows: Mapping[FlowKey,
     if spare:
         pp.first.append(PoolOp(OpKind.POOL_DELETE, classids=tuple(spare)))
     return pp
+
+
+# a ready spare's rates when no rule sends (changed to a flow's when one takes it)
+SPARE_RATE_BPS = 125_000
+
+
+def spare_shape(ruleset: RuleSet) -> Shape:
+    """The rates ready spare classes are made with: the first sending rule's (a burst's flows
+    most likely get it; a spare's rates are changed to its flow's whatever they were)."""
+    for r in ruleset.rules:
+        if r.rate_bps is not None:
+            return Shape("", r.rate_bps, max(r.ceil_bps or r.rate_bps, r.rate_bps))
+    return Shape("", SPARE_RATE_BPS, SPARE_RATE_BPS)
+
+
+def plan_spares(ruleset: RuleSet, flows: int, spares: int, batch: int,
+                told: Optional[int]) -> Optional[SpareOp]:
+    """Issue 26: the next batch of ready spare classes for one interface's send backend, or
+    None. ``ready_classes: N`` asks for classes for N flows made ahead: while ``flows`` (shaped
+    there) and ``spares`` number fewer than N, at most ``batch`` more are made. ``told``: the
+    target the backend last got (None: never): a changed target is said even when nothing is
+    to be made (the backend keeps closed flows' classes below it)."""
+    want = ruleset.ready_classes
+    need = min(want - flows - spares, batch)
+    if need <= 0 and told == want:
+        return None
+    return SpareOp(max(need, 0), spare_shape(ruleset), want)

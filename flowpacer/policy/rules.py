@@ -453,6 +453,22 @@ def _p_idle_timeout(node: Node, env: _Env, name: str) -> int:
     return ns
 
 
+# issue 26: at most as many ready spare classes as a backend keeps spares (handles.SPARE_MAX;
+# a test checks they agree: the policy does not import the kernel side)
+READY_CLASSES_MAX = 16384
+
+
+def _p_ready_classes(node: Node, env: _Env, name: str) -> int:
+    s = _scalar(node, "a number of classes like 2000")
+    t = s.strip()
+    if node.tag != _T + "int" or not (t.isascii() and t.isdigit()):
+        raise _Invalid(node, f"{_show(s)} is not a number of classes: write e.g. 2000 (0: none)")
+    if len(t) > 6 or int(t) > READY_CLASSES_MAX:
+        raise _Invalid(node, f"{_show(s)} is out of range: at most {READY_CLASSES_MAX} ready "
+                             "classes an interface")
+    return int(t)
+
+
 _PORT_RE = re.compile(r"([0-9]{1,6})(?:\s*-\s*([0-9]{1,6}))?")
 
 
@@ -835,6 +851,12 @@ TOP_FIELDS: Tuple[Field, ...] = (
           "fwmark, SO_BINDTODEVICE and VRFs followed); each interface has its own receive "
           "side; instead of 'interface'", "[eth0, {name: eth1, link_rate: 10gbit}]",
           "only 'interface'"),
+    Field("ready_classes", _p_ready_classes, 0, False,
+          "flow classes made ahead on each interface for a flash crowd (issue 26): while "
+          "fewer flows are shaped there, the rest wait as spare classes, so a burst of that "
+          "many new flows has its classes in without making any (htb: its kernel walks every "
+          "class for each class made; psp makes them at no such cost and ignores this); at "
+          f"most {READY_CLASSES_MAX}", "2000", "0 (only closed flows' classes are kept)"),
     Field("rules", _p_rules, (), False,
           "the list of rules; the first rule that matches a flow wins, a flow that matches "
           "none is not shaped", "[...]", "[] (shape nothing)"),
@@ -1061,7 +1083,8 @@ def _build(text: str, path: str, strict_units: bool = False) -> RuleSet:
     warnings = tuple(_capped(col.warnings)) if col.warnings else ()
     return RuleSet(interface=values["interface"], backend=values["backend"],
                    link_rate_bps=values["link_rate"], rules=values["rules"], path=path,
-                   warnings=warnings, interfaces=values["interfaces"])
+                   warnings=warnings, interfaces=values["interfaces"],
+                   ready_classes=values["ready_classes"])
 
 
 # ------------------------------------------------------------------- the API

@@ -22,7 +22,8 @@ from typing import (Dict, List, Optional, Protocol, Sequence, Tuple, Union,
                     runtime_checkable)
 
 from flowpacer.model import (ApplyResult, BackendHealth, BackendKind, ClassRole, ClassStats,
-                             FlowKey, GroupKey, GroupView, Op, PoolOp, Shape, Side)
+                             FlowKey, GroupKey, GroupView, Op, PoolOp, Shape, Side,
+                             SpareOp)
 from flowpacer.kernel.backend.pool import Pool
 
 ClassKey = Union[FlowKey, GroupKey, ClassRole]
@@ -36,6 +37,9 @@ class Capabilities:
     kernel_shares: bool      # the kernel shares a group's rate among its members (psp)
     pools: bool              # first-byte pool classes (the ``Pools`` protocol)
     side: Side               # which way it shapes (RECEIVE: an ifb backend, issue 17)
+    # closed flows' classes are kept as spares for new flows, and ``SpareOp``s make ready ones
+    # ahead of a burst (issue 26: htb, whose kernel walks every class for each class made)
+    spares: bool
     class_ids: int           # ids it has for flow and group classes: one more flow is refused
 
 
@@ -75,9 +79,10 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
     # flows (reconciler)
-    def apply(self, plan: Sequence[Op]) -> ApplyResult:
+    def apply(self, plan: Sequence[Union[Op, SpareOp]]) -> ApplyResult:
         """Idempotent; a refused op is an ``OpError`` (one line, the kernel's extack text) and
-        the others still apply."""
+        the others still apply. A ``SpareOp`` (only with ``capabilities.spares``) makes ready
+        spare classes: ``ApplyResult.spares_made``, a refusal in ``spare_errors``."""
 
     def installed(self) -> Dict[FlowKey, Shape]: ...
 
@@ -116,7 +121,7 @@ class Pools(Protocol):
     the flows' ops. The reconciler alone calls them (``Reconciler.on_claims``)."""
     pool: "Pool"
 
-    def apply(self, plan: Sequence[Union[Op, PoolOp]]) -> ApplyResult: ...
+    def apply(self, plan: Sequence[Union[Op, PoolOp, SpareOp]]) -> ApplyResult: ...
 
 
 @runtime_checkable

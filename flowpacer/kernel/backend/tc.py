@@ -98,7 +98,7 @@ class TcBackend:
         self.capabilities = Capabilities(has_classes=True, groups=codec.supports_groups,
                                          kernel_shares=codec.kernel_shares,
                                          pools=side is Side.SEND, side=side,
-                                         class_ids=FLOW_CLASS_IDS)
+                                         class_ids=FLOW_CLASS_IDS, spares=spare_max > 0)
         self.interface = interface
         self.side = side
         self.speed_interface = speed_interface or interface

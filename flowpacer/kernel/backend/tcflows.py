@@ -19,7 +19,8 @@ import logging
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from flowpacer.errors import NetlinkError
-from flowpacer.model import ApplyResult, FlowKey, Op, OpError, OpKind, PoolOp, Shape, Side
+from flowpacer.model import (ApplyResult, FlowKey, Op, OpError, OpKind, PoolOp, Shape, Side,
+                             SpareOp)
 from flowpacer.kernel.tc import nl, u32
 from flowpacer.kernel.tc.nl import (NLM_F_CREATE, NLM_F_EXCL, RTM_DELTFILTER, RTM_NEWTFILTER,
                                     Request, tc_handle)
@@ -167,6 +168,9 @@ class FlowClasses:
             if isinstance(op, PoolOp):
                 queue_pool_op(chan, pool, op, add, res)
                 continue
+            if isinstance(op, SpareOp):
+                self.queue_spares(op, add, res)
+                continue
             inst = None if op.key in removing else book.get(op.key)
             if involves_groups(op, inst):
                 grouped.append(op)
@@ -194,6 +198,31 @@ class FlowClasses:
                 else:
                     cb(arg, err)
         return res
+
+    def queue_spares(self, op: SpareOp, add, res: ApplyResult) -> None:
+        """Queue ``op.count`` ready spare classes (issue 26): classes under the link without a
+        filter, joined to the spares once the kernel made them. Only where spares are kept, up
+        to ``spare_max``; the send side only (a burst's first bytes are sent)."""
+        ids = self._ids
+        ids.ready = op.target
+        if not self._send or not ids.spare_max:
+            res.spare_errors.append(f"{self._chan.interface}: no spare classes are kept here")
+            return
+        try:
+            options = self._flow_options(op.shape, None)
+        except ValueError as e:
+            res.spare_errors.append(f"{self._chan.interface}: spare class: {e}")
+            return
+        room = ids.spare_max - ids.spare_count() - ids.making
+        for _ in range(min(op.count, room)):
+            try:
+                minor = ids.alloc()
+            except LayoutFull as e:
+                res.spare_errors.append(f"{self._chan.interface}: spare class: {e}")
+                return
+            ids.making += 1
+            add(self._class_msg(minor, self._chan.flow_parent, options, True,
+                                (_spare_text, minor)), _spare_made, (self, minor, res))
 
     def queue_remove(self, op: Op, inst: Installed, add, res: ApplyResult) -> None:
         """Queue the removal of flow ``op.key`` (``add`` as in ``apply``): its filter, then its
@@ -320,6 +349,28 @@ _PLAIN = object()          # ``add(req, callback)``: the callback takes the erro
 
 def _class_text(verb: str, classid: int, prep: str, key: FlowKey) -> str:
     return f"{verb} class {nl.fmt_handle(classid)} {prep} {key}"
+
+
+def _spare_text(minor: int) -> str:
+    return f"add spare class {nl.fmt_handle(tc_handle(MAJOR, minor))}"
+
+
+def _spare_made(arg, err: Optional[NetlinkError]) -> None:
+    """A ready spare class' answer: a spare now, or its id free again (never one the kernel
+    already had: that class is not ours)."""
+    fl, minor, res = arg
+    ids = fl._ids
+    ids.making -= 1
+    if err is None:
+        ids.add_spare(minor)
+        res.spares_made += 1
+        return
+    res.spare_errors.append(str(err))
+    if err.errno == errno.EEXIST:
+        log.warning("%s: class %s exists but is not ours; not using that id",
+                    fl._chan.interface, nl.fmt_handle(tc_handle(MAJOR, minor)))
+    else:
+        ids.free(minor)
 
 
 def _filter_text(verb: str, key: FlowKey) -> str:

@@ -34,6 +34,8 @@ class ClassIds:
         self._next = FIRST_FLOW_MINOR    # ids from here on were never handed out
         self._spares: List[int] = []     # minors of spare classes
         self._queued = 0                 # removes of this apply that keep their class
+        self.ready = 0                   # the ready spares the rules want (the last SpareOp's)
+        self.making = 0                  # ready spares asked of the kernel, not answered yet
 
     # ----------------------------------------------------------------- ids
     def alloc(self) -> int:
@@ -67,10 +69,11 @@ class ClassIds:
         """Whether the class of a flow being removed (a flow-range class under the link, one of
         ``flows`` flows) stays as a spare; if so, it is counted against ``spare_max`` from now
         on, and joins the spares with ``add_spare`` once the kernel answered (a batch of closes
-        stops at ``spare_max`` too)."""
+        stops at ``spare_max`` too). Below ``spare_from`` one is kept too while the spares are
+        fewer than ``ready`` (the rules' ``ready_classes``: else the next fill makes it again)."""
         spares = len(self._spares)
         if (minor <= LAST_FLOW_MINOR and spares + self._queued < self.spare_max
-                and flows + spares >= self.spare_from):
+                and (flows + spares >= self.spare_from or spares + self._queued < self.ready)):
             self._queued += 1
             return True
         return False
