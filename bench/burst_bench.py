@@ -319,7 +319,10 @@ def daemon_command(tree: str) -> tuple:
     return (PY, "-c", code)
 
 
-def burst_curve(tb, sizes=SIZES, mixed=False, profile=False, tree: str = "") -> dict:
+def burst_curve(tb, sizes=SIZES, mixed=False, profile=False, tree: str = "",
+                ready: int = 0) -> dict:
+    """``ready``: the rules' ``ready_classes`` (issue 26): the first step waits until the
+    daemon has made them (``ready_fill_s``: from the daemon's start)."""
     for k, v in (("net.core.somaxconn", "65535"), ("net.ipv4.tcp_max_syn_backlog", "65535")):
         sh("ip", "netns", "exec", tb.server_ns, "sysctl", "-qw", f"{k}={v}")
     # the client's ports: every step's connections wait in TIME_WAIT for 60 s after it
@@ -328,7 +331,9 @@ def burst_curve(tb, sizes=SIZES, mixed=False, profile=False, tree: str = "") -> 
     tb.popen(tb.server_ns, [PY, "-m", "bench.burst_bench", "serve"])
     tb.wait_listening(PORT_V4)
     tb.wait_listening(PORT_DUAL)
-    d = Daemon(tb, None, RULES, "--no-metrics", verbose=False,
+    rules = RULES.replace("    rules:\n", f"    ready_classes: {ready}\n    rules:\n") \
+        if ready else RULES
+    d = Daemon(tb, None, rules, "--no-metrics", verbose=False,
                env={**os.environ, "FLOWPACER_NO_FIRST_BYTE": "1"})
     prof_out = None
     if tree:
@@ -341,7 +346,14 @@ def burst_curve(tb, sizes=SIZES, mixed=False, profile=False, tree: str = "") -> 
     count = _class_counter(tb)
     nclasses = _class_counter(tb, "classes")
     steps = []
+    fill_s = None
     try:
+        if ready:
+            wait_for(lambda: (d.status(timeout=60).get("interfaces") or [{}])[0].get(
+                "spare_classes", 0) >= ready, 600, 0.05, f"{ready} ready classes")
+            fill_s = time.monotonic() - d.t_start
+            print(json.dumps({"ready_classes": ready, "ready_fill_s": fill_s,
+                              "classes": nclasses()}), flush=True)
         idle = _idle_cpu_rate(d)
         for n in sizes:
             base = count()
@@ -416,6 +428,8 @@ def burst_curve(tb, sizes=SIZES, mixed=False, profile=False, tree: str = "") -> 
         d.stop()
     out = {"steps": steps, "mix": "ipv4, ipv6, ipv4-mapped" if mixed else "ipv4",
            "idle_cpu_share": idle, "cpu_clock": "schedstat"}
+    if ready:
+        out.update(ready_classes=ready, ready_fill_s=fill_s)
     if prof_out:
         # the whole run (start-up, every step's adds and removes) over the flows added
         flows = sum(s["flows"] for s in steps) or 1
@@ -472,6 +486,8 @@ def main(argv=None) -> int:
     ap.add_argument("--daemon-tree", default="", help="run the daemon from this tree's "
                     "flowpacer package (e.g. main's checkout) instead of the one the bench runs "
                     "from (bursts only)")
+    ap.add_argument("--ready", type=int, default=0, help="the rules' ready_classes (issue 26): "
+                    "the daemon makes that many spare classes before the first burst")
     args = ap.parse_args(argv)
     names, sizes = parts_and_sizes(ap, args, PARTS, SIZES, QUICK_SIZES)
     prev = RESULTS / "burst.json"
@@ -485,14 +501,15 @@ def main(argv=None) -> int:
             runs = []
             for n in sizes:
                 with Testbed(tag=PARTS[name]) as tb:
-                    runs.append(burst_curve(tb, (n,), mixed, tree=args.daemon_tree))
+                    runs.append(burst_curve(tb, (n,), mixed, tree=args.daemon_tree,
+                                            ready=args.ready))
             mine[name] = {**runs[0], "steps": [s for r in runs for s in r["steps"]], "cold": True}
             print(json.dumps({name: mine[name]}, indent=1)[:4000], flush=True)
             continue
         with Testbed(tag=PARTS[name]) as tb:
             if name.startswith("burst"):
                 mine[name] = burst_curve(tb, sizes, mixed, profile=args.profile,
-                                         tree=args.daemon_tree)
+                                         tree=args.daemon_tree, ready=args.ready)
             else:
                 mine[name] = churn_curve(tb, QUICK_CHURN_RATES if args.quick else CHURN_RATES,
                                          3 if args.quick else 5, mixed)

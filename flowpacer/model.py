@@ -687,6 +687,7 @@ class InterfaceView:
     # ("bond0 balance-xor: v0+v1", "via bond0 active-backup: v1"; kernel/bond.py)
     link_rate_source: str = ""
     spares: int = 0                      # spare classes kept for new flows (htb, issue 26)
+    ready_classes: int = 0               # the rules' ready_classes where spares are kept, else 0
     groups: int = 0                      # group classes on it (send side: class ids in use)
     rebuild_failures: int = 0            # failed rebuilds of its lost root qdisc, ever
     class_id_limit: int = 0              # ids each side has for flow and group classes (its
@@ -875,6 +876,8 @@ class DaemonCounters:
     apply_latency: Percentiles = Percentiles()   # one plan's apply
     reconcile_added: int = 0             # flows a sock_diag pass found that the tracer had not
     reconcile_removed: int = 0
+    spares_made: int = 0                 # ready spare classes made (issue 26, ready_classes)
+    spare_errors: int = 0                # and refused
     apply_hist: Histogram = Histogram()
 
 

@@ -79,25 +79,27 @@ class Crowd:
         return sorted(r[2] / 1e6 for r in self.ok if r[2] / 1e6 < min_s)
 
 
-def crowd(tb, hosts: Sequence, port: int, path: str, clients: Union[int, Sequence[int]],
-          logdir: Path, timeout_s: float = 150) -> Crowd:
+def crowd(tb, hosts: Sequence, port: Union[int, Sequence[int]], path: str,
+          clients: Union[int, Sequence[int]], logdir: Path, timeout_s: float = 150) -> Crowd:
     """``clients`` HTTP/1.1 clients per host of ``hosts`` (or a count for each) at once, one
-    h2load process per host, started back to back, one request each for ``path``; waits for
-    them all (bounded)."""
+    h2load process per host, started back to back, one request each for ``path`` on ``port``
+    (or a port for each: the same IPv4 host twice, once on a dual-stack port, gives IPv4 and
+    IPv4-mapped flows); waits for them all (bounded)."""
     counts = [clients] * len(hosts) if isinstance(clients, int) else list(clients)
+    ports = [port] * len(hosts) if isinstance(port, int) else list(port)
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     hard = 1 << 20 if hard == resource.RLIM_INFINITY else hard
     logs, procs = [], []
     t0 = time.monotonic()
-    for host, n in zip(hosts, counts):
-        log = logdir / f"h2load-v{host.version}.log"
+    for i, (host, n, hport) in enumerate(zip(hosts, counts, ports)):
+        log = logdir / f"h2load-{i}-v{host.version}.log"
         logs.append(log)
         procs.append(tb.popen(tb.client_ns, [
             # a descriptor per client: thousands need more than the usual soft limit (never
             # above the hard one, which may not be raised here)
             "prlimit", f"--nofile={min(hard, max(4096, n + 256))}", "timeout", str(int(timeout_s)),
             "h2load", "--h1", "-n", str(n), "-c", str(n), "-t", "1", "-T", "60", "-N", "60",
-            f"--log-file={log}", url(host, port, path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            f"--log-file={log}", url(host, hport, path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True))
     outs = [p.communicate(timeout=timeout_s + 20)[0] for p in procs]
     took = time.monotonic() - t0

@@ -13,6 +13,7 @@ import pytest
 
 from flowpacer.kernel.backend.htb import burst_for
 from harness import bpfobjs, crowd
+from harness.capture import daemon_spares, tc_show
 from harness.daemon import Daemon
 from harness.servers import Nginx
 from harness.testbed import Testbed, server_argv, wait_for
@@ -130,3 +131,63 @@ def test_a_reload_raising_the_rate_lifts_the_stopgap(root, tmp_path):
             assert "Traceback" not in d.log_text()
         finally:
             d.stop()
+
+
+READY = 900                         # ready_classes: more than the crowd below needs
+READY_CLIENTS = (250, 250, 250)     # IPv4, IPv6 and IPv4-mapped (the dual-stack port)
+
+
+def test_a_crowd_finds_its_classes_made_ahead_by_ready_classes(root, tmp_path):
+    """``ready_classes: 900`` (issue 26): after start the daemon makes 900 spare classes in the
+    background; a crowd of 750 (250 IPv4, 250 IPv6, 250 IPv4-mapped at once) then makes no
+    class: every flow that did not claim a pool class at its handshake gets a spare changed to
+    its rate (the kernel's classes after the crowd are the same set), every reply is paced from
+    its first byte, nothing else is left."""
+    with _testbed() as tb:
+        tb.set_gso(False)
+        ng = Nginx(tb, tmp_path / "nginx", files={"obj": OBJECT}).start()
+        (tmp_path / "d").mkdir()
+        rules = RULES.replace("    rules:\n", f"    ready_classes: {READY}\n    rules:\n")
+        d = Daemon(tb, tmp_path / "d", rules, "--rescan", "1", "--no-metrics").start()
+        try:
+            objs = bpfobjs.held(d.pid())
+            wait_for(lambda: d.status()["interfaces"][0]["spare_classes"] >= READY, 120, 0.05,
+                     f"{READY} ready classes")
+            took = time.monotonic() - d.t_start
+            made = daemon_spares(d)
+            kernel = flow_classes(tb)
+            assert kernel == made and len(made) == READY, (len(kernel), len(made))
+            wait_for(lambda: any(p["ready"] > 0 for p in d.status()["first_byte"]["pools"]),
+                     30, 0.05, "the pool made")
+            c0 = crowd.first_byte_counters(d)
+            got = crowd.crowd(tb, (tb.server_v4, tb.server_v6, tb.server_v4),
+                              (ng.port, ng.port, ng.dual_port), "/obj", READY_CLIENTS, tmp_path)
+            ok, early = got.ok, got.early(MIN_S)
+            delta = crowd.counted(d, c0, len(got.rows)) if got.rows else {}
+            print(f"ready classes: {READY} made {took:.2f} s after the daemon's start; crowd of "
+                  f"{len(got.rows)} ({len(ok)} ok), starts within {got.spread_ms:.0f} ms, "
+                  f"{len(early)} early; counters {delta}")
+            assert len(ok) == sum(READY_CLIENTS), (len(got.rows), [o[-600:] for o in got.outputs])
+            assert len(early) <= 0.005 * len(ok), early[:10]
+            assert delta["stopgap"] > 0, delta     # the crowd outran the pool: spares were used
+            wait_for(lambda: d.status()["shaped_flows"] == 0, 60, 0.2, "every flow gone")
+            # no class made for the crowd: the flow classes are the ready ones, spares again
+            assert flow_classes(tb) == made == daemon_spares(d), \
+                (len(flow_classes(tb)), len(daemon_spares(d)))
+            crowd.assert_nothing_left(tb, d, objs, spares_expected=True)
+        finally:
+            d.stop()
+
+
+def flow_classes(tb) -> frozenset:
+    """The flow-range classes (f1f0:10..f1f0:bfff, handles.py) in the server interface's
+    kernel, by name: what the daemon made for flows and spares (not its skeleton or pools)."""
+    from flowpacer.kernel.backend.handles import FIRST_FLOW_MINOR, LAST_FLOW_MINOR
+    out = set()
+    for ln in tc_show(tb, "class").splitlines():
+        parts = ln.split()
+        if len(parts) > 2 and parts[2].startswith("f1f0:"):
+            minor = int(parts[2][5:] or "0", 16)
+            if FIRST_FLOW_MINOR <= minor <= LAST_FLOW_MINOR:
+                out.add(parts[2])
+    return frozenset(out)

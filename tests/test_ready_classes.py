@@ -5,10 +5,10 @@ fill in batches with the lock free in between (fakes). The kernel's side: the ba
 ``test_ready_classes_host.py`` (a real daemon, a real burst)."""
 from __future__ import annotations
 
-import dataclasses
 import ipaddress
+import subprocess
+import sys
 import textwrap
-import threading
 import time
 
 import pytest
@@ -20,6 +20,7 @@ from flowpacer.kernel.backend.tcids import ClassIds
 from flowpacer.model import (BackendKind, Direction, EventKind, Flow, FlowEvent, FlowKey,
                              FlowSource, Match, ProcessInfo, Rule, RuleSet, Shape)
 from flowpacer.policy import engine, rules
+from flowpacer.surfaces import view as views
 from flowpacer.surfaces.control import call
 from harness.fakes import FakeFactory, FakeSockDiag, FakeTracer, inprocess_daemon
 from harness.testbed import wait_for
@@ -115,9 +116,8 @@ def events(kind: EventKind, keys):
 
 
 def test_the_daemon_fills_in_batches_and_a_burst_takes_the_spares(tmp_path, monkeypatch):
-    """``ready_classes: 600``: the fake backend gets its spares in several batches (the fill
-    runs beside the passes, the lock free in between: flows opened meanwhile are shaped at
-    once); a burst of IPv4, IPv6 and IPv4-mapped flows takes spares, none made; the closed
+    """``ready_classes: 600``: the fake backend gets its spares in several batches, beside the
+    flows the start's pass found (they count towards the 600); a burst of IPv4, IPv6 and IPv4-mapped flows takes spares, none made; the closed
     flows' classes are spares again; a reload to 0 makes no more; status shows them."""
     from flowpacer.daemon import reconciler
     monkeypatch.setattr(reconciler, "SPARE_BATCH", (16, 100))   # the fake makes them in no time
@@ -131,7 +131,7 @@ def test_the_daemon_fills_in_batches_and_a_burst_takes_the_spares(tmp_path, monk
                           sockdiag=sd, rescan_s=0.2) as d:
         b = fac.made[0]
         tr.push(events(EventKind.OPEN, early))
-        wait_for(lambda: set(b.installed()) >= set(early), 5, what="flows shaped during the fill")
+        wait_for(lambda: set(b.installed()) >= set(early), 5, what="the start's flows shaped")
         wait_for(lambda: len(b.installed()) + len(b.spares) >= 600, 10, what="600 ready")
         fills = [op for op in b.applied if type(op).__name__ == "SpareOp"]
         assert len(fills) >= 6 and max(op.count for op in fills) <= 100, \
@@ -145,8 +145,16 @@ def test_the_daemon_fills_in_batches_and_a_burst_takes_the_spares(tmp_path, monk
         wait_for(lambda: set(b.installed()) >= set(burst), 5, what="the burst shaped")
         assert b._next == made_before, "a class was made for the burst: spares were there"
         st = call(d.opts.socket_path, {"cmd": "status"}, timeout=5)
-        assert st["interfaces"][0]["spare_classes"] == 600 - len(early) - len(burst)
+        spare = 600 - len(early) - len(burst)
+        assert st["interfaces"][0]["spare_classes"] == spare
+        assert st["interfaces"][0]["ready_classes"] == 600
+        assert st["counters"]["spares_made"] == 600 - len(early) and \
+            st["counters"]["spare_errors"] == 0
         assert st["healthy"]
+        assert views.parse_status(st).spares == (("fake0", spare, 600),)
+        out = subprocess.run([sys.executable, "-m", "flowpacer", "status", "--socket",
+                              d.opts.socket_path], capture_output=True, text=True, timeout=30)
+        assert f"spares:    fake0 {spare} classes (ready_classes 600)" in out.stdout, out
         for k in burst:
             del sd.flows[k]
         tr.push(events(EventKind.CLOSE, burst))

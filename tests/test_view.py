@@ -65,7 +65,8 @@ def test_status_is_read_back_typed_by_status_and_top(tmp_path):
         assert set(st["counters"]) == {"applies", "op_errors", "reloads_ok", "reloads_failed",
                                        "backend_rebuild_failures", "shape_latency_us",
                                        "apply_latency_us", "reconcile_added",
-                                       "reconcile_removed", "events"}
+                                       "reconcile_removed", "spares_made", "spare_errors",
+                                       "events"}
         ev = st["counters"]["events"]
         assert ev["tracer_open"] + ev["reconcile_open"] == len(KEYS)      # whichever was first
         assert set(st["counters"]["events"]) == {"tracer_open", "tracer_close", "reconcile_open",

@@ -56,6 +56,7 @@ class Counters:
 # flows arriving meanwhile wait no longer; between batches the lock is free.
 SPARE_SLICE_NS = 30_000_000
 SPARE_BATCH = (16, 1024)          # fewest and most classes a batch
+SPARE_FIRST_BATCH = 64            # before a batch's cost is known
 SPARE_PAUSE_NS = 30_000_000_000   # after a refused batch: the next try (the error logged once)
 
 
@@ -64,6 +65,8 @@ class _SpareFill:
     """One send backend's ready spares as the reconciler planned them."""
     told: Optional[int] = None    # the target the backend last got
     ns_per_class: float = 0.0     # the last batch's time a class made
+    last_batch: int = 0           # how many it made
+    classes_then: int = 0         # flows and spares after it
     pause_until_ns: int = 0
     last_error: str = ""
 
@@ -350,9 +353,15 @@ class Reconciler:
                     st = self._spares[b] = _SpareFill()
                 if now < st.pause_until_ns:
                     continue
+                # the cost a class grows with the classes there (htb): a batch at most twice
+                # the last, sized from the last one's cost a class scaled by the classes now
                 lo, hi = SPARE_BATCH
-                batch = hi if not st.ns_per_class else \
-                    max(lo, min(hi, int(SPARE_SLICE_NS / st.ns_per_class)))
+                have = len(b.installed()) + b.spare_count()
+                if not st.ns_per_class:
+                    batch = SPARE_FIRST_BATCH
+                else:
+                    est = st.ns_per_class * max(1.0, have / max(st.classes_then, 1))
+                    batch = max(lo, min(hi, 2 * st.last_batch, int(SPARE_SLICE_NS / est)))
                 op = engine.plan_spares(self.rules, len(b.installed()), b.spare_count(), batch,
                                         st.told)
                 if op is None:
@@ -373,7 +382,12 @@ class Reconciler:
                 st.told = op.target
                 self.counters.spares_made += res.spares_made
                 if res.spares_made:
-                    st.ns_per_class = (self.clock_ns() - t0) / res.spares_made
+                    t1 = self.clock_ns()
+                    st.ns_per_class = (t1 - t0) / res.spares_made
+                    st.last_batch = res.spares_made
+                    st.classes_then = have + res.spares_made
+                    log.debug("%s: %d ready spare classes made in %.1f ms (%d spares)",
+                              b.interface, res.spares_made, (t1 - t0) / 1e6, b.spare_count())
                 if res.spare_errors:
                     self._spare_refused(b, st, res.spare_errors[0], t0,
                                         len(res.spare_errors))

@@ -185,6 +185,10 @@ def status(socket_path, as_json, all_flows):
                    "shaped (status --all says which)")
     click.echo(f"flows:     {a.shaped_flows} shaped of {a.live_flows} live; "
                f"source: {printable(a.flow_source)}")
+    if a.spares:                                # issue 26: classes waiting for new flows
+        click.echo("spares:    " + ", ".join(
+            f"{printable(n)} {sp} classes" + (f" (ready_classes {ready})" if ready else "")
+            for n, sp, ready in a.spares))
     fb = a.first_byte
     if fb:
         click.echo("first byte: ready " + (", ".join(

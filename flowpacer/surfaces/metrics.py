@@ -309,6 +309,14 @@ class FlowpacerCollector:
         for i in v.interfaces:
             sp.add_metric([i.name], i.spares)
         yield sp
+        rc = GaugeMetricFamily("flowpacer_ready_classes",
+                               "The rules' ready_classes where the backend keeps spares (htb; 0 "
+                               "elsewhere): flow classes made ahead for a flash crowd, per "
+                               "interface (issue 26); flows and spare classes together reach it.",
+                               labels=["interface"])
+        for i in v.interfaces:
+            rc.add_metric([i.name], i.ready_classes)
+        yield rc
         fb = GaugeMetricFamily("flowpacer_backend_fallback",
                                "1 while backend auto runs another kind than the one it wants "
                                "(psp), with why in one line (e.g. the kernel refused the unsigned "

@@ -53,6 +53,8 @@ def build(rec, sup, stages: Iterable, *, rules_path: str, flow_source: FlowSourc
         ifaces.append(InterfaceView(ifname, pb.name if pb is not None else "", port.health,
                                     port.problem, pb.link_rate_bps if pb is not None else 0, n,
                                     spares=pb.spare_count() if pb is not None else 0,
+                                    ready_classes=(rec.rules.ready_classes if pb is not None
+                                                   and pb.capabilities.spares else 0),
                                     link_rate_source=(pb.link_rate_source
                                                       if pb is not None else ""),
                                     groups=len(mine),
@@ -197,7 +199,8 @@ def to_json(v: DaemonView, stats: Dict[StatsKey, ClassStats]) -> dict:
         "interfaces": [{"name": i.name, "backend": i.backend, "state": i.health.value,
                         "problem": i.problem, "link_rate_bit": i.link_rate_bps * 8,
                         "link_rate_source": i.link_rate_source,
-                        "flows": i.flows, "spare_classes": i.spares, "groups": i.groups,
+                        "flows": i.flows, "spare_classes": i.spares,
+                        "ready_classes": i.ready_classes, "groups": i.groups,
                         "rebuild_failures": i.rebuild_failures,
                         "receive": _receive_json(i.receive_interface, i.receive_health,
                                                  i.receive_problem)}
@@ -382,6 +385,8 @@ class StatusAnswer:
     receives: Tuple[Tuple[str, str, str, str], ...] = ()
     unmanaged: int = 0                   # flows a rule shapes leaving by an unmanaged interface
     link_rate_source: str = ""           # "rules", "speed", a bond and its members (issue 29)
+    # (interface, spare classes, ready_classes) where either is set (issue 26)
+    spares: Tuple[Tuple[str, int, int], ...] = ()
 
 
 def _int(value) -> int:
@@ -447,6 +452,10 @@ def parse_status(st: dict) -> StatusAnswer:
                             _str(i["receive"].get("state")), _str(i["receive"].get("problem")))
                            for i in st.get("interfaces") or () if i.get("receive")),
             unmanaged=_int((st.get("unmanaged_interface") or {}).get("count", 0)),
+            spares=tuple((_str(i["name"]), _int(i.get("spare_classes", 0)),
+                          _int(i.get("ready_classes", 0)))
+                         for i in st.get("interfaces") or ()
+                         if i.get("spare_classes") or i.get("ready_classes")),
             first_byte=None if not fb else StatusFirstByte(
                 tuple((_str(p["rule"]), _int(p["ready"])) for p in fb.get("pools") or ()),
                 tuple((_str(k), _int(n)) for k, n in (fb.get("counters") or {}).items()),
