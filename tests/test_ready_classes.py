@@ -67,7 +67,7 @@ def ruleset(ready: int, rate_bps: int = 250_000) -> RuleSet:
 
 def test_the_plan():
     rs = ruleset(100)
-    op = engine.plan_spares(rs, flows=10, spares=20, batch=64, told=None)
+    op = engine.plan_spares(rs, flows=10, spares=20, batch=64, told=0)
     assert (op.count, op.target, op.shape) == (64, 100, Shape("", 250_000, 250_000))
     assert engine.plan_spares(rs, 10, 80, 64, told=100).count == 10
     assert engine.plan_spares(rs, 10, 90, 64, told=100) is None        # enough
@@ -81,7 +81,7 @@ def test_the_plan():
     recv = RuleSet("fake0", BackendKind.HTB, 125_000_000,
                    (Rule("up", Match(process=("rsync",)), None, receive_rate_bps=1000),),
                    ready_classes=5)
-    assert engine.plan_spares(recv, 0, 0, 64, None).shape == \
+    assert engine.plan_spares(recv, 0, 0, 64, 0).shape == \
         Shape("", engine.SPARE_RATE_BPS, engine.SPARE_RATE_BPS)
 
 
@@ -120,7 +120,7 @@ def test_the_daemon_fills_in_batches_and_a_burst_takes_the_spares(tmp_path, monk
     flows the start's pass found (they count towards the 600); a burst of IPv4, IPv6 and IPv4-mapped flows takes spares, none made; the closed
     flows' classes are spares again; a reload to 0 makes no more; status shows them."""
     from flowpacer.daemon import reconciler
-    monkeypatch.setattr(reconciler, "SPARE_BATCH", (16, 100))   # the fake makes them in no time
+    monkeypatch.setattr(reconciler, "SPARE_BATCH", (1, 100))   # the fake makes them in no time
     current = {"rs": ruleset(600)}
     tr, sd = FakeTracer(), FakeSockDiag()
     fac = FakeFactory(spare_max=SPARE_MAX)
@@ -167,3 +167,56 @@ def test_the_daemon_fills_in_batches_and_a_burst_takes_the_spares(tmp_path, monk
         wait_for(lambda: b.spare_target == 0, 5, what="the new target told")
         assert sum(op.count for op in b.applied[n:] if type(op).__name__ == "SpareOp") == 0
         assert len(b.spares) == 600 - len(early)
+
+
+def test_each_batch_holds_the_lock_about_a_slice_while_the_cost_a_class_grows():
+    """htb's cost to make a class grows with the classes there (the kernel's walk of every
+    class): a fake whose "kernel" takes 1 us per class already there for each class made (the
+    reconciler's clock advanced by it). Filling 10 000: the first batch is small, each later
+    one is at most twice the one before and holds the lock at most ~2 slices (the estimate runs
+    a batch behind the growth), and every class is made."""
+    from flowpacer.daemon import reconciler as rmod
+    from flowpacer.daemon.reconciler import Reconciler
+    from flowpacer.daemon.supervisor import BackendSupervisor
+    from harness.fakes import FakeBackend
+
+    now = {"ns": 0}
+    held = []
+
+    class Walking(FakeBackend):
+        def apply(self, plan):
+            t0 = now["ns"]
+            for op in plan:
+                if type(op).__name__ == "SpareOp":
+                    there = len(self.flows) + len(self.spares)
+                    n = min(op.count, self.spare_max - len(self.spares))
+                    now["ns"] += sum(1000 * (there + i) for i in range(n))
+            res = super().apply(plan)
+            held.append((res.spares_made, now["ns"] - t0))
+            return res
+
+    class Factory(FakeFactory):
+        def _new(self, name, interface, link_rate_bps):
+            b = Walking(name, interface, link_rate_bps or 125_000_000, spare_max=SPARE_MAX)
+            self.made.append(b)
+            b.setup()
+            return b
+
+    rs = ruleset(10_000)
+    sup = BackendSupervisor(Factory())
+    sup.start(rs)
+    rec = Reconciler(sup, rs, clock_ns=lambda: now["ns"])
+    calls = 0
+    while rec.fill_spares():
+        calls += 1
+        assert calls < 2000
+    assert len(sup.backend.spares) == 10_000 == rec.counters.spares_made
+    made = [n for n, _ns in held]
+    assert made[0] == rmod.SPARE_FIRST_BATCH
+    assert all(b <= 2 * a for a, b in zip(made, made[1:])), made
+    print("batches (made, ms):", [(n, round(ns / 1e6, 1)) for n, ns in held[:8]], "...",
+          len(held), "batches")
+    slowest = max(held[1:], key=lambda h: h[1])
+    assert slowest[1] <= 2 * rmod.SPARE_SLICE_NS, (slowest, held.index(slowest), held[:12])
+    # at 10 000 classes a class costs ~10 ms: the batches are down to the fewest
+    assert made[-1] <= max(rmod.SPARE_BATCH[0], 10_000 - sum(made[:-1])), made[-5:]

@@ -17,6 +17,7 @@ gone, qdisc lost or foreign) keeps them dirty until it is.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -55,7 +56,7 @@ class Counters:
 # batch's cost a class: htb's kernel walks every class for each one made), so that a burst's
 # flows arriving meanwhile wait no longer; between batches the lock is free.
 SPARE_SLICE_NS = 30_000_000
-SPARE_BATCH = (16, 1024)          # fewest and most classes a batch
+SPARE_BATCH = (1, 1024)           # fewest and most classes a batch
 SPARE_FIRST_BATCH = 64            # before a batch's cost is known
 SPARE_PAUSE_NS = 30_000_000_000   # after a refused batch: the next try (the error logged once)
 
@@ -63,10 +64,10 @@ SPARE_PAUSE_NS = 30_000_000_000   # after a refused batch: the next try (the err
 @dataclass
 class _SpareFill:
     """One send backend's ready spares as the reconciler planned them."""
-    told: Optional[int] = None    # the target the backend last got
+    told: int = 0                 # the target the backend last got (a new one has 0)
     ns_per_class: float = 0.0     # the last batch's time a class made
     last_batch: int = 0           # how many it made
-    classes_then: int = 0         # flows and spares after it
+    mid_then: float = 0.0         # flows and spares half-way through it
     pause_until_ns: int = 0
     last_error: str = ""
 
@@ -351,17 +352,12 @@ class Reconciler:
                 st = self._spares.get(b)
                 if st is None:
                     st = self._spares[b] = _SpareFill()
-                if now < st.pause_until_ns:
+                if now < st.pause_until_ns or (st.told == 0 and not self.rules.ready_classes):
                     continue
-                # the cost a class grows with the classes there (htb): a batch at most twice
-                # the last, sized from the last one's cost a class scaled by the classes now
                 lo, hi = SPARE_BATCH
                 have = len(b.installed()) + b.spare_count()
-                if not st.ns_per_class:
-                    batch = SPARE_FIRST_BATCH
-                else:
-                    est = st.ns_per_class * max(1.0, have / max(st.classes_then, 1))
-                    batch = max(lo, min(hi, 2 * st.last_batch, int(SPARE_SLICE_NS / est)))
+                batch = SPARE_FIRST_BATCH if not st.ns_per_class else \
+                    max(lo, min(hi, 2 * st.last_batch, _batch_for(st, have)))
                 op = engine.plan_spares(self.rules, len(b.installed()), b.spare_count(), batch,
                                         st.told)
                 if op is None:
@@ -385,7 +381,7 @@ class Reconciler:
                     t1 = self.clock_ns()
                     st.ns_per_class = (t1 - t0) / res.spares_made
                     st.last_batch = res.spares_made
-                    st.classes_then = have + res.spares_made
+                    st.mid_then = have + res.spares_made / 2
                     log.debug("%s: %d ready spare classes made in %.1f ms (%d spares)",
                               b.interface, res.spares_made, (t1 - t0) / 1e6, b.spare_count())
                 if res.spare_errors:
@@ -469,6 +465,15 @@ class Reconciler:
     def mark_all(self, keys: Iterable[FlowKey] = ()) -> None:
         with self.lock:
             self.table.mark_all(keys)
+
+
+def _batch_for(st: _SpareFill, have: int) -> int:
+    """How many classes fill about SPARE_SLICE_NS with ``have`` flow and spare classes there. The
+    cost a class grows with the classes there (htb's kernel walks them all), so it is taken as
+    proportional to them: ``k`` a class there from the last batch (its cost a class at its
+    half-way count), and x classes from ``have`` cost k * x * (have + x / 2)."""
+    k = st.ns_per_class / max(st.mid_then, 1.0)
+    return int(math.sqrt(have * have + 2 * SPARE_SLICE_NS / k) - have)
 
 
 def _merge(a, b):

@@ -426,11 +426,11 @@ def spare_shape(ruleset: RuleSet) -> Shape:
 
 
 def plan_spares(ruleset: RuleSet, flows: int, spares: int, batch: int,
-                told: Optional[int]) -> Optional[SpareOp]:
+                told: int) -> Optional[SpareOp]:
     """Issue 26: the next batch of ready spare classes for one interface's send backend, or
     None. ``ready_classes: N`` asks for classes for N flows made ahead: while ``flows`` (shaped
     there) and ``spares`` number fewer than N, at most ``batch`` more are made. ``told``: the
-    target the backend last got (None: never): a changed target is said even when nothing is
+    target the backend last got (0 at first, as a backend starts): a changed target is said even when nothing is
     to be made (the backend keeps closed flows' classes below it)."""
     want = ruleset.ready_classes
     need = min(want - flows - spares, batch)

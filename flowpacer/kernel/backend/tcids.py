@@ -62,8 +62,10 @@ class ClassIds:
 
     # -------------------------------------------------------------- spares
     def new_apply(self) -> None:
-        """A plan's batch begins: no remove of it has kept its class yet."""
+        """A plan's batch begins: no remove of it has kept its class yet, no ready spare of it
+        is on its way (a batch whose transport failed answered none)."""
         self._queued = 0
+        self.making = 0
 
     def keep_spare(self, minor: int, flows: int) -> bool:
         """Whether the class of a flow being removed (a flow-range class under the link, one of
