@@ -8,6 +8,7 @@ pool ops included. ``FakeFirstByte`` is the first-byte source over in-memory map
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import threading
 import time
@@ -319,7 +320,6 @@ class FakeRouter:
         self.lookups = 0
 
     def egress(self, items):
-        import ipaddress
         out = {}
         nets = sorted(((ipaddress.ip_network(n), i) for n, i in self.routes.items()),
                       key=lambda x: -x[0].prefixlen)
@@ -601,3 +601,17 @@ class StageCtx:
 
     def wait(self, s):
         return self.stop.wait(s)
+
+
+def mixed_key(i: int, fam) -> FlowKey:
+    """The ``i``-th flow key of a family for in-process tests: 4 (IPv4), 6 (IPv6), or anything
+    else for an IPv4-mapped one (a dual-stack ``[::]`` socket talking IPv4: the kernel reports
+    v4-mapped addresses). Distinct for every ``i`` below 25 000 in each family."""
+    if fam == 4:
+        return FlowKey(ipaddress.ip_address("10.1.0.1"), 80,
+                       ipaddress.ip_address(f"10.2.{i // 250}.{i % 250 + 1}"), 40000 + i)
+    if fam == 6:
+        return FlowKey(ipaddress.ip_address("fd00:1::1"), 80,
+                       ipaddress.ip_address(f"fd00:2::{i + 1:x}"), 40000 + i)
+    return FlowKey.wire(ipaddress.ip_address("::ffff:10.1.0.1"), 8080,
+                        ipaddress.ip_address(f"::ffff:10.3.{i // 250}.{i % 250 + 1}"), 41000 + i)

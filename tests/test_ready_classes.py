@@ -5,7 +5,6 @@ fill in batches with the lock free in between (fakes). The kernel's side: the ba
 ``test_ready_classes_host.py`` (a real daemon, a real burst)."""
 from __future__ import annotations
 
-import ipaddress
 import subprocess
 import sys
 import textwrap
@@ -22,7 +21,7 @@ from flowpacer.model import (BackendKind, Direction, EventKind, Flow, FlowEvent,
 from flowpacer.policy import engine, rules
 from flowpacer.surfaces import view as views
 from flowpacer.surfaces.control import call
-from harness.fakes import FakeFactory, FakeSockDiag, FakeTracer, inprocess_daemon
+from harness.fakes import FakeFactory, FakeSockDiag, FakeTracer, inprocess_daemon, mixed_key
 from harness.testbed import wait_for
 
 
@@ -95,15 +94,8 @@ def test_below_spare_from_a_closed_flows_class_stays_while_spares_are_fewer_than
     assert ids.keep_spare(0x30, flows=SPARE_FROM)           # at spare_from: kept anyway
 
 
-def key(i: int, fam: int) -> FlowKey:
-    if fam == 4:
-        return FlowKey(ipaddress.ip_address("10.1.0.1"), 80,
-                       ipaddress.ip_address(f"10.2.{i // 250}.{i % 250 + 1}"), 40000 + i)
-    if fam == 6:
-        return FlowKey(ipaddress.ip_address("fd00:1::1"), 80,
-                       ipaddress.ip_address(f"fd00:2::{i + 1:x}"), 40000 + i)
-    return FlowKey.wire(ipaddress.ip_address("::ffff:10.1.0.1"), 8080,
-                        ipaddress.ip_address(f"::ffff:10.3.{i // 250}.{i % 250 + 1}"), 41000 + i)
+
+key = mixed_key
 
 
 def flow(k: FlowKey) -> Flow:

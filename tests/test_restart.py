@@ -14,7 +14,6 @@ bytes, sampled in its namespace every 20 ms, never run faster than the rules all
 100 ms window across the gap; then ``cleanup --all --after-stop`` keeps for a failure and
 removes everything for a stop.
 """
-import ipaddress
 import os
 import secrets
 import signal
@@ -31,21 +30,14 @@ from flowpacer.surfaces.afterstop import decide, parse_jobs, unit_job
 from flowpacer.surfaces.cli import main
 from flowpacer.model import (BackendKind, Direction, Flow, FlowKey, FlowSource, Match,
                              ProcessInfo, Rule, RuleSet)
-from harness.fakes import FakeFactory, FakeSockDiag, inprocess_daemon
+from harness.fakes import FakeFactory, FakeSockDiag, inprocess_daemon, mixed_key
 
 RULES = RuleSet("fake0", BackendKind.HTB, 125_000_000,
                 (Rule("web", Match(process=("nginx",)), 5_000_000),))
 
 
-def key(i: int, fam) -> FlowKey:
-    if fam == 4:
-        return FlowKey(ipaddress.ip_address("10.1.0.1"), 80,
-                       ipaddress.ip_address(f"10.2.0.{i + 1}"), 40000 + i)
-    if fam == 6:
-        return FlowKey(ipaddress.ip_address("fd00:1::1"), 80,
-                       ipaddress.ip_address(f"fd00:2::{i + 1:x}"), 40000 + i)
-    return FlowKey.wire(ipaddress.ip_address("::ffff:10.1.0.1"), 8080,       # v4-mapped
-                        ipaddress.ip_address(f"::ffff:10.3.0.{i + 1}"), 41000 + i)
+
+key = mixed_key
 
 
 def flow(k: FlowKey) -> Flow:

@@ -3,7 +3,6 @@ control socket) wired to in-memory fakes of the backend and the flow sources. Wh
 does is tested elsewhere with the real backend; here: stage failures, degradation, exit for
 systemd, the watchdog, apply failures part-way, restart adoption, fall-back and reload."""
 import dataclasses
-import ipaddress
 import logging
 import time
 
@@ -15,23 +14,15 @@ from flowpacer.model import (BackendHealth, BackendKind, Direction, EventKind, F
                              StageState)
 from flowpacer.daemon.stages import GiveUp, Stage
 from harness.testbed import wait_for
-from harness.fakes import FakeFactory, FakeSockDiag, FakeTracer, inprocess_daemon
+from harness.fakes import FakeFactory, FakeSockDiag, FakeTracer, inprocess_daemon, mixed_key
 
 RATE = 5_000_000          # bytes/s
 RULES = RuleSet("fake0", BackendKind.HTB, 125_000_000,
                 (Rule("web", Match(process=("nginx",)), RATE),))
 
 
-def key(i: int, fam: int) -> FlowKey:
-    if fam == 4:
-        return FlowKey(ipaddress.ip_address("10.1.0.1"), 80,
-                       ipaddress.ip_address(f"10.2.{i // 250}.{i % 250 + 1}"), 40000 + i)
-    if fam == 6:
-        return FlowKey(ipaddress.ip_address("fd00:1::1"), 80,
-                       ipaddress.ip_address(f"fd00:2::{i + 1:x}"), 40000 + i)
-    # a dual-stack [::] socket talking IPv4: the kernel reports v4-mapped addresses
-    return FlowKey.wire(ipaddress.ip_address("::ffff:10.1.0.1"), 8080,
-                        ipaddress.ip_address(f"::ffff:10.3.0.{i % 250 + 1}"), 41000 + i)
+
+key = mixed_key
 
 
 def flow(k: FlowKey, comm="nginx") -> Flow:

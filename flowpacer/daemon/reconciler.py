@@ -307,12 +307,7 @@ class Reconciler:
             # bookkeeping from the kernel and re-plan every flow at the next pass
             self.counters.op_errors += 1
             log.error("apply failed on %s: %s; resynchronising with the kernel", b.interface, e)
-            try:
-                b.resync()
-            except (OSError, FlowpacerError) as e2:
-                log.error("resync failed: %s", e2)
-            self.table.mark_all(b.installed().keys())
-            self.resync_requested = True
+            self._resync(b)
             return None
         t1 = self.clock_ns()
         self.counters.applies += 1
@@ -368,12 +363,7 @@ class Reconciler:
                 except (OSError, FlowpacerError) as e:
                     # the transport failed: as for the flows' apply, rebuild from the kernel
                     self._spare_refused(b, st, str(e), t0)
-                    try:
-                        b.resync()
-                    except (OSError, FlowpacerError) as e2:
-                        log.error("resync failed: %s", e2)
-                    self.table.mark_all(b.installed().keys())
-                    self.resync_requested = True
+                    self._resync(b)
                     continue
                 st.told = op.target
                 self.counters.spares_made += res.spares_made
@@ -392,6 +382,16 @@ class Reconciler:
             for b in [b for b in self._spares if b not in live]:
                 del self._spares[b]          # a backend replaced (switch, interface made again)
         return more
+
+    def _resync(self, b) -> None:
+        """After a failed transport: ``b``'s bookkeeping rebuilt from the kernel, its flows
+        planned again, and the next pass soon (it re-reads the kernel)."""
+        try:
+            b.resync()
+        except (OSError, FlowpacerError) as e:
+            log.error("resync failed: %s", e)
+        self.table.mark_all(b.installed().keys())
+        self.resync_requested = True
 
     def _spare_refused(self, b, st: _SpareFill, reason: str, now_ns: int, n: int = 1) -> None:
         self.counters.spare_errors += n
