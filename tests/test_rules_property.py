@@ -99,7 +99,8 @@ def rulesets(draw, max_rules=5, min_rules=0, list_size=3):
                        client_rate_bps=client, total_rate_bps=total, client_prefix=prefix,
                        idle_timeout_ns=idle, receive_rate_bps=rrate, receive_ceil_bps=rceil))
     return RuleSet(interface=draw(ifnames), backend=draw(st.sampled_from(list(BackendKind))),
-                   link_rate_bps=link, rules=tuple(rs))
+                   link_rate_bps=link, rules=tuple(rs),
+                   ready_classes=draw(st.sampled_from((0, 1, 2000, 16384))))
 
 
 def check_problems(e: RulesError) -> None:
@@ -137,7 +138,8 @@ def test_dump_load_round_trip(rs):
     assert rules.without_provenance(back) == rs
     assert back.path == PATH
     assert rules.dump(back) == text
-    assert len(rules.describe(back)) == 4 + len(rs.rules) + len(back.warnings)
+    assert len(rules.describe(back)) == \
+        4 + bool(rs.ready_classes) + len(rs.rules) + len(back.warnings)
 
 
 @SETTINGS

@@ -1205,6 +1205,8 @@ def dump(rs: RuleSet) -> str:
         doc["interfaces"] = [i.name if i.link_rate_bps is None else
                              {"name": i.name, "link_rate": units.format_rate(i.link_rate_bps)}
                              for i in rs.interfaces]
+    if rs.ready_classes:
+        doc["ready_classes"] = rs.ready_classes
     rules = []
     for r in rs.rules:
         d: Dict[str, Any] = {"name": r.name, "match": _match_out(r.match)}
@@ -1287,6 +1289,9 @@ def describe(rs: RuleSet) -> List[str]:
                          else "(from the interface's speed)"),
         f"rules: {len(rs.rules)} (first match wins; unmatched flows are not shaped)",
     ]
+    if rs.ready_classes:
+        lines.insert(3, f"ready_classes: {rs.ready_classes} (classes made ahead for a flash "
+                        "crowd; htb)")
     for i, r in enumerate(rs.rules, 1):
         ceil = units.format_bits(r.ceil_bps) if r.ceil_bps is not None else "none"
         at = f" (line {r.line})" if r.line else ""
