@@ -515,7 +515,7 @@ def main(argv=None) -> int:
                                          3 if args.quick else 5, mixed)
         print(json.dumps({name: mine[name]}, indent=1)[:4000], flush=True)
     goals = {}
-    for label in ("spares", "spares_cold", "spares_quiet", "cpu"):
+    for label in ("spares", "spares_cold", "spares_quiet", "cpu", "ready"):
         for part in ("burst", "burst_mixed"):
             by_n = {s["flows"]: s for s in g(figures, label, part, "steps") or []}
             for n, limit in ((2000, 0.5), (10_000, 2.0)):
@@ -536,7 +536,8 @@ HEADING = "### Classes at burst speed (`bench/burst_bench.py`, issue 26)\n"
 LABELS = (("before", "s11 before"), ("after", "s11 after"), ("main", "main now"),
           ("spares", "spares"), ("spares_cold", "spares, cold"), ("main_quiet", "main, quiet"),
           ("spares_quiet", "spares, quiet"), ("spares_2k", "spares, 3 x 2 000, quiet"),
-          ("main_1129", "main, 29 Nov"), ("cpu", "CPU cut, 29 Nov"))
+          ("main_1129", "main, 29 Nov"), ("cpu", "CPU cut, 29 Nov"),
+          ("ready", "ready_classes 10 000, cold"))
 
 
 def _ms(x):
