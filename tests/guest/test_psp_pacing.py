@@ -108,7 +108,8 @@ def test_psp_at_1gbit_with_pktgen(bed):
 # The first-to-last rate also moves with the lateness of the window's two end packets: CI
 # (f0b6fcf) saw one packet 2.37 ms late in one run (host I/O) and the rates 3.8e-4 apart on the
 # 3 s window while the fitted rates stayed 4e-6 apart. So that rate's allowance adds the worst
-# lateness psp counted in either run over the window; the fitted rate keeps the tight bound.
+# lateness psp counted in either run over the window; the fitted rate keeps the tight bound,
+# and the longest back-to-back run may differ by the packets that lateness lets through at once.
 SAME_PP = 0.005          # shares of gaps: 0.5 percentage points
 SAME_RATE = 0.0002       # rate error: 0.02 percentage points
 SAME_GAP = 0.01          # median gap: 1 %
@@ -138,7 +139,13 @@ def test_same_case_twice_same_figures(bed):
     assert diffs["fit_rate_error"] <= SAME_RATE, diffs
     assert diffs["rate_error"] <= ends_rate, (diffs, f"allowed {ends_rate:.6f}")
     assert diffs["median_gap"] <= SAME_GAP, diffs
-    assert a.longest_run == b.longest_run
+    # a late packet is followed back to back by those whose departure time passed meanwhile
+    # (the byte clock keeps the rate): rehearsal ci33 saw one 2.5 ms late (host I/O: a 3.7 ms
+    # gap, then 3.5 us), a run of 2. Late by psp's count or by the widest gap seen.
+    gap_us = min(a.median_gap_us, b.median_gap_us)
+    late_us = max(worst_late_ns / 1000, *(st.gap_pct_us.get("max", 0) - gap_us for st in runs))
+    assert abs(a.longest_run - b.longest_run) <= int(late_us // gap_us), \
+        (a.longest_run, b.longest_run, f"lateness {late_us / 1000:.2f} ms")
 
 
 def _setup_classes(tb, sock, link_bps, classes):
