@@ -664,7 +664,11 @@ def report_section(R: ResultIndex) -> str:
            "flow, 343-469 in the kernel: htb's walk of every class for each one made. So issue "
            "26's 0.5 s for 2 000 and 2 s for 10 000 are met cold with `ready_classes`, and on "
            "spares after a first crowd; without either, 10 000 new classes on a cold htb stay "
-           "kernel-bound (psp has no per-class filter block for that walk to lock).\n"]
+           "kernel-bound. psp walks every class too (`bench/vm_classcost.py`, in the VM: a "
+           "class made or deleted costs ~81 instructions a class already there, htb's ~140, "
+           "a change nothing; in real time under TCG 0.12-0.19 us a class against htb's "
+           "0.5-1.0 us, htb locking each class' filter block); psp keeps no spares yet, so "
+           "`ready_classes` does nothing there.\n"]
     rows = []
     for part, mix in (("burst", "IPv4"), ("burst_mixed", "mixed")):
         by = [(s["flows"], i, shown, s) for i, (label, shown) in enumerate(LABELS)

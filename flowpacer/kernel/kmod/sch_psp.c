@@ -943,8 +943,12 @@ static struct tcf_block *psp_tcf_block(struct Qdisc *sch, unsigned long arg,
 	struct psp_sched_data *q = qdisc_priv(sch);
 
 	if (arg) {
-		NL_SET_ERR_MSG_MOD(extack,
-				   "filters attach to the psp qdisc, not to its classes");
+		/* tc_bind_tclass() asks this of every class, without an extack, for each class
+		 * made or deleted: the message (and its tracepoint) only for a request's own
+		 */
+		if (extack)
+			NL_SET_ERR_MSG_MOD(extack,
+					   "filters attach to the psp qdisc, not to its classes");
 		return NULL;
 	}
 	return q->block;
