@@ -2,7 +2,8 @@
 engine's plan, ``ClassIds``' keeping of closed flows' classes below the target, and the daemon's
 fill in batches with the lock free in between (fakes). The kernel's side: the backend contract
 (``case_ready_spares_are_made_and_taken``, htb on the host, psp in the VM) and
-``test_ready_classes_host.py`` (a real daemon, a real burst)."""
+``test_flashcrowd.py::test_a_crowd_finds_its_classes_made_ahead_by_ready_classes`` (a real
+daemon, nginx and a crowd of h2load clients)."""
 from __future__ import annotations
 
 import subprocess
