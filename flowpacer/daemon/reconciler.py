@@ -350,11 +350,11 @@ class Reconciler:
                 if now < st.pause_until_ns or (st.told == 0 and not self.rules.ready_classes):
                     continue
                 lo, hi = SPARE_BATCH
-                have = len(b.installed()) + b.spare_count()
+                flows = len(b.installed())          # a SpareOp does not change it
+                have = flows + b.spare_count()
                 batch = SPARE_FIRST_BATCH if not st.ns_per_class else \
                     max(lo, min(hi, 2 * st.last_batch, _batch_for(st, have)))
-                op = engine.plan_spares(self.rules, len(b.installed()), b.spare_count(), batch,
-                                        st.told)
+                op = engine.plan_spares(self.rules, flows, b.spare_count(), batch, st.told)
                 if op is None:
                     continue
                 t0 = self.clock_ns()
@@ -377,7 +377,7 @@ class Reconciler:
                 if res.spare_errors:
                     self._spare_refused(b, st, res.spare_errors[0], t0,
                                         len(res.spare_errors))
-                elif res.spares_made and len(b.installed()) + b.spare_count() < op.target:
+                elif res.spares_made and flows + b.spare_count() < op.target:
                     more = True
             for b in [b for b in self._spares if b not in live]:
                 del self._spares[b]          # a backend replaced (switch, interface made again)

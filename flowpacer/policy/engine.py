@@ -430,8 +430,8 @@ def plan_spares(ruleset: RuleSet, flows: int, spares: int, batch: int,
     """Issue 26: the next batch of ready spare classes for one interface's send backend, or
     None. ``ready_classes: N`` asks for classes for N flows made ahead: while ``flows`` (shaped
     there) and ``spares`` number fewer than N, at most ``batch`` more are made. ``told``: the
-    target the backend last got (0 at first, as a backend starts): a changed target is said even when nothing is
-    to be made (the backend keeps closed flows' classes below it)."""
+    target the backend last got (0 at first, as a backend starts): a changed target is said
+    even when nothing is to be made (the backend keeps closed flows' classes below it)."""
     want = ruleset.ready_classes
     need = min(want - flows - spares, batch)
     if need <= 0 and told == want:

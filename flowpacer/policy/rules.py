@@ -855,7 +855,7 @@ TOP_FIELDS: Tuple[Field, ...] = (
           "flow classes made ahead on each interface for a flash crowd (issue 26): while "
           "fewer flows are shaped there, the rest wait as spare classes, so a burst of that "
           "many new flows has its classes in without making any (htb: its kernel walks every "
-          "class for each class made; psp makes them at no such cost and ignores this); at "
+          "class for each class made; psp keeps no spare classes and ignores this); at "
           f"most {READY_CLASSES_MAX}", "2000", "0 (only closed flows' classes are kept)"),
     Field("rules", _p_rules, (), False,
           "the list of rules; the first rule that matches a flow wins, a flow that matches "
