@@ -142,7 +142,8 @@ def test_a_crowd_finds_its_classes_made_ahead_by_ready_classes(root, tmp_path):
     background; a crowd of 750 (250 IPv4, 250 IPv6, 250 IPv4-mapped at once) then makes no
     class: every flow that did not claim a pool class at its handshake gets a spare changed to
     its rate (the kernel's classes after the crowd are the same set), every reply is paced from
-    its first byte, nothing else is left."""
+    its first byte; new IPv4 and IPv6 downloads after it are shaped at the rule's rate; every
+    stage runs and nothing else is left."""
     with _testbed() as tb:
         tb.set_gso(False)
         ng = Nginx(tb, tmp_path / "nginx", files={"obj": OBJECT}).start()
@@ -174,6 +175,12 @@ def test_a_crowd_finds_its_classes_made_ahead_by_ready_classes(root, tmp_path):
             # no class made for the crowd: the flow classes are the ready ones, spares again
             assert flow_classes(tb) == made == daemon_spares(d), \
                 (len(flow_classes(tb)), len(daemon_spares(d)))
+            # new downloads after the crowd, IPv4 and IPv6 at once, each at the rule's rate
+            ps = [fetch(tb, host, ng.port, 4, warmup=1, path="/obj")
+                  for host in (tb.server_v4, tb.server_v6)]
+            for p, w in zip(ps, (WIRE, WIRE6)):
+                r = fetch_result(p, timeout=30)
+                assert r["goodput_bps"] == pytest.approx(RATE_BPS * w, rel=0.08), r["host"]
             crowd.assert_nothing_left(tb, d, objs, spares_expected=True)
         finally:
             d.stop()
