@@ -408,6 +408,20 @@ class Daemon:
     def flows(self) -> list:
         return self.status()["flows"]
 
+    def settled_flows(self, handshakes: int = 1) -> list:
+        """The flows once their classes do not change any more, else []: the first-byte program
+        (when on) decided at least ``handshakes`` handshakes and every class it claimed is
+        bound to its flow or released. Until then a flow the tracer's event placed first may
+        still be rebound to the pool class its packets already use (ci33, ci of f3f0d43)."""
+        st = self.status()
+        fb = st.get("first_byte")
+        if fb is not None:
+            c = fb["counters"]
+            if c["claimed"] + c["stopgap"] + c["missed"] < handshakes or \
+                    c["bound"] + c["released"] + c["stale"] < c["claimed"]:
+                return []
+        return st["flows"]
+
     def status_cli(self) -> dict:
         """``flowpacer status --json`` (the command line, as a user would run it)."""
         r = self.tb.run(self.tb.server_ns, [*FLOWPACER, "status", "--json", "--socket", self.sock],

@@ -91,17 +91,6 @@ def test_daemon_started_after_flows_exist_shapes_them(testbed, tmp_path):
     assert qdisc_kind(testbed) != "htb"           # SIGTERM removed everything
 
 
-def claims_settled(d) -> bool:
-    """Every flow the first-byte program decided at its handshake is counted, and every class it
-    claimed is bound to its flow (or released): a flow's class does not change any more."""
-    fb = d.status()["first_byte"]
-    if fb is None:
-        return True
-    c = fb["counters"]
-    return c["claimed"] + c["stopgap"] + c["missed"] >= 1 and \
-        c["bound"] + c["released"] + c["stale"] >= c["claimed"]
-
-
 def test_sighup_reload_rerates_in_place_and_bad_file_keeps_old_rules(testbed, daemon):
     testbed.popen(testbed.server_ns, server_argv([9101], "fp-test-srv"))
     testbed.wait_listening(9101)
@@ -110,8 +99,7 @@ def test_sighup_reload_rerates_in_place_and_bad_file_keeps_old_rules(testbed, da
                       stdout=subprocess.PIPE, text=True)
     # the flow's class once its handshake's claim is handled (ci33: under load the tracer's
     # event made class :10 first, then the claim rebound the flow to its pool class)
-    f = wait_for(lambda: daemon.flows() if claims_settled(daemon) else None, 10, 0.05,
-                 "a shaped flow, its first-byte claim handled")[0]
+    f = wait_for(daemon.settled_flows, 10, 0.05, "a shaped flow, its first-byte claim handled")[0]
     daemon.rules.write_text(daemon.rules.read_text().replace("rate: 10mbit", "rate: 30mbit"))
     daemon.proc.send_signal(signal.SIGHUP)
     g = wait_for(lambda: [x for x in daemon.flows() if x["rate_bit"] == 30_000_000], 5, 0.05,

@@ -116,7 +116,7 @@ def test_edit_reloads_the_running_daemon(testbed, tmp_path, editor):
     d = Daemon(testbed, tmp_path, RULES).start()
     try:
         testbed.popen(testbed.client_ns, client_argv(str(testbed.server_v4), 9101, 30))
-        f0 = wait_for(lambda: d.flows(), 10, 0.05, "the shaped flow")[0]
+        f0 = wait_for(d.settled_flows, 10, 0.05, "the shaped flow, its claim handled")[0]
         assert f0["rate_bit"] == 10_000_000
         os.chown(d.rules, 0, 4322)          # the daemon wants root-owned rules
         os.chmod(d.rules, 0o640)

@@ -20,7 +20,7 @@ def shaped(testbed, tmp_path):
     d = Daemon(testbed, tmp_path, RULES, "--rescan", "0.2").start()
     c = testbed.popen(testbed.client_ns, client_argv(str(testbed.server_v4), 9101, 25, warmup=0.5),
                       stdout=subprocess.PIPE, text=True)
-    wait_for(lambda: d.flows(), 5, 0.05, "the flow to be shaped")
+    wait_for(d.settled_flows, 5, 0.05, "the flow to be shaped, its first-byte claim handled")
     yield d, c
     d.stop()
 
