@@ -3,7 +3,8 @@ in the server namespace, ``bond0.7`` (a VLAN on it); the members' peers ``p0``/`
 ``br0`` in the client namespace, with ``br0.7`` on it. For 802.3ad the client side is its LACP
 partner instead: a second 802.3ad bond ``lag0`` over ``p0``/``p1`` (``lag0.7`` on it; a bridge
 does not speak LACP), both with ``lacp_rate fast``, and the bed waits until each side has both
-members in one aggregator. Only where the kernel has the bonding, 8021q and bridge modules (the
+members in one aggregator; ``BondBed("802.3ad", split=True)`` gives each member a partner bond
+of its own (``lag0``, ``lag1``), so that bond0 has two aggregators (no traffic on that bed). Only where the kernel has the bonding, 8021q and bridge modules (the
 test VM; not the development host).
 
     with BondBed("balance-xor") as bed:          # or active-backup, balance-rr, ...
@@ -36,10 +37,14 @@ def sh(*argv: str, check: bool = True):
 class BondBed(Testbed):
     """A ``Testbed`` whose server side is a bond over two veth members, with a VLAN on it."""
 
-    def __init__(self, mode: str):
+    def __init__(self, mode: str, split: bool = False):
         super().__init__(server_if="bond0")
         self.mode = mode
         self.lacp = mode == "802.3ad"
+        # 802.3ad with each member's peer in a partner bond of its own (lag0 over p0, lag1 over
+        # p1): two partners, so bond0's members end up in two aggregators, one of them active.
+        # No traffic on such a bed (the addresses are on lag0 only)
+        self.split = split and self.lacp
         # the receiver's device (harness.pacing's receiver_dev): the bridge, or the LACP partner
         self.client_if = "lag0" if self.lacp else "br0"
         n = self._n
@@ -62,12 +67,17 @@ class BondBed(Testbed):
             sh("ip", "-n", C, "link", "add", cdev, "type", "bond", *opts)
         else:
             sh("ip", "-n", C, "link", "add", cdev, "type", "bridge", "stp_state", "0")
+        if self.split:
+            sh("ip", "-n", C, "link", "add", "lag1", "type", "bond", *opts)
         for i in (0, 1):
             sh("ip", "-n", S, "link", "add", f"m{i}", "type", "veth", "peer", "name", f"p{i}",
                "netns", C)
             sh("ip", "-n", S, "link", "set", f"m{i}", "master", "bond0")
-            sh("ip", "-n", C, "link", "set", f"p{i}", "master", cdev)
+            sh("ip", "-n", C, "link", "set", f"p{i}", "master",
+               "lag1" if self.split and i == 1 else cdev)
             sh("ip", "-n", C, "link", "set", f"p{i}", "up")
+        if self.split:
+            sh("ip", "-n", C, "link", "set", "lag1", "up")
         sh("ip", "-n", S, "link", "add", "link", "bond0", "name", "bond0.7", "type", "vlan",
            "id", "7")
         sh("ip", "-n", C, "link", "add", "link", cdev, "name", f"{cdev}.7", "type", "vlan",
@@ -99,6 +109,10 @@ class BondBed(Testbed):
             sh("ip", "-n", S, "link", "set", f"m{i}", "up")
         wait_for(lambda: self.members_up() == ("m0", "m1"), guest_timeout(10), 0.05,
                  "both members up")
+        if self.split:          # LACP agrees with each partner: two aggregators, one active
+            wait_for(lambda: self.aggregators() == 2 and len(self.aggregator()[1]) == 1,
+                     guest_timeout(30), 0.2, "bond0's members in two aggregators, one active")
+            return
         if self.lacp:           # LACP agrees (fast rate: a LACPDU a second each way)
             for ns, bond in ((S, "bond0"), (C, self.client_if)):
                 wait_for(lambda: len(self.aggregator(ns, bond)[1]) == 2, guest_timeout(30),
@@ -167,6 +181,18 @@ class BondBed(Testbed):
                     members.append(cur)
                 cur = None
         return active, tuple(members)
+
+    def aggregators(self, ns=None, bond: str = "bond0") -> int:
+        """802.3ad: how many aggregators the bond's members are in (/proc/net/bonding/<bond>)."""
+        text = self.run(ns or self.server_ns, ["cat", f"/proc/net/bonding/{bond}"]).stdout
+        ids, cur = set(), None
+        for ln in text.splitlines():
+            if ln.startswith("Slave Interface:"):
+                cur = ln
+            elif cur and ln.startswith("Aggregator ID:"):
+                ids.add(int(ln.split(":", 1)[1]))
+                cur = None
+        return len(ids)
 
     def kernel_speed_bit(self) -> int:
         """The bonding driver's own figure (sum of the members that may send, Mbit/s)."""

@@ -222,6 +222,49 @@ def test_802_3ad_with_a_lacp_partner(backend, psp_module, tmp_path):
         assert not bed.on_members()
 
 
+def test_802_3ad_members_in_two_aggregators_count_the_active_one_only(tmp_path):
+    """802.3ad with each member's peer a partner of its own (``BondBed(split=True)``): bond0's
+    members are in two aggregators and only the active one's may send (sysfs calls the other
+    member ``backup``), so the link rate is one member's, named, as the bonding driver's own
+    figure says. The active aggregator's member going down makes the other aggregator active:
+    the link rate names that member, and again when the first comes back (which aggregator is
+    active then is the driver's choice: the figure follows it). No traffic: the figure only."""
+    with BondBed("802.3ad", split=True) as bed:
+        agg, ports = bed.aggregator()
+        assert bed.aggregators() == 2 and len(ports) == 1, (agg, ports)
+        d = Daemon(bed, tmp_path, RULES.replace("[bond0, bond0.7]", "[bond0]"), "--no-tracer", "--no-metrics",
+                   "--rescan", "0.5", backend="htb").start(timeout=gt(90))
+        try:
+            def says(member):
+                i = _status_if(d, "bond0")
+                return i["link_rate_bit"] == G10 and \
+                    i["link_rate_source"].endswith(f"bond0 802.3ad: {member}")
+
+            first = ports[0]
+            wait_for(lambda: says(first), gt(10), 0.05, f"the link rate of {first}'s aggregator")
+            assert bed.kernel_speed_bit() == G10
+            other = "m1" if first == "m0" else "m0"
+            bed.run(bed.server_ns, ["ip", "link", "set", first, "down"])
+            wait_for(lambda: bed.aggregator()[1] == (other,), gt(30), 0.2,
+                     f"{other}'s aggregator active")
+            wait_for(lambda: says(other), gt(10), 0.05, f"the link rate of {other}'s aggregator")
+            assert bed.kernel_speed_bit() == G10
+            bed.run(bed.server_ns, ["ip", "link", "set", first, "up"])
+            wait_for(lambda: bed.members_up() == ("m0", "m1") and bed.aggregators() == 2,
+                     gt(30), 0.2, f"{first} back in an aggregator of its own")
+            now = wait_for(lambda: (lambda p: p if len(p) == 1 else None)(bed.aggregator()[1]),
+                           gt(30), 0.2, "one active aggregator")[0]
+            wait_for(lambda: says(now), gt(10), 0.05, f"the link rate of {now}'s aggregator")
+            assert bed.kernel_speed_bit() == G10
+            assert not bed.on_members()
+            psplib.record(f"bond 802.3ad, two aggregators: link rate 10 Gbit/s from {first}, "
+                          f"then {other} when {first} went down, then {now} with both up")
+        finally:
+            rc = d.stop()
+        assert rc == 0, d.log_text()[-3000:]
+        assert not bed.flowpacer_left()
+
+
 # ------------------------------------------------- SO_PRIORITY and a VLAN's egress-qos-map
 CLASS_PRIO = 0xF1F0C010      # a pool class id: what the first-byte program writes into a
 #                              claimed socket's SO_PRIORITY (bpf/firstbyte.c)
