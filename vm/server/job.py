@@ -514,6 +514,19 @@ def measure(r, wire, what, base):
     r["wire_bit"][what] = wire.mean(*span)
 
 
+def under_downloads(base, what, body):
+    """``body()`` while the four downloads from ``base`` run; they stop after it (an error:
+    killed, and the error is the one reported)."""
+    procs = bond_downloads(base)
+    try:
+        body()
+    except BaseException as e:
+        for p in procs:
+            p.kill()
+        raise RuntimeError(f"bond {what}: {e}") from e
+    stop(procs)
+
+
 def member_down_and_up(r, wire, case, mode, member, want_bit, left, base):
     """``member`` down under the downloads: the link rate in status follows to ``want_bit``
     from ``left`` (the members left, or the new active one), as the driver's figure; then the
@@ -581,10 +594,8 @@ def bond_phase():
        switches to htb under them.
     Nothing of flowpacer's on the members at any point."""
     r = result["bond"] = {"rates_bit": {}, "wire_bit": {}, "trace": {}, "steady_after_s": {},
-                          "server_tcp": {},
-                          "on_members": {},
-                          "flows": {}, "qdiscs": {}, "link_followed_s": {},
-                          "link_member_down": {}}
+                          "server_tcp": {}, "on_members": {}, "flows": {}, "qdiscs": {},
+                          "link_followed_s": {}, "link_member_down": {}}
     make_bond("balance-xor")
     wire = Sampler(BOND_NS, ("p0", "p1"))
     wire.start()
@@ -609,8 +620,7 @@ def bond_phase():
         r["server_tcp"][case] = server_tcp(base)
         r["on_members"][case] = on_members()
 
-    procs = bond_downloads(41000)
-    try:
+    def balance_xor():
         shaped("balance-xor psp", 41000, "psp")
         member_down_and_up(r, wire, "balance-xor psp", "balance-xor", "m1", G10, "m0", 41000)
         wait(lambda: (st := status()) and bond_link(st, "balance-xor", 2 * G10, "m0+m1"), 30,
@@ -618,11 +628,8 @@ def bond_phase():
         bond_rules("htb")
         step("reload to htb", "systemctl reload flowpacer")
         shaped("balance-xor htb", 41000, "htb")
-    except BaseException as e:
-        for p in procs:
-            p.kill()
-        raise RuntimeError(f"bond balance-xor: {e}") from e
-    stop(procs)
+
+    under_downloads(41000, "balance-xor", balance_xor)
     # 2. the bond deleted and made again in another mode
     sh("ip link del bond0")
     st = wait(lambda: (st := status()) and {d: i[0] for d, i in interfaces(st).items()}
@@ -635,18 +642,15 @@ def bond_phase():
     r["interfaces_remade"] = interfaces(st)
     bond_rules("psp")
     step("reload to psp", "systemctl reload flowpacer")
-    procs = bond_downloads(42000)
-    try:
+
+    def active_backup():
         shaped("active-backup psp", 42000, "psp")
         member_down_and_up(r, wire, "active-backup psp", "active-backup", "m0", G10, "m1", 42000)
         bond_rules("htb")
         step("reload to htb again", "systemctl reload flowpacer")
         shaped("active-backup htb", 42000, "htb")
-    except BaseException as e:
-        for p in procs:
-            p.kill()
-        raise RuntimeError(f"bond active-backup: {e}") from e
-    stop(procs)
+
+    under_downloads(42000, "active-backup", active_backup)
     r["kernel_speed_active_backup_mbit"] = int(sysfs("bond0/speed"))
     wire.stop.set()
     log(f"bond: {r}")
