@@ -231,8 +231,9 @@ def _check_bond(b):
             continue
         for port, bps in rates.items():
             assert 0.4 * 2e6 <= bps <= 1.1 * 2e6, (when, port, rates, b["trace"])
-    # TCP recovered (each download steady again) well within the 30 s the job waits
-    assert all(s < 20 for s in b["steady_after_s"].values()), b["steady_after_s"]
+    # TCP recovered (each download steady again; the job gives up after 90 s). A stall of the
+    # guest restarts the count (one read took 16 s once, under TCG on an idle host)
+    assert all(s < 60 for s in b["steady_after_s"].values()), b["steady_after_s"]
     assert not any(b["on_members"].values()), b["on_members"]
 
 
