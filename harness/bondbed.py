@@ -4,8 +4,9 @@ in the server namespace, ``bond0.7`` (a VLAN on it); the members' peers ``p0``/`
 partner instead: a second 802.3ad bond ``lag0`` over ``p0``/``p1`` (``lag0.7`` on it; a bridge
 does not speak LACP), both with ``lacp_rate fast``, and the bed waits until each side has both
 members in one aggregator; ``BondBed("802.3ad", split=True)`` gives each member a partner bond
-of its own (``lag0``, ``lag1``), so that bond0 has two aggregators (no traffic on that bed). Only where the kernel has the bonding, 8021q and bridge modules (the
-test VM; not the development host).
+of its own (``lag0``, ``lag1``), so that bond0 has two aggregators (no traffic on that bed).
+Only where the kernel has the bonding, 8021q and bridge modules (the test VM; not the
+development host).
 
     with BondBed("balance-xor") as bed:          # or active-backup, balance-rr, ...
         bed.server_v4, bed.server_v6             # bond0's addresses (client: br0's)
@@ -32,6 +33,23 @@ def sh(*argv: str, check: bool = True):
     """``harness.testbed.sh`` with its time limit widened in virtual time (a first exec over
     9p runs the guest's clock on)."""
     return _sh(*argv, check=check, timeout=guest_timeout(30))
+
+
+def parse_lacp(text: str) -> tuple:
+    """(the active aggregator id or 0, {member: its aggregator id}) from the text of
+    /proc/net/bonding/<bond> of an 802.3ad bond."""
+    active, ids, cur = 0, {}, None
+    info = text.split("Active Aggregator Info:", 1)
+    if len(info) == 2:
+        m = re.search(r"Aggregator ID: (\d+)", info[1])
+        active = int(m.group(1)) if m else 0
+    for ln in text.splitlines():
+        if ln.startswith("Slave Interface:"):
+            cur = ln.split(":", 1)[1].strip()
+        elif cur and ln.startswith("Aggregator ID:"):
+            ids[cur] = int(ln.split(":", 1)[1])
+            cur = None
+    return active, ids
 
 
 class BondBed(Testbed):
@@ -164,35 +182,21 @@ class BondBed(Testbed):
         return tuple(m for m in ("m0", "m1")
                      if self.sysfs(f"{m}/bonding_slave/mii_status") == "up")
 
+    def _lacp(self, ns=None, bond: str = "bond0") -> tuple:
+        """802.3ad: (the active aggregator id, {member: its aggregator id}) from
+        /proc/net/bonding/<bond> (``parse_lacp``)."""
+        return parse_lacp(self.run(ns or self.server_ns,
+                                   ["cat", f"/proc/net/bonding/{bond}"]).stdout)
+
     def aggregator(self, ns=None, bond: str = "bond0") -> tuple:
-        """802.3ad: (the bond's active aggregator id, the members in it) from
-        /proc/net/bonding/<bond> (the id is 0 and no member while there is none)."""
-        text = self.run(ns or self.server_ns, ["cat", f"/proc/net/bonding/{bond}"]).stdout
-        active, members, cur = 0, [], None
-        info = text.split("Active Aggregator Info:", 1)
-        if len(info) == 2:
-            m = re.search(r"Aggregator ID: (\d+)", info[1])
-            active = int(m.group(1)) if m else 0
-        for ln in text.splitlines():
-            if ln.startswith("Slave Interface:"):
-                cur = ln.split(":", 1)[1].strip()
-            elif cur and ln.startswith("Aggregator ID:"):
-                if active and int(ln.split(":", 1)[1]) == active:
-                    members.append(cur)
-                cur = None
-        return active, tuple(members)
+        """802.3ad: (the bond's active aggregator id, the members in it; the id is 0 and no
+        member while there is none)."""
+        active, ids = self._lacp(ns, bond)
+        return active, tuple(m for m, i in ids.items() if active and i == active)
 
     def aggregators(self, ns=None, bond: str = "bond0") -> int:
-        """802.3ad: how many aggregators the bond's members are in (/proc/net/bonding/<bond>)."""
-        text = self.run(ns or self.server_ns, ["cat", f"/proc/net/bonding/{bond}"]).stdout
-        ids, cur = set(), None
-        for ln in text.splitlines():
-            if ln.startswith("Slave Interface:"):
-                cur = ln
-            elif cur and ln.startswith("Aggregator ID:"):
-                ids.add(int(ln.split(":", 1)[1]))
-                cur = None
-        return len(ids)
+        """802.3ad: how many aggregators the bond's members are in."""
+        return len(set(self._lacp(ns, bond)[1].values()))
 
     def kernel_speed_bit(self) -> int:
         """The bonding driver's own figure (sum of the members that may send, Mbit/s)."""

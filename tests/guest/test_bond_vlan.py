@@ -232,8 +232,8 @@ def test_802_3ad_members_in_two_aggregators_count_the_active_one_only(tmp_path):
     with BondBed("802.3ad", split=True) as bed:
         agg, ports = bed.aggregator()
         assert bed.aggregators() == 2 and len(ports) == 1, (agg, ports)
-        d = Daemon(bed, tmp_path, RULES.replace("[bond0, bond0.7]", "[bond0]"), "--no-tracer", "--no-metrics",
-                   "--rescan", "0.5", backend="htb").start(timeout=gt(90))
+        d = Daemon(bed, tmp_path, RULES.replace("[bond0, bond0.7]", "[bond0]"), "--no-tracer",
+                   "--no-metrics", "--rescan", "0.5", backend="htb").start(timeout=gt(90))
         try:
             def says(member):
                 i = _status_if(d, "bond0")
