@@ -2,7 +2,7 @@
 kernel and systemd as PID 1, not the host's root that ``vm/run.py`` shares.
 
 The root is a trixie minbase made by mmdebstrap (``debroot.base_tar``, cached for a week in
-/var/cache/flowpacer-test) with systemd, nginx, curl, trixie's kernel image and headers, dkms and
+/var/cache/flowpacer-test) with systemd, nginx, curl, iperf3, trixie's kernel image and headers, dkms and
 gcc, and the Python packages flowpacer depends on (so that ``apt-get install ./x.deb`` in the
 guest, which has no network, finds every dependency installed), unpacked once next to its tar.
 The guest boots trixie's kernel (``/boot/vmlinuz-*`` of the root) with a busybox initramfs that
@@ -40,7 +40,7 @@ from vm.run import CPU, QEMU
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "vm" / "server" / "job.py"
 PACKAGES = ("systemd", "systemd-sysv", "udev", "iproute2", "kmod", "procps", "nginx", "curl",
-            "python3", "python3-click", "python3-pyroute2", "python3-yaml",
+            "iperf3", "python3", "python3-click", "python3-pyroute2", "python3-yaml",
             "python3-prometheus-client", "dkms", "gcc", "make", "linux-headers-amd64",
             "linux-image-amd64")
 MODULES = ("virtio_pci", "9pnet_virtio", "9p", "overlay", "virtio_rng")

@@ -9,7 +9,8 @@ rate in tc's byte unit, which the daemon warns about: the warning read back from
 its syslog priority), a long download across systemctl restart and across an upgrade of the
 package (a .deb with a bumped version), across a kill -9 and a hung main loop (systemd's
 watchdog) that systemd restarts, each time with the live flows' classes adopted and none leaked;
-systemctl stop leaves nothing. The receiver's bytes are
+then the rules moved by a reload to a bond with a VLAN on it (issue 29 on this kernel:
+``bond_phase``); systemctl stop leaves nothing on any of the devices. The receiver's bytes are
 read from its interface counter every 20 ms; every phase's peak over 100 ms windows goes into
 result.json.
 
@@ -43,6 +44,25 @@ RATE_MBIT = 4
 WINDOW_S = 0.5          # the restart/upgrade checks' window: a stall's catch-up averages out in
                         # it, a gap (seconds unshaped while a daemon is down) does not
 CONTROL = "/run/flowpacer/control.sock"
+# the bond phase (issue 29 on Debian 13's kernel): bond0 (balance-xor, layer3+4) over veth
+# members m0/m1 and bond0.7 on it; the members' peers in a bridge br0 (br0.7 on it) in BOND_NS
+BOND_NS = "fpbond"
+BOND_DEVS = ("bond0", "bond0.7")
+MEMBERS = ("m0", "m1")
+BOND_ADDRS = {"bond0": ("10.98.0.1", "fd98::1", "br0", "10.98.0.2", "fd98::2"),
+              "bond0.7": ("10.97.0.1", "fd97::1", "br0.7", "10.97.0.2", "fd97::2")}
+# six downloads at once, each from a client port of its own: (port, server address, device,
+# family, program); iperf3's from an ``iperf3 -s`` of their own each (IPERF_PORTS)
+BOND_FLOWS = ((41001, "10.98.0.1", "bond0", 4, "curl"), (41002, "fd98::1", "bond0", 6, "curl"),
+              (41003, "10.97.0.1", "bond0.7", 4, "curl"), (41004, "fd97::1", "bond0.7", 6, "curl"),
+              (41005, "10.98.0.1", "bond0", 4, "iperf3"),
+              (41006, "fd97::1", "bond0.7", 6, "iperf3"))
+BOND_PORTS = {f[0] for f in BOND_FLOWS}
+IPERF_PORTS = {41005: 5201, 41006: 5202}
+BOND_DPORTS = (80, *IPERF_PORTS.values())
+BOND_RATE_MBIT = 2      # each download's rule: 12 Mbit/s in all
+MEASURE_S = 3.0         # the bond phase's measured span, once every download is steady
+G10 = 10_000_000_000
 BASE_CLASSES = set()   # the qdisc's own classes (link, default): read before any flow
 result = {"steps": [], "phases": {}}
 T0 = time.monotonic()
@@ -108,23 +128,33 @@ def status():
 
 
 class Sampler(threading.Thread):
-    """The client interface's received bytes, read in the client namespace every 20 ms."""
+    """The bytes received by the client's interfaces ``devs`` (summed), read in the client
+    namespace ``ns`` every 20 ms."""
 
-    def __init__(self):
+    def __init__(self, ns=NS, devs=(CLI,)):
         super().__init__(daemon=True)
         self.samples = []
         self.stop = threading.Event()
+        self.ns, self.devs = ns, devs
 
     def run(self):
-        fd = os.open(f"/run/netns/{NS}", os.O_RDONLY)
+        fd = os.open(f"/run/netns/{self.ns}", os.O_RDONLY)
         os.setns(fd, os.CLONE_NEWNET)       # this thread only
         while not self.stop.is_set():
+            total = 0
             with open("/proc/thread-self/net/dev") as f:
                 for line in f:
                     name, _, rest = line.partition(":")
-                    if name.strip() == CLI:
-                        self.samples.append((time.monotonic(), int(rest.split()[0])))
+                    if name.strip() in self.devs:
+                        total += int(rest.split()[0])
+            self.samples.append((time.monotonic(), total))
             self.stop.wait(0.02)
+
+    def mean(self, t_from, t_to):
+        """bit/s between the samples nearest ``t_from`` and ``t_to``."""
+        a = min(self.samples, key=lambda x: abs(x[0] - t_from))
+        b = min(self.samples, key=lambda x: abs(x[0] - t_to))
+        return round((b[1] - a[1]) * 8 / (b[0] - a[0])) if b[0] > a[0] else 0
 
     def peak(self, t_from, t_to, window=0.1):
         s = [x for x in self.samples if t_from <= x[0] <= t_to]
@@ -174,15 +204,17 @@ def downloads(seconds):
     return procs
 
 
-def received():
-    """{remote port: bytes received} of the client's connections to nginx (ss -ti: the
-    receiver's own per-flow count)."""
+def received(ns=NS, dports=(80,)):
+    """{client port: bytes received} of the client's connections to the server's ``dports`` in
+    namespace ``ns`` (ss -ti: the receiver's own per-flow count)."""
     out, port = {}, None
-    for line in sh(f"ip netns exec {NS} ss -tinH state established '( dport = :80 )'").stdout.splitlines():
+    sel = " or ".join(f"dport = :{p}" for p in dports)
+    ends = tuple(f":{p}" for p in dports)
+    for line in sh(f"ip netns exec {ns} ss -tinH state established '( {sel} )'").stdout.splitlines():
         toks = line.split()
         if line and not line[0].isspace():
             # Recv-Q Send-Q LOCAL PEER (one state asked: no State column): the client's port
-            peer = next((i for i, t in enumerate(toks) if i > 0 and t.endswith(":80")), None)
+            peer = next((i for i, t in enumerate(toks) if i > 0 and t.endswith(ends)), None)
             port = toks[peer - 1].rsplit(":", 1)[1] if peer else None
         for tok in line.split():
             if tok.startswith("bytes_received:") and port:
@@ -361,6 +393,305 @@ def journal_priorities(reload_rate):
             "entries_all": len(full)}
 
 
+def bond_rules(backend):
+    """The rules of the bond phase: both devices, no link_rate (each takes the bond's figure
+    from its members), nginx's and iperf3's downloads at BOND_RATE_MBIT each."""
+    with open("/etc/flowpacer/rules.yaml", "w") as f:
+        f.write(f"""interfaces: [{', '.join(BOND_DEVS)}]
+backend: {backend}
+rules:
+  - name: web
+    match: {{process: nginx, direction: inbound, local_port: 80}}
+    rate: {BOND_RATE_MBIT}mbit
+  - name: iperf
+    match: {{process: iperf3, direction: inbound}}
+    rate: {BOND_RATE_MBIT}mbit
+""")
+    os.chmod("/etc/flowpacer/rules.yaml", 0o644)
+
+
+def make_bond(mode):
+    """bond0 in ``mode`` over the members, bond0.7 on it, the addresses; the first time also the
+    members and the client side (a bridge, with its VLAN). Returns once both members are up in
+    the bond."""
+    n = BOND_NS
+    cmds = ["modprobe bonding max_bonds=0", "modprobe 8021q", "modprobe bridge"]
+    first = not os.path.exists(f"/run/netns/{n}")
+    if first:
+        # the client's own ports (iperf3's control connections) stay out of BOND_FLOWS' range
+        cmds += [f"ip netns add {n}", f"ip -n {n} link set lo up",
+                 f"ip netns exec {n} sysctl -qw net.ipv4.ip_local_port_range='50000 60999'",
+                 f"ip -n {n} link add br0 type bridge stp_state 0"]
+    hash_ = " xmit_hash_policy layer3+4" if mode == "balance-xor" else ""
+    cmds.append(f"ip link add bond0 type bond mode {mode}{hash_} miimon 50")
+    for i, m in enumerate(MEMBERS):
+        if first:
+            cmds += [f"ip link add {m} type veth peer name p{i} netns {n}",
+                     f"ip -n {n} link set p{i} master br0", f"ip -n {n} link set p{i} up"]
+        # the bonding driver enslaves only a device that is down
+        cmds += [f"ip link set {m} down", f"ip link set {m} master bond0"]
+    cmds.append("ip link add link bond0 name bond0.7 type vlan id 7")
+    if first:
+        cmds.append(f"ip -n {n} link add link br0 name br0.7 type vlan id 7")
+    for dev, (v4, v6, cdev, c4, c6) in BOND_ADDRS.items():
+        cmds += [f"ip addr add {v4}/24 dev {dev}", f"ip addr add {v6}/64 dev {dev} nodad",
+                 f"ip link set {dev} up"]
+        if first:
+            cmds += [f"ip -n {n} addr add {c4}/24 dev {cdev}",
+                     f"ip -n {n} addr add {c6}/64 dev {cdev} nodad",
+                     f"ip -n {n} link set {cdev} up"]
+    cmds += [f"ip link set {m} up" for m in MEMBERS]
+    step(f"bond {mode}", "set -e\n" + "\n".join(cmds))
+    wait(lambda: members_up() == MEMBERS, 30, "both members up in bond0")
+
+
+def sysfs(path):
+    with open(f"/sys/class/net/{path}") as f:
+        return f.read().strip()
+
+
+def members_up():
+    return tuple(m for m in MEMBERS if sysfs(f"{m}/bonding_slave/mii_status") == "up")
+
+
+def interfaces(st):
+    """{name: (state, link_rate_bit, link_rate_source)} of status's interfaces."""
+    return {i["name"]: (i["state"], i.get("link_rate_bit"), i.get("link_rate_source"))
+            for i in st.get("interfaces", [])}
+
+
+def bond_link(st, mode, want_bit, members):
+    """Status gives bond0 and bond0.7 ``want_bit`` (state ok), bond0's from ``members`` (as
+    ``m0+m1``) in ``mode``."""
+    i = interfaces(st)
+    return all(i.get(dev, (None,))[0] == "ok" and i[dev][1] == want_bit for dev in BOND_DEVS) \
+        and str(i["bond0"][2]).endswith(f"bond0 {mode}: {members}")
+
+
+def bond_flows(st, base):
+    """{BOND_FLOWS port: (interface, family, rule, rate_bit)} of the flows status shows of the
+    downloads started from ``base`` (iperf3's control connections left out)."""
+    out = {}
+    for f in st.get("flows", []):
+        port = int(f["remote"].rsplit(":", 1)[1]) - base + 41000
+        if port in BOND_PORTS:
+            out[port] = (f.get("interface"), f.get("family"), f.get("rule"), f.get("rate_bit"))
+    return out
+
+
+def server_tcp(base):
+    """{BOND_FLOWS port: {rtt_ms, cwnd, unacked, retrans}} of the server's side of the downloads
+    (``ss -ti``): the round trip includes the time a packet waits in its pacing class."""
+    out, port = {}, None
+    sel = " or ".join(f"sport = :{p}" for p in BOND_DPORTS)
+    for line in sh(f"ss -tinH state established '( {sel} )'").stdout.splitlines():
+        toks = line.split()
+        if line and not line[0].isspace() and len(toks) >= 4:
+            port = str(int(toks[3].rsplit(":", 1)[1]) - base + 41000)
+            continue
+        info = {}
+        for tok in toks:
+            key, _, val = tok.partition(":")
+            if key == "rtt":
+                info["rtt_ms"] = float(val.split("/")[0])
+            elif key in ("cwnd", "unacked"):
+                info[key] = int(val)
+            elif key == "retrans":          # now/in all
+                info["retrans"] = int(val.split("/")[-1])
+        if port and int(port) in BOND_PORTS and info:
+            out[port] = info
+    return out
+
+
+def on_members():
+    return [x for m in MEMBERS for x in ours_on(m)]
+
+
+def bond_downloads(base):
+    """The downloads of BOND_FLOWS from client ports ``base`` + their offsets: curl from nginx,
+    ``iperf3 -R`` (the server sends) from an ``iperf3 -s`` of its own each. Returns the
+    processes, the servers last."""
+    clients, servers = [], []
+    for port, host, _dev, _fam, prog in BOND_FLOWS:
+        cport = str(port - 41000 + base)
+        if prog == "curl":
+            h = f"[{host}]" if ":" in host else host
+            argv = ["curl", "-s", "-o", "/dev/null", "--local-port", cport, "--max-time", "900",
+                    f"http://{h}/big"]
+        else:
+            sport = str(IPERF_PORTS[port])
+            servers.append(subprocess.Popen(["iperf3", "-s", "-p", sport],
+                                            stdout=subprocess.DEVNULL))
+            wait(lambda: f":{sport} " in sh(f"ss -tlnH '( sport = :{sport} )'").stdout, 30,
+                 f"iperf3 -s listening on {sport}")
+            argv = ["iperf3", "-c", host, "-p", sport, "--cport", cport, "-R", "-t", "900"]
+        clients.append(subprocess.Popen(["ip", "netns", "exec", BOND_NS, *argv],
+                                        stdout=subprocess.DEVNULL))
+    return clients + servers
+
+
+def by_flow(base, d):
+    """``d`` ({client port: x}) by BOND_FLOWS port, for downloads started from ``base``."""
+    return {str(int(p) - base + 41000): v for p, v in d.items()
+            if int(p) - base + 41000 in BOND_PORTS}
+
+
+def under_downloads(base, what, body):
+    """``body()`` while the downloads from ``base`` run; they stop after it (an error: killed,
+    and the error is the one reported)."""
+    procs = bond_downloads(base)
+    try:
+        body()
+    except BaseException as e:
+        for p in procs:
+            p.kill()
+        raise RuntimeError(f"bond {what}: {e}") from e
+    stop(procs)
+
+
+def steady_measure(r, wire, case, t_event, base):
+    """Each download's goodput at the receiver over MEASURE_S once every download is steady
+    after ``t_event`` (a member going down, a backend switched, the downloads started), and the
+    wire's (everything the bond sent, received by its peers) over the same span and over the
+    span before it (``recovering_wire_bit``).
+
+    Each download's received bytes are read every 0.25 s (``trace``). Packets lost on a member
+    that went down, or queued in a qdisc a reload replaced, show there as TCP's recovery: a
+    download that lost packets receives nothing in order until they are sent again (what came
+    after them is held by the receiver), then counts all of it at once: 4-6 s of nothing, then
+    0.25-0.5 s at 12-28 Mbit/s, after an active-backup failover on 6.12, while the wire carried
+    exactly the rules' sum. So the downloads are measured from the end of the last second in
+    which one of them received more than 1.5 times or less than half its rule (or a read took
+    over a second: a stall of the guest, one took 16 s under TCG), at the earliest 1 s after
+    ``t_event``."""
+    rule = BOND_RATE_MBIT * 1e6
+    trace, unsteady, after = [], 0.0, []
+    while True:
+        t = time.monotonic()
+        trace.append((round(t - t_event, 3), by_flow(base, received(BOND_NS, BOND_DPORTS))))
+        if len(trace) > 1:
+            (t0, a), (t1, b) = trace[-2], trace[-1]
+            # each download over the last second: a 0.25 s step alone swings (htb's class
+            # sends in bursts: a step of nothing and one of twice the rule, now and then)
+            s0 = next(x for x in reversed(trace) if x[0] <= t1 - 1.0) \
+                if trace[0][0] <= t1 - 1.0 else None
+            sec = [(b[p] - s0[1][p]) * 8 / (t1 - s0[0]) for p in s0[1] if p in b] \
+                if s0 else []
+            if t1 - t0 > 1.0 or (s0 and (len(sec) < len(BOND_FLOWS) or any(
+                    x > 1.5 * rule or x < 0.5 * rule for x in sec))):
+                unsteady = t1
+        start = max(unsteady, trace[0][0] + 1.0)
+        after = [x for x in trace if x[0] >= start]
+        if after and after[-1][0] - after[0][0] >= MEASURE_S:
+            break
+        if t - t_event > 90:
+            raise RuntimeError(f"{case}: the downloads not steady for {MEASURE_S} s within "
+                               f"90 s: {trace}")
+        time.sleep(max(0.0, 0.25 - (time.monotonic() - t)))
+    r["trace"][case] = trace
+    r["steady_after_s"][case] = round(unsteady, 2)
+    s0, s1 = after[0], after[-1]
+    r["rates_bit"][case] = {p: round((s1[1][p] - s0[1][p]) * 8 / (s1[0] - s0[0]))
+                            for p in s0[1] if p in s1[1]}
+    r["wire_bit"][case] = wire.mean(t_event + s0[0], t_event + s1[0])
+    r["recovering_wire_bit"][case] = wire.mean(t_event + trace[0][0], t_event + s0[0]) \
+        if s0[0] - trace[0][0] >= 0.5 else None
+
+
+def shaped(r, wire, case, base, backend):
+    """The downloads from ``base`` shaped with ``backend`` (status), then measured once steady."""
+    st = wait(lambda: (st := status()) and st.get("backend") == backend
+              and len(bond_flows(st, base)) == len(BOND_FLOWS) and st, 90,
+              f"the downloads over the bond and its VLAN shaped with {backend}")
+    t = time.monotonic()
+    r["flows"][case] = bond_flows(st, base)
+    r["qdiscs"][case] = {dev: sh(f"tc qdisc show dev {dev}").stdout.strip() for dev in BOND_DEVS}
+    steady_measure(r, wire, case, t, base)
+    r["server_tcp"][case] = server_tcp(base)
+    r["on_members"][case] = on_members()
+    r["classes"][case] = {dev: sh(f"tc -s class show dev {dev}").stdout for dev in BOND_DEVS}
+
+
+def member_down_and_up(r, wire, case, mode, member, want_bit, left, base):
+    """``member`` down under the downloads: the link rate in status follows to ``want_bit``
+    from ``left`` (the members left, or the new active one), as the driver's figure; the
+    downloads measured once steady again; then the member back up."""
+    t_down = time.monotonic()
+    sh(f"ip link set {member} down")
+    st = wait(lambda: (st := status()) and bond_link(st, mode, want_bit, left) and st, 30,
+              f"the link rate of bond0 with {member} down")
+    r["link_followed_s"][case] = round(time.monotonic() - t_down, 2)
+    r["link_member_down"][case] = {"status": interfaces(st),
+                                   "kernel_mbit": int(sysfs("bond0/speed"))}
+    steady_measure(r, wire, f"{case}, {member} down", t_down, base)
+    r["on_members"][f"{case}, {member} down"] = on_members()
+    sh(f"ip link set {member} up")
+    wait(lambda: members_up() == MEMBERS, 30, f"{member} back up in bond0")
+
+
+def bond_phase():
+    """Issue 29 on Debian 13's kernel, with the packaged service (the bed: BOND_* above):
+    1. the rules moved from the veth to ``interfaces: [bond0, bond0.7]`` (systemctl reload) with
+       bond0 in balance-xor: six downloads over the bond and the VLAN (nginx to curl and iperf3,
+       IPv4 and IPv6) shaped with psp on the device each leaves by; m1 goes down (the link rate
+       follows, the same connections at rate) and comes back; a reload switches the backend to
+       htb under them;
+    2. bond0 deleted (bond0.7 with it) and made again in active-backup: both rebuilt; a reload
+       switches back to psp; six new downloads at rate; the active member m0 goes down (a
+       failover: the link rate stays one member's, named m1), the downloads hold; a reload
+       switches to htb under them.
+    Nothing of flowpacer's on the members at any point."""
+    r = result["bond"] = {"rates_bit": {}, "wire_bit": {}, "recovering_wire_bit": {},
+                          "trace": {}, "steady_after_s": {}, "server_tcp": {}, "on_members": {},
+                          "flows": {}, "qdiscs": {}, "classes": {}, "link_followed_s": {},
+                          "link_member_down": {}}
+    make_bond("balance-xor")
+    wire = Sampler(BOND_NS, ("p0", "p1"))
+    wire.start()
+    r["kernel_speed_mbit"] = int(sysfs("bond0/speed"))
+    bond_rules("psp")
+    step("reload to the bond", "systemctl reload flowpacer")
+    st = wait(lambda: (st := status()) and bond_link(st, "balance-xor", 2 * G10, "m0+m1") and st,
+              60, "bond0 and bond0.7 shaped with both members' link rate")
+    r["interfaces"] = interfaces(st)
+    r["veth_after_reload"] = ours_on(SRV)
+
+    def balance_xor():
+        shaped(r, wire, "balance-xor psp", 41000, "psp")
+        member_down_and_up(r, wire, "balance-xor psp", "balance-xor", "m1", G10, "m0", 41000)
+        wait(lambda: (st := status()) and bond_link(st, "balance-xor", 2 * G10, "m0+m1"), 30,
+             "the link rate of bond0 with m1 back")
+        bond_rules("htb")
+        step("reload to htb", "systemctl reload flowpacer")
+        shaped(r, wire, "balance-xor htb", 41000, "htb")
+
+    under_downloads(41000, "balance-xor", balance_xor)
+    # 2. the bond deleted and made again in another mode
+    sh("ip link del bond0")
+    st = wait(lambda: (st := status()) and {d: i[0] for d, i in interfaces(st).items()}
+              == {"bond0": "gone", "bond0.7": "gone"} and st, 30, "bond0 and bond0.7 gone")
+    r["interfaces_deleted"] = interfaces(st)
+    r["on_members"]["bond deleted"] = on_members()
+    make_bond("active-backup")
+    st = wait(lambda: (st := status()) and bond_link(st, "active-backup", G10, "m0") and st, 60,
+              "bond0 and bond0.7 rebuilt in active-backup")
+    r["interfaces_remade"] = interfaces(st)
+    bond_rules("psp")
+    step("reload to psp", "systemctl reload flowpacer")
+
+    def active_backup():
+        shaped(r, wire, "active-backup psp", 42000, "psp")
+        member_down_and_up(r, wire, "active-backup psp", "active-backup", "m0", G10, "m1", 42000)
+        bond_rules("htb")
+        step("reload to htb again", "systemctl reload flowpacer")
+        shaped(r, wire, "active-backup htb", 42000, "htb")
+
+    under_downloads(42000, "active-backup", active_backup)
+    r["kernel_speed_active_backup_mbit"] = int(sysfs("bond0/speed"))
+    wire.stop.set()
+    log(f"bond: {r}")
+
+
 def module_facts():
     """The sch_psp that modprobe finds: ``modinfo``'s filename, vermagic, srcversion and signer,
     and the file's sha256."""
@@ -386,10 +717,20 @@ def loaded_srcversion():
         return None
 
 
+def ours_on(dev):
+    """flowpacer's qdisc, classes and filters on ``dev`` (tc's lines naming f1f0)."""
+    return [f"{dev}: {ln.strip()}" for what in ("qdisc", "class", "filter")
+            for ln in sh(f"tc {what} show dev {dev}", check=False).stdout.splitlines()
+            if "f1f0" in ln]
+
+
 def leftovers():
+    """flowpacer's objects on every device it ever shaped (the veth, the bond and its VLAN) and
+    on the bond's members, and any ifb of its own."""
     q = sh(f"tc qdisc show dev {SRV}").stdout
     links = sh("ip -o link show").stdout
-    return {"qdisc": q.strip(), "f1f0": "f1f0:" in q, "ifb": "fpi-" in links}
+    ours = [x for dev in (SRV, *BOND_DEVS, *MEMBERS) for x in ours_on(dev)]
+    return {"qdisc": q.strip(), "f1f0": bool(ours), "ours": ours, "ifb": "fpi-" in links}
 
 
 def warm_up_connection_hashes():
@@ -499,6 +840,8 @@ ip -n {NS} link set {CLI} up; ip -n {NS} link set lo up""")
            sampler, RATE_MBIT)
     result["version_after_upgrade"] = sh("dpkg-query -W -f '${Version}' flowpacer").stdout
     result["active_after_upgrade"] = sh("systemctl is-active flowpacer", check=False).stdout.strip()
+    # a bond with a VLAN on it, the rules moved there, psp then htb (issue 29)
+    bond_phase()
     result["before_stop"] = leftovers()
     step("stop", "systemctl stop flowpacer", timeout=300)
     result["after_stop"] = leftovers()
