@@ -76,6 +76,23 @@ def _parse(frame: bytes, off: int = 2):
     return other, ip_len - doff, seq
 
 
+def _cover(ranges: List[List[int]], a: int, b: int) -> int:
+    """Adds [a, b) to ``ranges`` (sorted, disjoint [start, end) pairs, merged in place); the
+    bytes of it that no range held before."""
+    new, lo, hi = b - a, a, b
+    keep = []
+    for r in ranges:
+        if r[1] < a or r[0] > b:        # apart (touching ranges merge)
+            keep.append(r)
+            continue
+        new -= max(0, min(b, r[1]) - max(a, r[0]))
+        lo, hi = min(lo, r[0]), max(hi, r[1])
+    keep.append([lo, hi])
+    keep.sort()
+    ranges[:] = keep
+    return new
+
+
 class HeadCapture:
     """Packets from the server's ``port`` (``side="src"``: flows the server accepted) or to the
     client's ``port`` (``side="dst"``: flows the server opened), keyed by the other port."""
@@ -103,9 +120,11 @@ class HeadCapture:
             raise
         self.sock = s
         # other port -> [(t_ns, new payload bytes)]: a retransmission counts only the bytes no
-        # earlier segment carried, so "seen" is the flow's payload and never more
+        # earlier segment carried, so "seen" is the flow's payload and never more; a segment
+        # that fills a hole (a loss repaired, a reordering) counts what it brings
         self.packets: Dict[int, List[Tuple[int, int]]] = {}
-        self._seq: Dict[int, Tuple[int, int]] = {}     # other port -> (first seq, highest end)
+        # other port -> (first seq, the byte ranges seen, from it: sorted, disjoint, merged)
+        self._seq: Dict[int, Tuple[int, List[List[int]]]] = {}
 
     def drain(self) -> None:
         while True:
@@ -124,13 +143,13 @@ class HeadCapture:
             if p is None or p[1] <= 0:
                 continue
             other, n, seq = p
-            first, hi = self._seq.get(other, (seq, 0))
+            first, seen = self._seq.setdefault(other, (seq, []))
             start = (seq - first) & 0xFFFFFFFF
-            new = start + n - max(start, hi)
-            if start > 0x7FFFFFFF or new <= 0:  # before the first segment seen, or all seen
+            if start > 0x7FFFFFFF:              # before the first segment seen
                 continue
-            self._seq[other] = (first, start + n)
-            self.packets.setdefault(other, []).append((t_ns, new))
+            new = _cover(seen, start, start + n)
+            if new > 0:
+                self.packets.setdefault(other, []).append((t_ns, new))
 
     def ahead_bytes(self, other_port: int, rate_bps: float) -> Tuple[int, int]:
         """(bytes ahead of the rate line, payload bytes seen) of the flow whose other port is

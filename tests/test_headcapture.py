@@ -1,5 +1,7 @@
 """The receiver-side capture that the first-byte tests measure with: a retransmitted segment is
-the same payload again and must not be counted twice (CI once saw 263 572 of 262 144 bytes)."""
+the same payload again and must not be counted twice (CI once saw 263 572 of 262 144 bytes),
+and a segment that fills a hole counts what it brings (rehearsal ci38 saw 1 047 148 of
+1 048 576: one lost segment's repair was taken for a retransmission)."""
 import socket
 import struct
 
@@ -70,3 +72,21 @@ def test_flows_are_kept_apart():
     cap = _capture(frames)
     assert cap.ahead_bytes(5001, 1e9)[1] == 700
     assert cap.ahead_bytes(5000, 1e9)[1] == 500
+
+
+def test_a_repaired_loss_and_a_reordering_count_the_bytes_they_bring():
+    mss = 1428
+    seg = [(i * 1000, _frame6(80, 5000, 1000 + i * mss, mss)) for i in range(8)]
+    # segment 2 lost and repaired after 5; 6 and 7 swapped; then 2 again, and one spanning 5-6
+    frames = seg[:2] + seg[3:6] + [(9_000, seg[2][1]), seg[7], seg[6], (12_000, seg[2][1]),
+                                   (13_000, _frame6(80, 5000, 1000 + 5 * mss + 700, mss))]
+    cap = _capture(frames)
+    ahead, seen = cap.ahead_bytes(5000, 1e12)
+    assert seen == 8 * mss
+    assert sorted(n for _t, n in cap_packets(frames)) == [mss] * 8
+
+
+def cap_packets(frames):
+    cap = _capture(frames)
+    cap.drain()
+    return cap.packets[5000]
