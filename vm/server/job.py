@@ -561,9 +561,11 @@ def steady_measure(r, wire, case, t_event, base):
     after them is held by the receiver), then counts all of it at once: 4-6 s of nothing, then
     0.25-0.5 s at 12-28 Mbit/s, after an active-backup failover on 6.12, while the wire carried
     exactly the rules' sum. So the downloads are measured from the end of the last second in
-    which one of them received more than 1.5 times or less than half its rule (or a read took
-    over a second: a stall of the guest, one took 16 s under TCG), at the earliest 1 s after
-    ``t_event``."""
+    which one of them received more than 1.5 times or less than a quarter of its rule (or a
+    read took over a second: a stall of the guest, one took 16 s under TCG), at the earliest
+    1 s after ``t_event``. A quarter, not closer: a hole gives a second of nearly nothing, while
+    a guest too slow for the rules on a loaded host runs every download below them all along,
+    which is the test's bounds' to judge, not a reason to wait here until the 90 s are up."""
     rule = BOND_RATE_MBIT * 1e6
     trace, unsteady, after = [], 0.0, []
     while True:
@@ -578,7 +580,7 @@ def steady_measure(r, wire, case, t_event, base):
             sec = [(b[p] - s0[1][p]) * 8 / (t1 - s0[0]) for p in s0[1] if p in b] \
                 if s0 else []
             if t1 - t0 > 1.0 or (s0 and (len(sec) < len(BOND_FLOWS) or any(
-                    x > 1.5 * rule or x < 0.5 * rule for x in sec))):
+                    x > 1.5 * rule or x < 0.25 * rule for x in sec))):
                 unsteady = t1
         start = max(unsteady, trace[0][0] + 1.0)
         after = [x for x in trace if x[0] >= start]
