@@ -126,6 +126,12 @@ class HeadCapture:
         # other port -> (first seq, the byte ranges seen, from it: sorted, disjoint, merged)
         self._seq: Dict[int, Tuple[int, List[List[int]]]] = {}
 
+    def drops(self) -> int:
+        """Frames the kernel dropped from this capture since the last call (PACKET_STATISTICS'
+        tp_drops, reset by reading): a head measured with drops is not the flow's."""
+        from harness.pacing import PACKET_STATISTICS, SOL_PACKET
+        return struct.unpack("II", self.sock.getsockopt(SOL_PACKET, PACKET_STATISTICS, 8))[1]
+
     def drain(self) -> None:
         while True:
             try:

@@ -779,6 +779,8 @@ def _burst_head(tb, c2, host) -> tuple:
                     break
                 got += len(b)
         ahead, seen = cap.ahead_bytes(BURST_CLIENT_PORT, C1 * 1e6 / 8 * traffic.wire(True))
+        # a capture that dropped frames measured something else than the flow
+        assert cap.drops() == 0, "the capture dropped frames"
     return ahead, seen, got
 
 
