@@ -204,22 +204,35 @@ def downloads(seconds):
     return procs
 
 
+def ss_tcp(ns, sel):
+    """{(local address, peer address): {key: value}} of the established TCP connections that
+    ``sel`` (an ss filter) selects in namespace ``ns`` (None: the job's own), with ``ss -ti``'s
+    ``key:value`` fields (bytes_received, rtt, cwnd, unacked, retrans, ...)."""
+    out, cur = {}, None
+    ns_exec = f"ip netns exec {ns} " if ns else ""
+    for line in sh(f"{ns_exec}ss -tinH state established '( {sel} )'").stdout.splitlines():
+        toks = line.split()
+        if line and not line[0].isspace() and len(toks) >= 4:
+            # Recv-Q Send-Q LOCAL PEER (one state asked: no State column); -i's fields follow
+            cur = out.setdefault((toks[2], toks[3]), {})
+            toks = toks[4:]
+        for tok in toks if cur is not None else ():
+            key, colon, val = tok.partition(":")
+            if colon:
+                cur[key] = val
+    return out
+
+
+def port_of(address):
+    return int(address.rsplit(":", 1)[1])
+
+
 def received(ns=NS, dports=(80,)):
     """{client port: bytes received} of the client's connections to the server's ``dports`` in
     namespace ``ns`` (ss -ti: the receiver's own per-flow count)."""
-    out, port = {}, None
     sel = " or ".join(f"dport = :{p}" for p in dports)
-    ends = tuple(f":{p}" for p in dports)
-    for line in sh(f"ip netns exec {ns} ss -tinH state established '( {sel} )'").stdout.splitlines():
-        toks = line.split()
-        if line and not line[0].isspace():
-            # Recv-Q Send-Q LOCAL PEER (one state asked: no State column): the client's port
-            peer = next((i for i, t in enumerate(toks) if i > 0 and t.endswith(ends)), None)
-            port = toks[peer - 1].rsplit(":", 1)[1] if peer else None
-        for tok in line.split():
-            if tok.startswith("bytes_received:") and port:
-                out[port] = int(tok.split(":")[1])
-    return out
+    return {str(port_of(local)): int(i["bytes_received"])
+            for (local, _peer), i in ss_tcp(ns, sel).items() if "bytes_received" in i}
 
 
 def per_flow_rates(seconds=4.0):
@@ -473,7 +486,7 @@ def bond_flows(st, base):
     downloads started from ``base`` (iperf3's control connections left out)."""
     out = {}
     for f in st.get("flows", []):
-        port = int(f["remote"].rsplit(":", 1)[1]) - base + 41000
+        port = port_of(f["remote"]) - base + 41000
         if port in BOND_PORTS:
             out[port] = (f.get("interface"), f.get("family"), f.get("rule"), f.get("rate_bit"))
     return out
@@ -482,24 +495,17 @@ def bond_flows(st, base):
 def server_tcp(base):
     """{BOND_FLOWS port: {rtt_ms, cwnd, unacked, retrans}} of the server's side of the downloads
     (``ss -ti``): the round trip includes the time a packet waits in its pacing class."""
-    out, port = {}, None
+    out = {}
     sel = " or ".join(f"sport = :{p}" for p in BOND_DPORTS)
-    for line in sh(f"ss -tinH state established '( {sel} )'").stdout.splitlines():
-        toks = line.split()
-        if line and not line[0].isspace() and len(toks) >= 4:
-            port = str(int(toks[3].rsplit(":", 1)[1]) - base + 41000)
-            continue
-        info = {}
-        for tok in toks:
-            key, _, val = tok.partition(":")
-            if key == "rtt":
-                info["rtt_ms"] = float(val.split("/")[0])
-            elif key in ("cwnd", "unacked"):
-                info[key] = int(val)
-            elif key == "retrans":          # now/in all
-                info["retrans"] = int(val.split("/")[-1])
-        if port and int(port) in BOND_PORTS and info:
-            out[port] = info
+    for (_local, peer), i in ss_tcp(None, sel).items():
+        port = port_of(peer) - base + 41000
+        info = {k: int(i[k]) for k in ("cwnd", "unacked") if k in i}
+        if "rtt" in i:
+            info["rtt_ms"] = float(i["rtt"].split("/")[0])
+        if "retrans" in i:                  # now/in all
+            info["retrans"] = int(i["retrans"].split("/")[-1])
+        if port in BOND_PORTS and info:
+            out[str(port)] = info
     return out
 
 
