@@ -172,7 +172,8 @@ def _check_bond(b):
     ``-R``, IPv4 and IPv6 over each device) shaped with psp on the device each leaves by, a
     member down and up under them, then htb after a reload switched the backend under them;
     the bond deleted (its VLAN with it) and made again in active-backup, both rebuilt, psp
-    again, a failover under six new downloads, then htb under them."""
+    again, a failover under six new downloads, then htb under them; after all, six new
+    downloads shaped and every stage of the daemon alive."""
     g20, g10 = 20_000_000_000, 10_000_000_000
     rule, n = 2e6, 6
     print("server VM bond: " + "; ".join(
@@ -195,7 +196,7 @@ def _check_bond(b):
             "41003": ["bond0.7", 4, "web"], "41004": ["bond0.7", 6, "web"],
             "41005": ["bond0", 4, "iperf"], "41006": ["bond0.7", 6, "iperf"]}
     cases = {"balance-xor psp": "psp", "balance-xor htb": "htb", "active-backup psp": "psp",
-             "active-backup htb": "htb"}
+             "active-backup htb": "htb", "after all, new downloads": "htb"}
     assert set(b["flows"]) == set(cases) == set(b["qdiscs"]), b["flows"]
     for case, backend in cases.items():
         flows = b["flows"][case]
@@ -236,6 +237,9 @@ def _check_bond(b):
     # guest restarts the count (one read took 16 s once, under TCG on an idle host)
     assert all(s < 60 for s in b["steady_after_s"].values()), b["steady_after_s"]
     assert not any(b["on_members"].values()), b["on_members"]
+    # after all of it every stage of the daemon runs (or is not configured to), none restarted
+    assert b["stages"] and all(st in ("running", "disabled") and not fails
+                               for st, fails, _detail in b["stages"].values()), b["stages"]
 
 
 def _module_in(tarball, work):

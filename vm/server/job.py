@@ -647,7 +647,9 @@ def bond_phase():
     2. bond0 deleted (bond0.7 with it) and made again in active-backup: both rebuilt; a reload
        switches back to psp; six new downloads at rate; the active member m0 goes down (a
        failover: the link rate stays one member's, named m1), the downloads hold; a reload
-       switches to htb under them.
+       switches to htb under them;
+    3. after all of it, six new downloads shaped at their rules, and every stage of the daemon
+       (status' stages) as it should be.
     Nothing of flowpacer's on the members at any point."""
     r = result["bond"] = {"rates_bit": {}, "wire_bit": {}, "recovering_wire_bit": {},
                           "trace": {}, "steady_after_s": {}, "server_tcp": {}, "on_members": {},
@@ -696,6 +698,11 @@ def bond_phase():
 
     under_downloads(42000, "active-backup", active_backup)
     r["kernel_speed_active_backup_mbit"] = int(sysfs("bond0/speed"))
+    # after all of it: six new downloads shaped at their rules, every stage of the daemon alive
+    under_downloads(43000, "new downloads after all",
+                    lambda: shaped(r, wire, "after all, new downloads", 43000, "htb"))
+    r["stages"] = {s["name"]: [s["state"], s["failures"], s.get("detail", "")]
+                   for s in (status() or {}).get("stages", [])}
     wire.stop.set()
     log(f"bond: {r}")
 
